@@ -1,0 +1,184 @@
+"""Every difference between vLLM releases 0.20-0.33 that the plugin depends on.
+
+Each branch names the releases it covers. The version gates are pure; the
+accessors at the bottom take live vLLM objects and are the only place that
+knows where a release keeps them. Source: the released wheels (see
+``shared/reference/vllm-turboquant-internals.md``), pinned down by the
+``real_vllm`` contract tests.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+Version = tuple[int, int]
+
+OLDEST: Version = (0, 20)
+NEWEST: Version = (0, 33)
+
+DECODE_MODULE = "vllm.v1.attention.ops.triton_turboquant_decode"
+STAGE2_MODULE = "vllm.v1.attention.ops.triton_decode_attention"
+STORE_MODULE = "vllm.v1.attention.ops.triton_turboquant_store"
+BACKEND_MODULE = "vllm.v1.attention.backends.turboquant_attn"
+WARMUP_MODULE = "vllm.model_executor.warmup.kernel_warmup"
+WORKER_MODULE = "vllm.v1.worker.gpu_worker"
+ELASTIC_MODULE = "vllm.distributed.elastic_ep.elastic_execute"
+WORKSPACE_MODULE = "vllm.v1.worker.workspace"
+
+# The module that defines each Triton kernel we warm (identical in 0.20-0.33).
+KERNEL_MODULES: dict[str, str] = {
+    "_tq_decode_stage1": DECODE_MODULE,
+    "_tq_full_dequant_kv": DECODE_MODULE,
+    "_fwd_kernel_stage2": STAGE2_MODULE,
+    "_tq_fused_store_mse": STORE_MODULE,
+    "_tq_fused_store_fp8": STORE_MODULE,
+}
+
+# `_CONTINUATION_DECODE_THRESHOLD` in the backend, 128 in 0.20-0.33: continuation
+# chunks up to this many tokens reuse the decode kernels, longer ones dequantize.
+CONTINUATION_DECODE_THRESHOLD = 128
+# The launcher default for `max_num_kv_splits`; the continuation fast path never
+# passes its own value, so it always runs with this many splits (0.20-0.33).
+LAUNCHER_DEFAULT_KV_SPLITS = 32
+
+
+def parse_version(text: str | None) -> Version | None:
+    """``"0.26.0"``, ``"0.26.1rc1.dev3+g12ab"`` -> ``(0, 26)``; anything else -> None."""
+    match = re.match(r"^\s*(\d+)\.(\d+)", text or "")
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def support_problem(version: Version | None) -> str | None:
+    """None when the release is supported, else a one-line reason."""
+    if version is None:
+        return "cannot determine the installed vLLM version"
+    if not OLDEST <= version <= NEWEST:
+        lo, hi = (".".join(map(str, v)) for v in (OLDEST, NEWEST))
+        return f"vLLM {version[0]}.{version[1]} is outside the supported releases {lo}-{hi}"
+    return None
+
+
+@dataclass(frozen=True)
+class Features:
+    """What a release does, as far as TurboQuant warmup is concerned."""
+
+    version: Version
+    kv_view_transposed: bool
+    """0.26+: ``forward()`` hands the kernels ``kv_cache.transpose(1, 2)``."""
+    stage2_output_fp16: bool
+    """0.21+: stage 2 has ``OUTPUT_FP16`` and writes the query dtype; 0.20 writes fp32."""
+    continuation_seq_lens_sliced: bool
+    """0.21+: the continuation fast path slices a cached arange, so its ``seq_lens``
+    pointer is 16-byte aligned for some chunks and not for others; 0.20 allocates."""
+    uses_workspace: bool
+    """0.21+: decode and long continuation take scratch from the WorkspaceManager."""
+    builder_reserves_workspace: bool
+    """0.24+: ``TurboQuantMetadataBuilder._reserve_workspace`` exists."""
+    kernel_warmup_has_kwargs: bool
+    """0.27+: ``kernel_warmup(worker, *, process_local_only=False)``."""
+    elastic_call_site: bool
+    """0.27+: elastic EP imports ``kernel_warmup`` by name too."""
+
+
+def features(version: Version) -> Features:
+    """The feature set of a supported release."""
+    return Features(
+        version=version,
+        kv_view_transposed=version >= (0, 26),
+        stage2_output_fp16=version >= (0, 21),
+        continuation_seq_lens_sliced=version >= (0, 21),
+        uses_workspace=version >= (0, 21),
+        builder_reserves_workspace=version >= (0, 24),
+        kernel_warmup_has_kwargs=version >= (0, 27),
+        elastic_call_site=version >= (0, 27),
+    )
+
+
+def call_sites(feats: Features) -> tuple[str, ...]:
+    """Modules whose global ``kernel_warmup`` vLLM calls.
+
+    ``gpu_worker`` binds the name at import time (0.20-0.33), so patching only the
+    defining module would miss it when the worker module is already imported.
+    """
+    sites = [WARMUP_MODULE, WORKER_MODULE]
+    if feats.elastic_call_site:
+        sites.append(ELASTIC_MODULE)
+    return tuple(sites)
+
+
+def fp8_e4b15(capability: tuple[int, int] | None) -> int:
+    """``FP8_E4B15`` constexpr: 1 on CUDA devices below SM 8.9, else 0 (0.20-0.33)."""
+    return 1 if capability is not None and capability < (8, 9) else 0
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM distribution's version, without importing vLLM."""
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+# --------------------------------------------------------------------------
+# Accessors on live vLLM objects (the edge). Each names the releases it serves.
+# --------------------------------------------------------------------------
+
+
+def turboquant_impl_class() -> type:
+    """``TurboQuantAttentionImpl``; same module and name in 0.20-0.33."""
+    from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionImpl
+
+    cls: type = TurboQuantAttentionImpl
+    return cls
+
+
+def kernel_function(name: str) -> Any:
+    """The ``JITFunction`` object of a TurboQuant kernel."""
+    import importlib
+
+    return getattr(importlib.import_module(KERNEL_MODULES[name]), name)
+
+
+def kv_view(kv_cache: Any, feats: Features) -> Any:
+    """The KV tensor exactly as the kernels receive it (strides and pointer)."""
+    return kv_cache.transpose(1, 2) if feats.kv_view_transposed else kv_cache
+
+
+def block_table(runner: Any, group: Any, group_id: int, use_v2: bool) -> Any:
+    """The block table tensor whose rows the attention kernels read.
+
+    0.32-0.33 (V1): when the kernel block size differs from the manager's, rows come
+    from the attention group's ``kernel_block_table`` ([ubatch, reqs, width]).
+    V2 (0.20-0.33): ``runner.block_tables.input_block_tables[gid]``.
+    V1 (0.20-0.33): ``runner.input_batch.block_table[gid].block_table.gpu``.
+    """
+    kernel_table = getattr(group, "kernel_block_table", None)  # only set in 0.32+
+    if kernel_table is not None:
+        return kernel_table[0]
+    if use_v2:
+        return runner.block_tables.input_block_tables[group_id]
+    return runner.input_batch.block_table[group_id].block_table.gpu
+
+
+def worker_uses_v2(worker: Any) -> bool:
+    """``Worker.use_v2_model_runner`` exists in 0.20-0.33."""
+    return bool(worker.use_v2_model_runner)
+
+
+def workspace_manager(feats: Features) -> Any | None:
+    """The current WorkspaceManager while it can still grow, else None.
+
+    0.20 TurboQuant does not use the workspace. 0.21-0.33: the module functions
+    ``is_workspace_manager_initialized`` / ``current_workspace_manager`` exist.
+    """
+    if not feats.uses_workspace:
+        return None
+    from vllm.v1.worker import workspace
+
+    if not workspace.is_workspace_manager_initialized():
+        return None
+    manager = workspace.current_workspace_manager()
+    return None if manager.is_locked() else manager

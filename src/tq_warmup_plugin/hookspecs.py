@@ -1,0 +1,53 @@
+"""The warmer extension point.
+
+A warmer contributes keys for the TurboQuant layers a worker has and/or knows how
+to compile a kind of key. The TurboQuant kernel paths are the first
+implementations (``warmers/``); other packages add theirs through the
+``tq_warmup.warmers`` entry-point group, each entry point naming a module or
+object with ``@hookimpl`` functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping
+
+import pluggy
+
+from .keys import Geometry
+
+PROJECT = "tq_warmup"
+ENTRY_POINT_GROUP = "tq_warmup.warmers"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def tq_warmup_keys(  # type: ignore[empty-body]
+    geometries: Mapping[str, Geometry],
+) -> Iterable[tuple[str, str, Hashable]]:
+    """Return ``(layer name, path name, key)`` triples to warm for these layers.
+
+    Keys must be hashable and equal exactly when they compile to the same binary:
+    the plan warms each distinct key once.
+    """
+
+
+@hookspec(firstresult=True)
+def tq_warmup_compile(key: Hashable) -> bool | None:  # type: ignore[empty-body]
+    """Compile ``key`` without touching any live tensor. Return True when handled,
+    None to leave the key to another warmer. Raise to report a failure."""
+
+
+def plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
+    """A manager with the built-in warmers and, optionally, third-party ones."""
+    from . import hookspecs
+    from .warmers import triton_jit, turboquant
+
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(hookspecs)
+    pm.register(turboquant)
+    pm.register(triton_jit)
+    if load_entry_points:
+        pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+    return pm

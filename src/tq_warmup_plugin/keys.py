@@ -1,0 +1,473 @@
+"""Pure derivation of the Triton specializations each TurboQuant kernel path launches.
+
+Triton compiles one binary per specialization: the value of every constexpr,
+the dtype of every pointer and whether it is 16-byte aligned, and for every
+other int whether it equals 1, is divisible by 16, or needs 64 bits. A
+``KernelKey`` records exactly that, nothing more, so two layers whose launches
+would hit the same binary produce equal keys and are warmed once.
+
+The functions here mirror what vLLM's launchers compute (0.20-0.33); the
+``real_vllm`` contract tests run the real launchers and assert equality.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from .compat import (
+    CONTINUATION_DECODE_THRESHOLD,
+    LAUNCHER_DEFAULT_KV_SPLITS,
+    Features,
+)
+
+# (key_quant_bits, value_quant_bits, norm_correction), TQ_PRESETS in 0.20-0.33.
+PRESETS: dict[str, tuple[int, int, bool]] = {
+    "turboquant_k8v4": (8, 4, False),
+    "turboquant_4bit_nc": (4, 4, True),
+    "turboquant_k3v4_nc": (3, 4, True),
+    "turboquant_3bit_nc": (3, 3, True),
+}
+
+_MODEL_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """The TurboQuant layout of one cache dtype at one head size (``TurboQuantConfig``)."""
+
+    name: str
+    head_size: int
+    key_bits: int
+    value_bits: int
+    norm_correction: bool
+
+    @property
+    def key_fp8(self) -> bool:
+        return self.key_bits == 8
+
+    @property
+    def key_mse_bits(self) -> int:
+        return 0 if self.key_fp8 else self.key_bits
+
+    @property
+    def key_packed_size(self) -> int:
+        if self.key_fp8:
+            return self.head_size
+        return math.ceil(self.head_size * self.key_mse_bits / 8) + 2
+
+    @property
+    def value_data_bytes(self) -> int:
+        return math.ceil(self.head_size * self.value_bits / 8)
+
+    @property
+    def slot_size_aligned(self) -> int:
+        slot = self.key_packed_size + self.value_data_bytes + 4
+        return slot + slot % 2
+
+    @property
+    def centroid_bits(self) -> int:
+        return self.value_bits if self.key_fp8 else self.key_bits
+
+
+def preset(name: str, head_size: int) -> Preset:
+    """Look up a TurboQuant cache dtype; raises ValueError for anything else."""
+    if name not in PRESETS:
+        raise ValueError(f"not a TurboQuant cache dtype: {name!r}")
+    key_bits, value_bits, norm = PRESETS[name]
+    return Preset(name, head_size, key_bits, value_bits, norm)
+
+
+# --------------------------------------------------------------------------
+# Argument specializations
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, order=True)
+class Ptr:
+    """A tensor argument: Triton keys on its dtype and on ``data_ptr() % 16 == 0``."""
+
+    dtype: str
+    aligned: bool = True
+
+
+@dataclass(frozen=True, order=True)
+class Int:
+    """A non-constexpr int, reduced to the representative of its Triton class.
+
+    Triton turns 1 into a constexpr, marks multiples of 16 (0 included) as
+    divisible, and widens values that do not fit in 32 bits.
+    """
+
+    value: int
+
+    @staticmethod
+    def of(value: int) -> Int:
+        if value == 1:
+            return Int(1)
+        wide = not -(2**31) <= value < 2**31
+        base = 2**32 if wide else 0
+        return Int(base + (16 if value % 16 == 0 else 17))
+
+
+@dataclass(frozen=True, order=True)
+class Const:
+    """A ``tl.constexpr`` argument: its exact value is part of the key."""
+
+    value: float | int
+
+
+Arg = Ptr | Int | Const
+
+
+@dataclass(frozen=True, order=True)
+class KernelKey:
+    """One Triton specialization of one kernel: what a launch compiles."""
+
+    kernel: str
+    args: tuple[tuple[str, Arg], ...]
+    num_warps: int
+    num_stages: int | None = None
+
+    def describe(self) -> str:
+        """A compact human-readable rendering, used by the report and ``inspect``."""
+        parts = []
+        for name, arg in self.args:
+            if isinstance(arg, Ptr):
+                parts.append(f"{name}=*{arg.dtype}{'' if arg.aligned else '(unaligned)'}")
+            elif isinstance(arg, Const):
+                parts.append(f"{name}={arg.value}")
+        return f"{self.kernel}[w={self.num_warps},s={self.num_stages}]({', '.join(parts)})"
+
+
+def _key(kernel: str, num_warps: int, num_stages: int | None, **args: Arg) -> KernelKey:
+    return KernelKey(kernel, tuple(args.items()), num_warps, num_stages)
+
+
+# --------------------------------------------------------------------------
+# Geometry: everything a layer's launches depend on
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The runtime shape of one TurboQuant layer, as its kernels will see it.
+
+    Built by discovery from a live worker, or by the CLI from a model config;
+    both must agree, because both feed the same key functions.
+    """
+
+    cache_dtype: str
+    head_size: int
+    num_heads: int
+    """Query heads on this tensor-parallel rank."""
+    num_kv_heads: int
+    """KV heads on this rank."""
+    block_size: int
+    """Kernel block size: ``shape[1]`` of the KV view the kernels get."""
+    scale: float
+    """``impl.scale``: a constexpr, so the exact float matters."""
+    kv_strides: tuple[int, int, int]
+    """Block, position and head strides of that KV view (store kernels: constexpr)."""
+    model_dtype: str
+    """``bfloat16`` or ``float16``."""
+    block_table_width: int
+    """Row stride of the runner's block table, in entries."""
+    max_num_seqs: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    num_kv_splits: int
+    """``attention_config.tq_max_kv_splits_for_cuda_graph``."""
+    fp8_e4b15: int
+    features: Features = field(compare=True)
+    kv_aligned: bool = True
+    """Whether the KV cache tensor's base pointer is 16-byte aligned."""
+
+    @property
+    def preset(self) -> Preset:
+        return preset(self.cache_dtype, self.head_size)
+
+    @property
+    def short_dtype(self) -> str:
+        if self.model_dtype not in _MODEL_DTYPES:
+            raise ValueError(f"unsupported model dtype {self.model_dtype!r}")
+        return _MODEL_DTYPES[self.model_dtype]
+
+    def check(self) -> None:
+        """Raise ValueError for a geometry the kernels cannot have been built for."""
+        if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads} query heads vs {self.num_kv_heads} KV heads")
+        if self.head_size <= 0 or self.block_size <= 0:
+            raise ValueError(f"head size {self.head_size}, block size {self.block_size}")
+        self.preset  # noqa: B018 (validates the cache dtype)
+        self.short_dtype  # noqa: B018 (validates the model dtype)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _row_alignments(g: Geometry) -> tuple[bool, ...]:
+    """Alignments of ``block_table[r]`` over the rows a request can occupy.
+
+    Row r starts at ``r * width * 4`` bytes: every row is 16-byte aligned only when
+    the width is a multiple of 4 (or there is a single row).
+    """
+    if g.block_table_width % 4 == 0 or g.max_num_seqs < 2:
+        return (True,)
+    return (True, False)
+
+
+# --------------------------------------------------------------------------
+# Kernel paths
+# --------------------------------------------------------------------------
+
+
+def _stage1(
+    g: Geometry, splits: int, bt_stride: int, bt_aligned: bool, seq_aligned: bool
+) -> KernelKey:
+    p = g.preset
+    d = g.head_size
+    kv = g.kv_strides
+    return _key(
+        "_tq_decode_stage1",
+        1,
+        1,
+        # k8v4 hands the query over as is; the MSE presets rotate it into fp32.
+        Q_rot_ptr=Ptr(g.short_dtype if p.key_fp8 else "fp32"),
+        KV_cache_ptr=Ptr("u8", g.kv_aligned),
+        Block_table_ptr=Ptr("i32", bt_aligned),
+        Seq_lens_ptr=Ptr("i32", seq_aligned),
+        Centroids_ptr=Ptr("fp32"),
+        Mid_o_ptr=Ptr("fp32"),
+        stride_qb=Int.of(g.num_heads * d),
+        stride_qh=Int.of(d),
+        stride_cache_block=Int.of(kv[0]),
+        stride_cache_pos=Int.of(kv[1]),
+        stride_cache_head=Int.of(kv[2]),
+        stride_bt_b=Int.of(bt_stride),
+        stride_mid_b=Int.of(g.num_heads * splits * (d + 1)),
+        stride_mid_h=Int.of(splits * (d + 1)),
+        stride_mid_s=Int.of(d + 1),
+        NUM_KV_HEADS=Const(g.num_kv_heads),
+        HEAD_DIM=Const(d),
+        BLOCK_SIZE=Const(g.block_size),
+        NUM_KV_SPLITS=Const(splits),
+        KV_GROUP_SIZE=Const(g.num_heads // g.num_kv_heads),
+        MSE_BITS=Const(p.key_mse_bits),
+        MSE_BYTES=Const(math.ceil(d * p.key_mse_bits / 8)),
+        KPS=Const(p.key_packed_size),
+        VQB=Const(p.value_bits),
+        VAL_DATA_BYTES=Const(p.value_data_bytes),
+        ATTN_SCALE=Const(g.scale),
+        BLOCK_D=Const(_next_pow2(d)),
+        BLOCK_KV=Const(4),
+        KEY_FP8=Const(int(p.key_fp8)),
+        NORM_CORRECTION=Const(int(p.norm_correction)),
+        FP8_E4B15=Const(g.fp8_e4b15),
+    )
+
+
+def _stage2(g: Geometry, splits: int, seq_aligned: bool) -> KernelKey:
+    d = g.head_size
+    fp16_out = g.features.stage2_output_fp16
+    extra: dict[str, Arg] = {}
+    if fp16_out:
+        extra["OUTPUT_FP16"] = Const(int(g.model_dtype == "float16"))
+    return _key(
+        "_fwd_kernel_stage2",
+        4,
+        2,
+        Mid_O=Ptr("fp32"),
+        # 0.20 reduces into an fp32 buffer and casts afterwards.
+        o=Ptr(g.short_dtype if fp16_out else "fp32"),
+        lse=Ptr("fp32"),
+        B_Seqlen=Ptr("i32", seq_aligned),
+        stride_mid_ob=Int.of(g.num_heads * splits * (d + 1)),
+        stride_mid_oh=Int.of(splits * (d + 1)),
+        stride_mid_os=Int.of(d + 1),
+        stride_obs=Int.of(g.num_heads * d),
+        stride_oh=Int.of(d),
+        stride_lse_bs=Int.of(g.num_heads),
+        NUM_KV_SPLITS=Const(splits),
+        BLOCK_DV=Const(_next_pow2(d)),
+        Lv=Const(d),
+        **extra,
+    )
+
+
+def decode_keys(g: Geometry) -> tuple[KernelKey, ...]:
+    """Plain decode (pure decode batches, the decode part of mixed batches, graph
+    replays): the runner's block table and ``seq_lens`` buffers from their base, and
+    workspace views (256-byte aligned) sized with the configured split count."""
+    s = g.num_kv_splits
+    return (
+        _stage1(g, s, g.block_table_width, bt_aligned=True, seq_aligned=True),
+        _stage2(g, s, seq_aligned=True),
+    )
+
+
+def short_continuation_keys(g: Geometry) -> tuple[KernelKey, ...]:
+    """Continuation chunks of 2..128 tokens (chunked prefill tails, prefix-cache hits,
+    speculative verify batches, which TurboQuant treats as prefill): the decode
+    kernels with the launcher's 32 splits, one block-table row expanded with stride 0
+    and ``seq_lens`` sliced from a cached arange at any offset."""
+    s = LAUNCHER_DEFAULT_KV_SPLITS
+    seq_variants = (True, False) if g.features.continuation_seq_lens_sliced else (True,)
+    keys: list[KernelKey] = []
+    for seq_aligned in seq_variants:
+        keys.extend(_stage1(g, s, 0, bt, seq_aligned) for bt in _row_alignments(g))
+        keys.append(_stage2(g, s, seq_aligned))
+    return tuple(keys)
+
+
+def long_continuation_keys(g: Geometry) -> tuple[KernelKey, ...]:
+    """Continuation chunks over 128 tokens dequantize the cached prefix into fp16
+    scratch of ``A = ceil(cached/block) * block`` rows, then run flash attention.
+    Only reachable when a chunk can exceed the threshold."""
+    if g.max_num_batched_tokens <= CONTINUATION_DECODE_THRESHOLD:
+        return ()
+    p = g.preset
+    d = g.head_size
+    kv = g.kv_strides
+    # The smallest and the largest scratch lengths bound the stride classes in between.
+    longest = math.ceil(max(1, g.max_model_len - 1) / g.block_size) * g.block_size
+    keys = []
+    for rows in sorted({g.block_size, longest}):
+        for bt_aligned in _row_alignments(g):
+            keys.append(
+                _key(
+                    "_tq_full_dequant_kv",
+                    4,
+                    None,
+                    KV_cache_ptr=Ptr("u8", g.kv_aligned),
+                    Block_table_ptr=Ptr("i32", bt_aligned),
+                    Centroids_ptr=Ptr("fp32"),
+                    K_out_ptr=Ptr("fp16"),
+                    V_out_ptr=Ptr("fp16"),
+                    stride_ko_b=Int.of(g.num_kv_heads * rows * d),
+                    stride_ko_h=Int.of(rows * d),
+                    stride_ko_s=Int.of(d),
+                    stride_vo_b=Int.of(g.num_kv_heads * rows * d),
+                    stride_vo_h=Int.of(rows * d),
+                    stride_vo_s=Int.of(d),
+                    stride_cache_block=Int.of(kv[0]),
+                    stride_cache_pos=Int.of(kv[1]),
+                    stride_cache_head=Int.of(kv[2]),
+                    stride_bt_b=Int.of(g.block_table_width),
+                    HEAD_DIM=Const(d),
+                    BLOCK_SIZE=Const(g.block_size),
+                    NUM_KV_HEADS=Const(g.num_kv_heads),
+                    # impl._mse_bytes: the full head size for FP8 keys.
+                    MSE_BYTES=Const(d if p.key_fp8 else math.ceil(d * p.key_mse_bits / 8)),
+                    KPS=Const(p.key_packed_size),
+                    VQB=Const(p.value_bits),
+                    VAL_DATA_BYTES=Const(p.value_data_bytes),
+                    MSE_BITS=Const(p.key_mse_bits),
+                    KEY_FP8=Const(int(p.key_fp8)),
+                    BLOCK_D=Const(_next_pow2(d)),
+                    NORM_CORRECTION=Const(int(p.norm_correction)),
+                    FP8_E4B15=Const(g.fp8_e4b15),
+                )
+            )
+    return tuple(keys)
+
+
+def store_keys(g: Geometry) -> tuple[KernelKey, ...]:
+    """The write path. Its cache strides are constexpr, so they enter as exact values."""
+    p = g.preset
+    d = g.head_size
+    kv = g.kv_strides
+    common: dict[str, Arg] = {
+        "KV_cache_ptr": Ptr("u8", g.kv_aligned),
+        "Slot_mapping_ptr": Ptr("i64"),
+        "stride_cache_block": Const(kv[0]),
+        "stride_cache_pos": Const(kv[1]),
+        "stride_cache_head": Const(kv[2]),
+        "D": Const(d),
+        "H": Const(g.num_kv_heads),
+        "BLOCK_SIZE": Const(g.block_size),
+        "BLOCK_D": Const(_next_pow2(d)),
+    }
+    tail: dict[str, Arg] = {
+        "KPS": Const(p.key_packed_size),
+        "VQB": Const(p.value_bits),
+        "VAL_DATA_BYTES": Const(p.value_data_bytes),
+        "BLOCK_VAL": Const(_next_pow2(p.value_data_bytes)),
+    }
+    grp = Const(_next_pow2(d // 8) if d >= 8 else 1)
+    if p.key_fp8:
+        args: dict[str, Arg] = {
+            "Key_ptr": Ptr(g.short_dtype),
+            "Value_ptr": Ptr(g.short_dtype),
+            **common,
+            **tail,
+            "BLOCK_GRP": grp,
+            "FP8_E4B15": Const(g.fp8_e4b15),
+        }
+        return (_key("_tq_fused_store_fp8", 4, 1, **args),)
+    args = {
+        "Y_ptr": Ptr("fp32"),
+        "Norms_ptr": Ptr("fp32"),
+        "Value_ptr": Ptr("fp32"),
+        "Midpoints_ptr": Ptr("fp32"),
+        **common,
+        "MSE_BYTES": Const(math.ceil(d * p.key_mse_bits / 8)),
+        **tail,
+        "MSE_BITS": Const(p.key_mse_bits),
+        "N_CENTROIDS": Const(2**p.key_mse_bits),
+        "BLOCK_GRP": grp,
+    }
+    return (_key("_tq_fused_store_mse", 4, 1, **args),)
+
+
+PATHS: dict[str, Callable[[Geometry], tuple[KernelKey, ...]]] = {
+    "decode": decode_keys,
+    "continuation": short_continuation_keys,
+    "dequant": long_continuation_keys,
+    "store": store_keys,
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Distinct keys, in first-seen order, with the layers and paths that need each."""
+
+    layers: dict[object, list[str]]
+    paths: dict[object, list[str]]
+
+    @property
+    def keys(self) -> list[object]:
+        return list(self.layers)
+
+    def count_by_path(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for paths in self.paths.values():
+            for path in paths:
+                counts[path] = counts.get(path, 0) + 1
+        return counts
+
+
+def plan(contributions: Iterable[tuple[str, str, object]]) -> Plan:
+    """Deduplicate ``(layer, path, key)`` triples by key."""
+    layers: dict[object, list[str]] = {}
+    paths: dict[object, list[str]] = {}
+    for layer, path, key in contributions:
+        layers.setdefault(key, [])
+        if layer not in layers[key]:
+            layers[key].append(layer)
+        paths.setdefault(key, [])
+        if path not in paths[key]:
+            paths[key].append(path)
+    return Plan(layers, paths)
+
+
+def turboquant_contributions(
+    geometries: Mapping[str, Geometry],
+) -> Iterable[tuple[str, str, KernelKey]]:
+    """Every ``(layer, path, key)`` the TurboQuant paths need for these layers."""
+    for layer, geometry in geometries.items():
+        for path, derive in PATHS.items():
+            for key in derive(geometry):
+                yield layer, path, key

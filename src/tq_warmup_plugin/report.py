@@ -1,0 +1,83 @@
+"""What a warmup did: counted here, printed as one log line, optionally as JSON."""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Report:
+    """The outcome of one worker's warmup."""
+
+    status: str = "ok"
+    """``ok``, ``skipped`` (nothing to do or disabled) or ``failed``."""
+    reason: str = ""
+    vllm_version: str = ""
+    layers: int = 0
+    keys: dict[str, int] = field(default_factory=dict)
+    """Distinct keys per kernel path (a key shared by two paths counts in both)."""
+    distinct: int = 0
+    compiled: int = 0
+    loaded: int = 0
+    """Loaded from Triton's on-disk cache instead of compiled."""
+    failed: int = 0
+    warmup_s: float = 0.0
+    workspace_bytes: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        """The single INFO/WARNING line vLLM's log gets."""
+        if self.status != "ok":
+            return f"tq-warmup: {self.status}: {self.reason}"
+        paths = ", ".join(f"{path} {n}" for path, n in self.keys.items())
+        text = (
+            f"tq-warmup: {self.layers} TurboQuant layers, {self.distinct} distinct kernel keys "
+            f"({paths}): {self.compiled} compiled, {self.loaded} from Triton's disk cache, "
+            f"{self.failed} failed; workspace {self.workspace_bytes / 2**20:.1f} MiB; "
+            f"{self.warmup_s * 1000:.0f} ms"
+        )
+        if self.errors:
+            text += f"; first error: {self.errors[0]}"
+        return text
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+
+class CompileCounter:
+    """Counts Triton compilations and disk-cache loads while active.
+
+    Chains ``triton.knobs.compilation.listener``, which Triton calls from
+    ``compile()`` with ``cache_hit`` for both outcomes (triton 3.6-3.8). Compiles
+    may run on worker threads, hence the lock.
+    """
+
+    def __init__(self) -> None:
+        self.compiled = 0
+        self.loaded = 0
+        self._lock = threading.Lock()
+        self._previous: Any = None
+
+    def _listener(self, *, cache_hit: bool, **kwargs: Any) -> None:
+        with self._lock:
+            if cache_hit:
+                self.loaded += 1
+            else:
+                self.compiled += 1
+        if self._previous is not None:
+            self._previous(cache_hit=cache_hit, **kwargs)
+
+    def __enter__(self) -> CompileCounter:
+        from triton import knobs
+
+        self._previous = knobs.compilation.listener
+        knobs.compilation.listener = self._listener
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from triton import knobs
+
+        knobs.compilation.listener = self._previous

@@ -1,0 +1,1 @@
+"""Built-in warmers: TurboQuant key contributions and the Triton compiler."""

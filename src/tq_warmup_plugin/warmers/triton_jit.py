@@ -1,0 +1,61 @@
+"""Compiles a ``KernelKey`` through Triton's ``JITFunction.warmup``.
+
+``warmup`` runs the same binder and cache lookup as a launch and stores the
+binary in the same per-device cache, but launches nothing. The tensors it gets
+are a few bytes on the CPU: Triton only reads their dtype and ``data_ptr()``, so
+their alignment is chosen to match what the runtime passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from functools import cache
+from typing import Any
+
+from .. import compat
+from ..hookspecs import hookimpl
+from ..keys import Const, Int, KernelKey, Ptr
+
+
+@cache
+def _tensor(dtype: str, aligned: bool) -> Any:
+    import torch
+
+    torch_dtype = {
+        "fp32": torch.float32,
+        "bf16": torch.bfloat16,
+        "fp16": torch.float16,
+        "u8": torch.uint8,
+        "i32": torch.int32,
+        "i64": torch.int64,
+    }[dtype]
+    # CPU allocations are 64-byte aligned; one element in is never 16-byte aligned.
+    base = torch.empty(32, dtype=torch_dtype)
+    return base if aligned else base[1:]
+
+
+def warmup_arguments(key: KernelKey) -> dict[str, Any]:
+    """Keyword arguments that make Triton specialize exactly as ``key`` says."""
+    out: dict[str, Any] = {}
+    for name, arg in key.args:
+        if isinstance(arg, Ptr):
+            out[name] = _tensor(arg.dtype, arg.aligned)
+        elif isinstance(arg, Int | Const):
+            out[name] = arg.value
+    out["num_warps"] = key.num_warps
+    if key.num_stages is not None:
+        out["num_stages"] = key.num_stages
+    return out
+
+
+def compile_key(key: KernelKey) -> None:
+    """Compile (or load from Triton's disk cache) one specialization."""
+    compat.kernel_function(key.kernel).warmup(grid=(1,), **warmup_arguments(key))
+
+
+@hookimpl
+def tq_warmup_compile(key: Hashable) -> bool | None:
+    if not isinstance(key, KernelKey):
+        return None
+    compile_key(key)
+    return True

@@ -1,0 +1,13 @@
+"""TurboQuant's kernel paths as warmer keys: decode, short and long continuation, store."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping
+
+from ..hookspecs import hookimpl
+from ..keys import Geometry, turboquant_contributions
+
+
+@hookimpl
+def tq_warmup_keys(geometries: Mapping[str, Geometry]) -> Iterable[tuple[str, str, Hashable]]:
+    return list(turboquant_contributions(geometries))

@@ -1,0 +1,81 @@
+"""One warmup, start to end: discover, plan, compile, reserve, report.
+
+Runs inside vLLM's ``kernel_warmup``: the KV cache exists, graphs are not yet
+captured and the workspace is not yet locked, in every release 0.20-0.33.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pluggy
+
+from . import compat, keys, workspace
+from .discovery import discover
+from .report import CompileCounter, Report
+from .settings import Settings
+
+
+def _compile_one(pm: pluggy.PluginManager, key: Hashable) -> str | None:
+    """Compile one key; return an error line instead of raising."""
+    try:
+        if pm.hook.tq_warmup_compile(key=key) is None:
+            return f"no warmer handles {key!r}"
+    except Exception as exc:  # a warmer's failure must not stop the others
+        name = getattr(key, "kernel", type(key).__name__)
+        return f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return None
+
+
+def compile_all(pm: pluggy.PluginManager, todo: list[Hashable], threads: int) -> list[str]:
+    """Compile distinct keys, on ``threads`` threads; returns the error lines."""
+    if threads <= 1 or len(todo) <= 1:
+        results = [_compile_one(pm, key) for key in todo]
+    else:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            results = list(pool.map(lambda key: _compile_one(pm, key), todo))
+    return [r for r in results if r is not None]
+
+
+def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None) -> Report:
+    """Warm every TurboQuant kernel key this worker's runtime will launch."""
+    start = time.perf_counter()
+    version_text = compat.installed_vllm_version() or ""
+    version = compat.parse_version(version_text)
+    problem = compat.support_problem(version)
+    if problem is not None or version is None:
+        return Report(status="skipped", reason=problem or "", vllm_version=version_text)
+    feats = compat.features(version)
+
+    found = discover(worker, feats)
+    report = Report(vllm_version=version_text, layers=len(found.geometries))
+    report.errors.extend(f"layer {name}: {why}" for name, why in found.refused.items())
+    if not found.geometries:
+        report.status = "skipped"
+        report.reason = "no TurboQuant attention layers in this worker"
+        if found.refused:
+            report.reason += f" ({len(found.refused)} refused: {report.errors[0]})"
+        return report
+
+    if pm is None:
+        from .hookspecs import plugin_manager
+
+        pm = plugin_manager()
+    contributions = [c for batch in pm.hook.tq_warmup_keys(geometries=found.geometries) for c in batch]
+    the_plan = keys.plan(contributions)
+    report.keys = the_plan.count_by_path()
+    report.distinct = len(the_plan.keys)
+
+    with CompileCounter() as counter:
+        report.errors.extend(compile_all(pm, the_plan.keys, settings.threads))
+    report.compiled, report.loaded = counter.compiled, counter.loaded
+    report.failed = len(report.errors) - len(found.refused)
+
+    report.workspace_bytes = workspace.reserve(
+        workspace.plan_reservation(found.geometries.values()), feats
+    )
+    report.warmup_s = time.perf_counter() - start
+    return report
