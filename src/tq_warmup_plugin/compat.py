@@ -28,6 +28,11 @@ WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 ELASTIC_MODULE = "vllm.distributed.elastic_ep.elastic_execute"
 WORKSPACE_MODULE = "vllm.v1.worker.workspace"
 
+# Modules whose global ``kernel_warmup`` vLLM calls: the defining module, the
+# worker, which binds the name at import (0.20-0.33), and elastic EP, which does
+# too and passes ``process_local_only=True`` (0.27+). Absent modules are skipped.
+CALL_SITE_MODULES = (WARMUP_MODULE, WORKER_MODULE, ELASTIC_MODULE)
+
 # The module that defines each Triton kernel we warm (identical in 0.20-0.33).
 KERNEL_MODULES: dict[str, str] = {
     "_tq_decode_stage1": DECODE_MODULE,
@@ -68,6 +73,8 @@ class Features:
     version: Version
     kv_view_transposed: bool
     """0.26+: ``forward()`` hands the kernels ``kv_cache.transpose(1, 2)``."""
+    kv_head_major: bool
+    """0.26-0.28: the cache is physically (blocks, heads, tokens, slot)."""
     stage2_output_fp16: bool
     """0.21+: stage 2 has ``OUTPUT_FP16`` and writes the query dtype; 0.20 writes fp32."""
     continuation_seq_lens_sliced: bool
@@ -77,10 +84,6 @@ class Features:
     """0.21+: decode and long continuation take scratch from the WorkspaceManager."""
     builder_reserves_workspace: bool
     """0.24+: ``TurboQuantMetadataBuilder._reserve_workspace`` exists."""
-    kernel_warmup_has_kwargs: bool
-    """0.27+: ``kernel_warmup(worker, *, process_local_only=False)``."""
-    elastic_call_site: bool
-    """0.27+: elastic EP imports ``kernel_warmup`` by name too."""
 
 
 def features(version: Version) -> Features:
@@ -88,25 +91,27 @@ def features(version: Version) -> Features:
     return Features(
         version=version,
         kv_view_transposed=version >= (0, 26),
+        kv_head_major=(0, 26) <= version <= (0, 28),
         stage2_output_fp16=version >= (0, 21),
         continuation_seq_lens_sliced=version >= (0, 21),
         uses_workspace=version >= (0, 21),
         builder_reserves_workspace=version >= (0, 24),
-        kernel_warmup_has_kwargs=version >= (0, 27),
-        elastic_call_site=version >= (0, 27),
     )
 
 
-def call_sites(feats: Features) -> tuple[str, ...]:
-    """Modules whose global ``kernel_warmup`` vLLM calls.
+def kv_view_strides(
+    feats: Features, block_size: int, num_kv_heads: int, slot_size: int
+) -> tuple[int, int, int]:
+    """Block, position and head strides of the KV view the kernels get, for an
+    unpadded cache (hybrid models may pad pages: discovery reads the real tensor).
 
-    ``gpu_worker`` binds the name at import time (0.20-0.33), so patching only the
-    defining module would miss it when the worker module is already imported.
+    0.20-0.25 and 0.29-0.33 (LBNHC) are token-major: (blocks, tokens, heads, slot).
+    0.26-0.28 allocate (blocks, heads, tokens, slot) and transpose it for the kernels.
     """
-    sites = [WARMUP_MODULE, WORKER_MODULE]
-    if feats.elastic_call_site:
-        sites.append(ELASTIC_MODULE)
-    return tuple(sites)
+    page = block_size * num_kv_heads * slot_size
+    if feats.kv_head_major:
+        return (page, slot_size, block_size * slot_size)
+    return (page, num_kv_heads * slot_size, slot_size)
 
 
 def fp8_e4b15(capability: tuple[int, int] | None) -> int:

@@ -24,7 +24,6 @@ from .settings import Settings
 logger = logging.getLogger("vllm.tq_warmup_plugin")
 
 _ORIGINAL_ATTR = "__tq_warmup_original__"
-_SITES = (compat.WARMUP_MODULE, compat.WORKER_MODULE, compat.ELASTIC_MODULE)
 
 
 def _emit(report: Any, settings: Settings, worker: Any) -> None:
@@ -74,7 +73,7 @@ def _patch_loaded(settings: Settings) -> None:
     current = source.kernel_warmup
     original = getattr(current, _ORIGINAL_ATTR, current)
     wrapped = current if original is not current else wrap(original, settings)
-    for name in _SITES:
+    for name in compat.CALL_SITE_MODULES:
         module = sys.modules.get(name)
         if module is not None and getattr(module, "kernel_warmup", None) is original:
             module.kernel_warmup = wrapped
@@ -117,7 +116,7 @@ def install(settings: Settings) -> None:
 def uninstall() -> None:
     """Remove the import hook and give every call site vLLM's own function back."""
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PatchOnImport)]
-    for name in _SITES:
+    for name in compat.CALL_SITE_MODULES:
         module = sys.modules.get(name)
         current = getattr(module, "kernel_warmup", None) if module is not None else None
         original = getattr(current, _ORIGINAL_ATTR, None)
