@@ -141,7 +141,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -395,9 +395,7 @@ def results_path(results_dir: Path, date: str, gpu: str, vllm_version: str) -> P
     return results_dir / f"{date}-{gpu_slug(gpu)}-vllm{vllm_version}.json"
 
 
-def config_id(
-    preset: str, mode: str, geometry: Geometry, layers: int, budget: int, tp: int
-) -> str:
+def config_id(preset: str, mode: str, geometry: Geometry, layers: int, budget: int, tp: int) -> str:
     return (
         f"{preset}-{mode}-h{geometry.head_size}q{geometry.q_heads}kv{geometry.kv_heads}"
         f"-L{layers}-b{budget}-tp{tp}"
@@ -472,12 +470,17 @@ def fill_missing_phases(
     """Add a failed record for every phase a crashed/killed run did not report."""
     seen = {r.get("phase") for r in records}
     out = list(records)
-    empty = {"first_s": None, "steady_s": None, "tq_compiles_after_startup": []}
+    empty: dict[str, Any] = {"first_s": None, "steady_s": None, "tq_compiles_after_startup": []}
     for phase in phases:
         if phase not in seen:
             out.append(
-                {**run_level_fields(base), **empty, "phase": phase, "status": "failed",
-                 "error": error}
+                {
+                    **run_level_fields(base),
+                    **empty,
+                    "phase": phase,
+                    "status": "failed",
+                    "error": error,
+                }
             )
     return out
 
@@ -496,11 +499,27 @@ def startup_summary(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
 # Fields that belong to one phase; a crashed run's remaining phases must not inherit them.
 PHASE_KEYS: frozenset[str] = frozenset(
     {
-        "phase", "status", "error", "first_s", "steady_s", "ratio", "first_error",
-        "steady_error", "prompt_lens", "expected_chunks", "expected_cached_tokens",
-        "first_cached_tokens", "steady_cached_tokens", "out_tokens",
-        "tq_compiles_after_startup", "tq_loads_after_startup", "first_tq_jit",
-        "steady_tq_jit", "other_jit_after_startup", "jit_events", "phase_warning",
+        "phase",
+        "status",
+        "error",
+        "first_s",
+        "steady_s",
+        "ratio",
+        "first_error",
+        "steady_error",
+        "prompt_lens",
+        "expected_chunks",
+        "expected_cached_tokens",
+        "first_cached_tokens",
+        "steady_cached_tokens",
+        "out_tokens",
+        "tq_compiles_after_startup",
+        "tq_loads_after_startup",
+        "first_tq_jit",
+        "steady_tq_jit",
+        "other_jit_after_startup",
+        "jit_events",
+        "phase_warning",
     }
 )
 
@@ -629,10 +648,10 @@ def format_startup_table(records: Sequence[dict[str, Any]]) -> str:
 def _render(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [len(h) for h in header]
     for row in rows:
-        widths = [max(w, len(c)) for w, c in zip(widths, row)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+        widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
     lines.append("  ".join("-" * w for w in widths))
-    lines.extend("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows)
+    lines.extend("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
     return "\n".join(lines)
 
 
@@ -871,6 +890,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     shutil.rmtree(report_dir, ignore_errors=True)
     report_dir.mkdir(parents=True)
 
+    if not args.cache_root and not args.triton_cache_dir:
+        if args.triton_cache == "warm":
+            print("--triton-cache warm needs --cache-root or --triton-cache-dir", file=sys.stderr)
+            return 2
+        args.cache_root = str(work / "cache")  # a fresh one, so "cold" is true
+        shutil.rmtree(args.cache_root, ignore_errors=True)
+
     # Environment first: Triton and vLLM read it at import time.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["TQ_WARMUP"] = "1" if plugin_on else "0"
@@ -1039,8 +1065,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     for w in warnings:
         print(f"{MARKER} WARNING {w}", file=sys.stderr, flush=True)
 
-    sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0,
-                        detokenize=False)
+    sp = SamplingParams(
+        max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0, detokenize=False
+    )
     vocab = args.vocab_size
     long_prompts: dict[str, list[int]] = {}
 
@@ -1065,9 +1092,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         t = time.perf_counter()
         res: dict[str, Any] = {"s": None, "error": None, "cached": None, "out_tokens": None}
         try:
-            outs = llm.generate(
-                [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False
-            )
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
             res["s"] = round(time.perf_counter() - t, 4)
             res["cached"] = sum(int(o.num_cached_tokens or 0) for o in outs)
             res["out_tokens"] = sum(len(o.outputs[0].token_ids) for o in outs if o.outputs)
@@ -1105,7 +1130,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         }
         if plan.expected_cached(phase) == 0 and (first["cached"] or steady["cached"]):
             rec["phase_warning"] = "unexpected prefix-cache hit"
-        if phase == "prefix_hit" and not first["error"] and (first["cached"] or 0) < plan.prefix_len:
+        prefix_missed = any(
+            not part["error"] and (part["cached"] or 0) < plan.prefix_len
+            for part in (first, steady)
+        )
+        if phase == "prefix_hit" and prefix_missed:
             rec["phase_warning"] = "prefix was not (fully) served from the cache"
         records.append(rec)
         flush()
@@ -1143,7 +1172,6 @@ class RunSpec:
     log: Path
     work_dir: Path
     config_id: str
-    extra: list[str] = field(default_factory=list)
 
     @property
     def plugin(self) -> str:
@@ -1163,8 +1191,8 @@ class Matrix:
         self.t0 = time.monotonic()
         self.lock = threading.Lock()
         self.records: list[dict[str, Any]] = []
-        self.log_dir = Path(args.log_dir) if args.log_dir else (
-            Path(args.results_dir) / "logs" / self.run_id
+        self.log_dir = (
+            Path(args.log_dir) if args.log_dir else (Path(args.results_dir) / "logs" / self.run_id)
         )
         self.own_work_root = not args.work_dir
         self.work_root = Path(args.work_dir or tempfile.mkdtemp(prefix="tq-bench-matrix-"))
@@ -1172,6 +1200,7 @@ class Matrix:
         self.fallback_gpu = _nvidia_smi_name()
         self.fallback_vllm = _installed_vllm_version()
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.stopping = False
 
     def remaining(self) -> float | None:
         if not self.args.deadline_s:
@@ -1192,8 +1221,10 @@ class Matrix:
                     on_root = self.work_root / cid / "cache-on"
                     chain: list[RunSpec] = []
                     for variant in variants:
-                        root = on_root if variant.startswith("on") else (
-                            self.work_root / cid / "cache-off"
+                        root = (
+                            on_root
+                            if variant.startswith("on")
+                            else (self.work_root / cid / "cache-off")
                         )
                         spec = RunSpec(
                             preset=preset,
@@ -1221,27 +1252,48 @@ class Matrix:
             sys.executable,
             str(Path(__file__).resolve()),
             "run",
-            "--preset", spec.preset,
-            "--mode", spec.mode,
-            "--head-size", str(spec.geometry.head_size),
-            "--q-heads", str(spec.geometry.q_heads),
-            "--kv-heads", str(spec.geometry.kv_heads),
-            "--layers", str(a.layers),
-            "--budget", str(a.budget),
-            "--tp", str(a.tp),
-            "--max-model-len", str(a.max_model_len),
-            "--max-num-seqs", str(a.max_num_seqs),
-            "--max-tokens", str(a.max_tokens),
-            "--kv-cache-gib", str(a.kv_cache_gib),
-            "--gpu-mem-util", str(a.gpu_mem_util or default_gpu_mem_util(a.jobs)),
-            "--jobs", str(a.jobs),
-            "--plugin", spec.plugin,
-            "--triton-cache", spec.triton_cache,
-            "--cache-root", str(spec.cache_root),
-            "--work-dir", str(spec.work_dir),
-            "--out", str(spec.out),
-            "--run-id", self.run_id,
-            "--config-id", spec.config_id,
+            "--preset",
+            spec.preset,
+            "--mode",
+            spec.mode,
+            "--head-size",
+            str(spec.geometry.head_size),
+            "--q-heads",
+            str(spec.geometry.q_heads),
+            "--kv-heads",
+            str(spec.geometry.kv_heads),
+            "--layers",
+            str(a.layers),
+            "--budget",
+            str(a.budget),
+            "--tp",
+            str(a.tp),
+            "--max-model-len",
+            str(a.max_model_len),
+            "--max-num-seqs",
+            str(a.max_num_seqs),
+            "--max-tokens",
+            str(a.max_tokens),
+            "--kv-cache-gib",
+            str(a.kv_cache_gib),
+            "--gpu-mem-util",
+            str(a.gpu_mem_util or default_gpu_mem_util(a.jobs)),
+            "--jobs",
+            str(a.jobs),
+            "--plugin",
+            spec.plugin,
+            "--triton-cache",
+            spec.triton_cache,
+            "--cache-root",
+            str(spec.cache_root),
+            "--work-dir",
+            str(spec.work_dir),
+            "--out",
+            str(spec.out),
+            "--run-id",
+            self.run_id,
+            "--config-id",
+            spec.config_id,
         ]
         if a.cudagraph_mode:
             argv += ["--cudagraph-mode", a.cudagraph_mode]
@@ -1281,9 +1333,12 @@ class Matrix:
     def run_one(self, spec: RunSpec) -> list[dict[str, Any]]:
         base = self.base_record(spec)
         left = self.remaining()
-        if left is not None and left < 30:
-            return [{**base, "phase": p, "status": "skipped", "error": "deadline reached"}
-                    for p in PHASES]
+        if self.stopping or (left is not None and left < 30):
+            why = "matrix stopped" if self.stopping else "deadline reached"
+            skipped = [{**base, "phase": p, "status": "skipped", "error": why} for p in PHASES]
+            with self.lock:  # shown in the table, not written to the results file
+                self.records.extend(skipped)
+            return skipped
         if spec.triton_cache == "cold":
             shutil.rmtree(spec.cache_root, ignore_errors=True)
         elif not (spec.cache_root / "triton").is_dir():
@@ -1341,7 +1396,14 @@ class Matrix:
             r["process_wall_s"] = round(wall, 2)
             r["plugin_log"] = plugin_lines
             phase = r.get("phase")
-            logged = monitor.get(f"{phase}/first", []) + monitor.get(f"{phase}/steady", [])
+            # Unique short names: warn mode logs a kernel once, error mode may repeat it
+            # (the raise and its traceback).
+            logged = list(
+                dict.fromkeys(
+                    k.rsplit(".", 1)[-1]
+                    for k in monitor.get(f"{phase}/first", []) + monitor.get(f"{phase}/steady", [])
+                )
+            )
             r["monitor_log_kernels"] = logged
             if r.get("hooks_in_process") is False:
                 # tp > 1: compiles happen in workers; use the JIT monitor's log lines.
@@ -1350,22 +1412,30 @@ class Matrix:
             if "cache_warning" in base:
                 r["cache_warning"] = base["cache_warning"]
         status = {r.get("status") for r in records}
-        print(f"[matrix] done  {spec.config_id} {spec.variant} in {wall:.0f}s rc={rc} "
-              f"status={sorted(str(s) for s in status)}", flush=True)
+        print(
+            f"[matrix] done  {spec.config_id} {spec.variant} in {wall:.0f}s rc={rc} "
+            f"status={sorted(str(s) for s in status)}",
+            flush=True,
+        )
         self.save(records)
         return records
 
     def run_unit(self, unit: list[RunSpec]) -> None:
         for spec in unit:
-            self.run_one(spec)
+            try:
+                self.run_one(spec)
+            except Exception as e:  # a bug here must not stop the other runs
+                traceback.print_exc()
+                base = self.base_record(spec)
+                error = f"matrix error: {type(e).__name__}: {e}"
+                self.save(fill_missing_phases([], base, error))
 
     def save(self, new: list[dict[str, Any]]) -> None:
         with self.lock:
             self.records.extend(new)
             if self.results_file is None:
                 gpu = next((r["gpu"] for r in self.records if r.get("gpu")), None)
-                ver = next((r["vllm_version"] for r in self.records if r.get("vllm_version")),
-                           None)
+                ver = next((r["vllm_version"] for r in self.records if r.get("vllm_version")), None)
                 self.results_file = results_path(
                     Path(self.args.results_dir),
                     dt.date.today().isoformat(),
@@ -1376,19 +1446,30 @@ class Matrix:
             write_json_atomic(self.results_file, merged)
 
     def kill_all(self) -> None:
+        self.stopping = True
         with self.lock:
             procs = list(self.procs.values())
         for p in procs:
             _kill_group(p)
 
+    def _on_sigterm(self, signum: int, _frame: Any) -> None:
+        """Killed from outside (e.g. a device-call time limit): take the children along."""
+        self.kill_all()
+        raise SystemExit(128 + signum)
+
     def run(self) -> int:
+        with contextlib.suppress(ValueError):  # only possible in the main thread
+            signal.signal(signal.SIGTERM, self._on_sigterm)
         units = self.specs()
         if not units:
             print("nothing to run", file=sys.stderr)
             return 2
         n_runs = sum(len(u) for u in units)
-        print(f"[matrix] run id {self.run_id}: {n_runs} runs in {len(units)} units, "
-              f"jobs={self.args.jobs}, logs in {self.log_dir}", flush=True)
+        print(
+            f"[matrix] run id {self.run_id}: {n_runs} runs in {len(units)} units, "
+            f"jobs={self.args.jobs}, logs in {self.log_dir}",
+            flush=True,
+        )
         try:
             if self.args.jobs > 1 and not self.args.no_prime:
                 first, rest = units[0][0], units[0][1:]
@@ -1425,7 +1506,10 @@ def _nvidia_smi_name() -> str | None:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=30, check=True,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
@@ -1461,23 +1545,45 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=6, help="hidden layers (>= 6)")
-    p.add_argument("--budget", type=int, default=512,
-                   help="chunked-prefill token budget (max_num_batched_tokens), > 128")
+    p.add_argument(
+        "--budget",
+        type=int,
+        default=512,
+        help="chunked-prefill token budget (max_num_batched_tokens), > 128",
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--max-model-len", type=int, default=0,
-                   help="0: the smallest multiple of 1024 the phases need")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="0: the smallest multiple of 1024 the phases need",
+    )
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
-    p.add_argument("--kv-cache-gib", type=float, default=2.0,
-                   help="fixed KV cache size (skips memory profiling); 0: profile")
-    p.add_argument("--gpu-mem-util", type=float, default=0.0,
-                   help="gpu_memory_utilization; 0: min(0.85, 0.9/jobs - 0.03)")
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=2.0,
+        help="fixed KV cache size (skips memory profiling); 0: profile",
+    )
+    p.add_argument(
+        "--gpu-mem-util",
+        type=float,
+        default=0.0,
+        help="gpu_memory_utilization; 0: min(0.85, 0.9/jobs - 0.03)",
+    )
     p.add_argument("--jobs", type=int, default=1, help="concurrent subprocesses on the GPU")
-    p.add_argument("--cudagraph-mode", default="",
-                   help="cudagraph mode for --mode cudagraph (e.g. FULL_AND_PIECEWISE, "
-                        "PIECEWISE, FULL_DECODE_ONLY); empty: vLLM's default")
-    p.add_argument("--share-compile-cache", action="store_true",
-                   help="do not isolate VLLM_CACHE_ROOT / TORCHINDUCTOR_CACHE_DIR per run")
+    p.add_argument(
+        "--cudagraph-mode",
+        default="",
+        help="cudagraph mode for --mode cudagraph (e.g. FULL_AND_PIECEWISE, "
+        "PIECEWISE, FULL_DECODE_ONLY); empty: vLLM's default",
+    )
+    p.add_argument(
+        "--share-compile-cache",
+        action="store_true",
+        help="do not isolate VLLM_CACHE_ROOT / TORCHINDUCTOR_CACHE_DIR per run",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1494,13 +1600,24 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--q-heads", type=int, default=16)
     r.add_argument("--kv-heads", type=int, default=8)
     r.add_argument("--plugin", choices=("on", "off"), required=True)
-    r.add_argument("--triton-cache", choices=("cold", "warm"), default="cold",
-                   help="label only: whether the Triton cache dir is fresh")
+    r.add_argument(
+        "--triton-cache",
+        choices=("cold", "warm"),
+        default="cold",
+        help="label only: whether the Triton cache dir is fresh",
+    )
     r.add_argument("--triton-cache-dir", default="", help="sets TRITON_CACHE_DIR")
-    r.add_argument("--cache-root", default="",
-                   help="sets TRITON_CACHE_DIR=<root>/triton (and vLLM/Inductor caches)")
-    r.add_argument("--jit-monitor-mode", choices=("warn", "error"), default="",
-                   help="default: error with the plugin on, warn with it off")
+    r.add_argument(
+        "--cache-root",
+        default="",
+        help="sets TRITON_CACHE_DIR=<root>/triton (and vLLM/Inductor caches)",
+    )
+    r.add_argument(
+        "--jit-monitor-mode",
+        choices=("warn", "error"),
+        default="",
+        help="default: error with the plugin on, warn with it off",
+    )
     r.add_argument("--vocab-size", type=int, default=1024)
     r.add_argument("--intermediate-size", type=int, default=1024)
     r.add_argument("--work-dir", default="", help="model config and plugin report go here")
@@ -1513,21 +1630,36 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("matrix", help="one subprocess per configuration and variant")
     m.add_argument("--presets", default="all", help=f"comma list of {PRESETS} or 'all'")
     m.add_argument("--modes", default="eager,cudagraph")
-    m.add_argument("--geometries", default="128x16x8,64x16x2",
-                   help="comma list of HEADSIZExQHEADSxKVHEADS")
+    m.add_argument(
+        "--geometries", default="128x16x8,64x16x2", help="comma list of HEADSIZExQHEADSxKVHEADS"
+    )
     m.add_argument("--variants", default="all", help=f"comma list of {VARIANTS} or 'all'")
     m.add_argument("--timeout", type=float, default=600.0, help="seconds per subprocess")
-    m.add_argument("--deadline-s", type=float, default=0.0,
-                   help="stop starting runs / kill running ones after this many seconds")
-    m.add_argument("--no-prime", action="store_true",
-                   help="with --jobs > 1, do not run the first run alone first")
-    m.add_argument("--jit-monitor-mode-on", choices=("warn", "error"), default="",
-                   help="JIT monitor mode for plugin-on runs (default error)")
+    m.add_argument(
+        "--deadline-s",
+        type=float,
+        default=0.0,
+        help="stop starting runs / kill running ones after this many seconds",
+    )
+    m.add_argument(
+        "--no-prime",
+        action="store_true",
+        help="with --jobs > 1, do not run the first run alone first",
+    )
+    m.add_argument(
+        "--jit-monitor-mode-on",
+        choices=("warn", "error"),
+        default="",
+        help="JIT monitor mode for plugin-on runs (default error)",
+    )
     m.add_argument("--log-dir", default="", help="default: <results-dir>/logs/<run id>")
     m.add_argument("--results-dir", default=str(DEFAULT_RESULTS_DIR))
-    m.add_argument("--work-dir", default="",
-                   help="caches and model configs (default: a tmp dir, removed afterwards; "
-                        "a given dir is kept)")
+    m.add_argument(
+        "--work-dir",
+        default="",
+        help="caches and model configs (default: a tmp dir, removed afterwards; "
+        "a given dir is kept)",
+    )
     m.add_argument("--keep-caches", action="store_true", help="keep the default tmp work dir")
     _common(m)
     m.set_defaults(func=cmd_matrix)
@@ -1542,4 +1674,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -7,46 +7,11 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-SM90 = ("cuda", 90, 32)
-
-
 def activate_compile_only_driver() -> None:
     """Make Triton target sm90 on a host without a GPU (cpu-ci-recipe.md, 3a)."""
-    import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.driver import DriverBase
+    from tq_warmup_plugin.warmers.triton_jit import use_compile_only_target
 
-    class CompileOnlyDriver(DriverBase):  # type: ignore[misc]
-        def __init__(self) -> None:
-            self.target = GPUTarget(*SM90)
-
-        @classmethod
-        def is_active(cls) -> bool:
-            return False
-
-        def get_current_target(self) -> Any:
-            return self.target
-
-        def get_current_device(self) -> int:
-            return 0
-
-        def get_current_stream(self, device: Any = None) -> int:
-            return 0
-
-        def get_active_torch_device(self) -> Any:
-            return torch.device("cpu")
-
-        def get_device_interface(self) -> Any:
-            return torch.cuda
-
-        def get_benchmarker(self) -> Any:
-            raise NotImplementedError
-
-        def map_python_to_cpp_type(self, ty: str) -> str:
-            raise NotImplementedError
-
-    triton.runtime.driver.set_active(CompileOnlyDriver())
+    use_compile_only_target(90)
 
 
 @contextlib.contextmanager

@@ -47,17 +47,20 @@ def vllm_env() -> Any:
     return feats
 
 
-def make_impl(cache_dtype: str, d: int, hq: int, hk: int, splits: int) -> Any:
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.config.attention import AttentionConfig
-    from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionImpl
+def make_impl(cache_dtype: str, d: int, hq: int, hk: int, splits: int, max_len: int) -> Any:
+    """The real impl; only the config it reads in ``__init__`` is a stand-in (a full
+    VllmConfig needs a model and a device)."""
+    from types import SimpleNamespace
+    from unittest import mock
 
-    config = VllmConfig(
-        device_config=DeviceConfig(device="cpu"),
-        attention_config=AttentionConfig(tq_max_kv_splits_for_cuda_graph=splits),
+    from vllm.v1.attention.backends import turboquant_attn
+
+    config = SimpleNamespace(
+        attention_config=SimpleNamespace(tq_max_kv_splits_for_cuda_graph=splits),
+        model_config=SimpleNamespace(max_model_len=max_len),  # read by 0.28+
     )
-    with set_current_vllm_config(config):
-        return TurboQuantAttentionImpl(
+    with mock.patch.object(turboquant_attn, "get_current_vllm_config", return_value=config):
+        return turboquant_attn.TurboQuantAttentionImpl(
             num_heads=hq, head_size=d, scale=d**-0.5, num_kv_heads=hk, kv_cache_dtype=cache_dtype
         )
 
@@ -159,9 +162,9 @@ def check_case(
     import torch
     from realvllm import recorded_keys
 
-    impl = make_impl(preset, d, hq, hk, splits)
     # An odd width makes consecutive block-table rows alternate 16-byte alignment.
     width = 63 if bs == 16 else 32
+    impl = make_impl(preset, d, hq, hk, splits, width * bs)
     kv = layer_kv_cache(feats, 4, bs, hk, impl.tq_config.slot_size_aligned)
     view = compat.kv_view(kv, feats)
     assert tuple(view.stride()[:3]) == compat.kv_view_strides(

@@ -9,6 +9,7 @@ knows where a release keeps them. Source: the released wheels (see
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from importlib import metadata
@@ -112,6 +113,23 @@ def kv_view_strides(
     if feats.kv_head_major:
         return (page, slot_size, block_size * slot_size)
     return (page, num_kv_heads * slot_size, slot_size)
+
+
+def block_table_width(feats: Features, max_model_len: int, block_size: int, v2: bool) -> int:
+    """Row stride of the runner's block table, for planning without a worker.
+
+    V2 runner (read in 0.26 and 0.33): ``cdiv(max_model_len, bs)`` rounded up to a
+    multiple of ``128 // bs`` when bs <= 128. V1: 0.27+ round up to a multiple of
+    ``128 / gcd(128, bs)``; 0.20-0.26 do not round.
+    """
+    blocks = -(-max_model_len // block_size)
+    if v2 and block_size <= 128:
+        align = 128 // block_size
+    elif not v2 and feats.version >= (0, 27):
+        align = 128 // math.gcd(128, block_size)
+    else:
+        align = 1
+    return -(-blocks // align) * align
 
 
 def fp8_e4b15(capability: tuple[int, int] | None) -> int:

@@ -41,7 +41,7 @@ def layer_geometry(
         capability = tuple(torch.cuda.get_device_capability(kv.device))
     scheduler = vllm_config.scheduler_config
     geometry = Geometry(
-        cache_dtype=str(layer.kv_cache_dtype),
+        cache_dtype=str(impl.kv_cache_dtype),
         head_size=int(impl.head_size),
         num_heads=int(impl.num_heads),
         num_kv_heads=int(impl.num_kv_heads),

@@ -131,14 +131,23 @@ class KernelKey:
     num_stages: int | None = None
 
     def describe(self) -> str:
-        """A compact human-readable rendering, used by the report and ``inspect``."""
+        """A compact, complete rendering, used by the report and ``inspect``.
+
+        Pointers print as ``*dtype`` (``~`` marks an unaligned one), ints as their
+        Triton class (``1``, ``%16``, ``i32``, ``i64%16``, ``i64``), constexprs as values.
+        """
         parts = []
         for name, arg in self.args:
             if isinstance(arg, Ptr):
-                parts.append(f"{name}=*{arg.dtype}{'' if arg.aligned else '(unaligned)'}")
-            elif isinstance(arg, Const):
+                parts.append(f"{name}=*{arg.dtype}{'' if arg.aligned else '~'}")
+            elif isinstance(arg, Int):
+                wide = "i64" if arg.value >= 2**32 else ""
+                cls = "1" if arg.value == 1 else ("%16" if arg.value % 16 == 0 else "")
+                parts.append(f"{name}={wide}{cls or ('' if wide else 'i32')}")
+            else:
                 parts.append(f"{name}={arg.value}")
-        return f"{self.kernel}[w={self.num_warps},s={self.num_stages}]({', '.join(parts)})"
+        stages = "" if self.num_stages is None else f",stages={self.num_stages}"
+        return f"{self.kernel}[warps={self.num_warps}{stages}]({', '.join(parts)})"
 
 
 def _key(kernel: str, num_warps: int, num_stages: int | None, **args: Arg) -> KernelKey:

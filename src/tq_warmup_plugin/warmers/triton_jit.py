@@ -59,3 +59,47 @@ def tq_warmup_compile(key: Hashable) -> bool | None:
         return None
     compile_key(key)
     return True
+
+
+def use_compile_only_target(arch: int) -> None:
+    """Point Triton at ``cuda:sm<arch>`` on a host without that GPU.
+
+    Triton needs an active driver to pick the compile target and a device for its
+    in-memory cache; this one provides both and can launch nothing, which
+    ``warmup`` never asks it to (process-wide, so only for the CLI and tests).
+    """
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.driver import DriverBase
+
+    class CompileOnlyDriver(DriverBase):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.target = GPUTarget("cuda", arch, 32)
+
+        @classmethod
+        def is_active(cls) -> bool:
+            return False
+
+        def get_current_target(self) -> Any:
+            return self.target
+
+        def get_current_device(self) -> int:
+            return 0
+
+        def get_current_stream(self, device: Any = None) -> int:
+            return 0
+
+        def get_active_torch_device(self) -> Any:
+            return torch.device("cpu")
+
+        def get_device_interface(self) -> Any:
+            return torch.cuda
+
+        def get_benchmarker(self) -> Any:
+            raise NotImplementedError("compile-only driver")
+
+        def map_python_to_cpp_type(self, ty: str) -> str:
+            raise NotImplementedError("compile-only driver")
+
+    triton.runtime.driver.set_active(CompileOnlyDriver())

@@ -1,0 +1,242 @@
+"""``tq-warmup``: doctor, inspect (the plan without a GPU) and precompile (the plan,
+built into a Triton cache directory for a target GPU, on any machine).
+
+``inspect`` and ``precompile`` build the same ``Geometry`` the worker builds and
+feed it to the same warmers, so what they print or build is what startup warms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from . import compat, keys
+from .hookspecs import plugin_manager
+from .settings import load
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _entry_point_visible() -> bool:
+    eps = metadata.entry_points(group="vllm.general_plugins")
+    return any(ep.name == "tq_warmup" for ep in eps)
+
+
+def doctor(_: argparse.Namespace) -> int:
+    """Versions, support, settings and whether vLLM will load the plugin."""
+    vllm_version = compat.installed_vllm_version()
+    problem = compat.support_problem(compat.parse_version(vllm_version))
+    settings = load()
+    plugins = os.environ.get("VLLM_PLUGINS")
+    filtered_out = plugins is not None and "tq_warmup" not in plugins.split(",")
+    visible = _entry_point_visible()
+    rows = [
+        ("vllm", vllm_version or "not installed"),
+        ("torch", _dist_version("torch") or "not installed"),
+        ("triton", _dist_version("triton") or "not installed"),
+        ("supported", "yes" if problem is None else f"no: {problem}"),
+        ("settings", ", ".join(f"{k}={v}" for k, v in vars(settings).items())),
+        ("entry point", "visible" if visible else "missing (reinstall the package)"),
+        ("VLLM_PLUGINS", plugins if plugins is not None else "unset (all plugins load)"),
+    ]
+    will_load = visible and not filtered_out and settings.enabled and problem is None
+    rows.append(("will warm", "yes" if will_load else "no"))
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def _model_shape(path: str | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    file = Path(path)
+    if file.is_dir():
+        file = file / "config.json"
+    config: dict[str, Any] = json.loads(file.read_text())
+    text = config.get("text_config")
+    return dict(text) if isinstance(text, dict) else config
+
+
+def geometry_from_args(args: argparse.Namespace) -> tuple[keys.Geometry, int]:
+    """The geometry the worker would discover, from a config and explicit flags,
+    and the number of TurboQuant layers (TurboQuant leaves two at each end)."""
+    cfg = _model_shape(args.model)
+    heads = args.num_heads or cfg.get("num_attention_heads")
+    kv_heads = args.num_kv_heads or cfg.get("num_key_value_heads") or heads
+    head_size = args.head_size or cfg.get("head_dim")
+    if head_size is None and heads and cfg.get("hidden_size"):
+        head_size = cfg["hidden_size"] // heads
+    if not (heads and kv_heads and head_size):
+        raise SystemExit("tq-warmup: need --model or --head-size/--num-heads/--num-kv-heads")
+    version_text = args.vllm_version or compat.installed_vllm_version()
+    version = compat.parse_version(version_text)
+    problem = compat.support_problem(version)
+    if problem is not None or version is None:
+        raise SystemExit(f"tq-warmup: {problem} (pass --vllm-version)")
+    feats = compat.features(version)
+    tp = args.tensor_parallel_size
+    hq, hk = heads // tp, max(1, kv_heads // tp)  # vLLM replicates KV heads when tp > hk
+    max_model_len = args.max_model_len or cfg.get("max_position_embeddings") or 4096
+    dtype = args.dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    bs = args.block_size
+    preset = keys.preset(args.kv_cache_dtype, head_size)
+    runner = args.runner or ("v2" if version >= (0, 25) else "v1")
+    geometry = keys.Geometry(
+        cache_dtype=args.kv_cache_dtype,
+        head_size=head_size,
+        num_heads=hq,
+        num_kv_heads=hk,
+        block_size=bs,
+        scale=args.scale if args.scale is not None else head_size**-0.5,
+        kv_strides=compat.kv_view_strides(feats, bs, hk, preset.slot_size_aligned),
+        model_dtype=dtype,
+        block_table_width=compat.block_table_width(feats, max_model_len, bs, runner == "v2"),
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_kv_splits=args.kv_splits,
+        fp8_e4b15=compat.fp8_e4b15((args.arch // 10, args.arch % 10)),
+        features=feats,
+    )
+    geometry.check()
+    return geometry, max(0, int(cfg.get("num_hidden_layers", 5)) - 4)
+
+
+def _plan(args: argparse.Namespace) -> tuple[keys.Plan, keys.Geometry, int]:
+    geometry, layers = geometry_from_args(args)
+    pm = plugin_manager()
+    contributions = pm.hook.tq_warmup_keys(geometries={"layer": geometry})
+    return keys.plan(c for batch in contributions for c in batch), geometry, layers
+
+
+def inspect(args: argparse.Namespace) -> int:
+    """Print the keys startup would warm, per path, deduplicated."""
+    the_plan, geometry, layers = _plan(args)
+    per_path: dict[str, list[str]] = {}
+    for key, paths in the_plan.paths.items():
+        for path in paths:
+            per_path.setdefault(path, []).append(key.describe())  # type: ignore[attr-defined]
+    if args.json:
+        out = {"distinct": len(the_plan.keys), "turboquant_layers": layers, "paths": per_path,
+               "geometry": {k: v for k, v in vars(geometry).items() if k != "features"}}
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{len(the_plan.keys)} distinct kernel keys for {layers} TurboQuant layers "
+          f"({args.kv_cache_dtype}, vLLM {'.'.join(map(str, geometry.features.version))}, "
+          f"sm{args.arch})")
+    for path, described in per_path.items():
+        print(f"\n{path}: {len(described)}")
+        for text in described:
+            print(f"  {text}")
+    return 0
+
+
+def _progress(done: int, total: int) -> None:
+    if sys.stderr.isatty():
+        filled = math.floor(30 * done / max(total, 1))
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{total}")
+        sys.stderr.flush()
+        if done == total:
+            sys.stderr.write("\n")
+
+
+def precompile(args: argparse.Namespace) -> int:
+    """Compile the plan for the target architecture into ``--cache-dir``."""
+    installed = {"vllm": compat.installed_vllm_version(), "triton": _dist_version("triton")}
+    wanted = {"vllm": args.image_vllm, "triton": args.image_triton}
+    for name, want in wanted.items():
+        if want is not None and want != installed[name]:
+            print(f"tq-warmup: refusing: the image runs {name} {want} but {installed[name]} is "
+                  f"installed here; Triton's cache is only valid for the same Triton and "
+                  f"kernel sources", file=sys.stderr)
+            return 2
+    args.vllm_version = None  # compile with, and for, what is installed
+    cache_dir = Path(args.cache_dir).resolve()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    os.environ["TRITON_CACHE_DIR"] = str(cache_dir)
+    # Without a GPU, vLLM swaps Triton for placeholders unless this is set first.
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    the_plan, _, _ = _plan(args)
+
+    from .report import CompileCounter
+    from .warmers.triton_jit import use_compile_only_target
+
+    use_compile_only_target(args.arch)
+    pm = plugin_manager()
+    failures: list[str] = []
+    start = time.perf_counter()
+    with CompileCounter() as counter:
+        for i, key in enumerate(the_plan.keys, 1):
+            try:
+                pm.hook.tq_warmup_compile(key=key)
+            except Exception as exc:
+                failures.append(f"{getattr(key, 'kernel', key)}: {type(exc).__name__}: {exc}")
+            _progress(i, len(the_plan.keys))
+    manifest = {
+        "vllm": installed["vllm"], "triton": installed["triton"], "arch": args.arch,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "keys": [k.describe() for k in the_plan.keys],  # type: ignore[attr-defined]
+    }
+    (cache_dir / "tq-warmup-manifest.json").write_text(json.dumps(manifest, indent=2))
+    print(f"tq-warmup: {len(the_plan.keys)} keys for sm{args.arch} in {cache_dir}: "
+          f"{counter.compiled} built, {counter.loaded} already there, {len(failures)} failed "
+          f"({time.perf_counter() - start:.1f} s; vLLM {installed['vllm']}, "
+          f"Triton {installed['triton']})")
+    for line in failures:
+        print(f"  failed: {line.splitlines()[0]}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def _geometry_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="config.json, or a directory holding one")
+    p.add_argument("--kv-cache-dtype", required=True, choices=sorted(keys.PRESETS))
+    p.add_argument("--head-size", type=int)
+    p.add_argument("--num-heads", type=int, help="query heads (whole model)")
+    p.add_argument("--num-kv-heads", type=int, help="KV heads (whole model)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--kv-splits", type=int, default=32,
+                   help="attention_config.tq_max_kv_splits_for_cuda_graph")
+    p.add_argument("--dtype", choices=["bfloat16", "float16"])
+    p.add_argument("--scale", type=float, help="attention scale if not head_size**-0.5")
+    p.add_argument("--arch", type=int, default=90, help="target SM, e.g. 90 for H100/H200")
+    p.add_argument("--runner", choices=["v1", "v2"], help="model runner (default: release's)")
+    p.add_argument("--vllm-version", help="release to plan for (default: installed)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tq-warmup", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="versions, support, settings, plugin visibility")
+    p_inspect = sub.add_parser("inspect", help="print the kernel keys startup would warm")
+    _geometry_flags(p_inspect)
+    p_inspect.add_argument("--json", action="store_true")
+    p_pre = sub.add_parser("precompile", help="build the keys into a Triton cache dir")
+    _geometry_flags(p_pre)
+    p_pre.add_argument("--cache-dir", required=True)
+    p_pre.add_argument("--image-vllm", help="vLLM version the image will run")
+    p_pre.add_argument("--image-triton", help="Triton version the image will run")
+    args = parser.parse_args(argv)
+    handler = {"doctor": doctor, "inspect": inspect, "precompile": precompile}[args.command]
+    return handler(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

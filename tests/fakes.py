@@ -1,0 +1,161 @@
+"""Fakes shared by the unit tests: geometries and a vLLM-shaped worker.
+
+Nothing heavy at import: helpers that need torch import it when called.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from tq_warmup_plugin import compat, keys
+
+PRESET = "turboquant_4bit_nc"
+
+
+def geometry(
+    *,
+    version: compat.Version = (0, 26),
+    cache_dtype: str = PRESET,
+    head_size: int = 128,
+    num_heads: int = 8,
+    num_kv_heads: int = 2,
+    block_size: int = 16,
+    model_dtype: str = "bfloat16",
+    width: int = 64,
+    max_num_seqs: int = 8,
+    max_model_len: int = 1024,
+    batched: int = 2048,
+    splits: int = 32,
+    scale: float | None = None,
+) -> keys.Geometry:
+    """A geometry with unpadded strides; the defaults match :func:`worker`'s."""
+    feats = compat.features(version)
+    slot = keys.preset(cache_dtype, head_size).slot_size_aligned
+    return keys.Geometry(
+        cache_dtype=cache_dtype,
+        head_size=head_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        block_size=block_size,
+        scale=head_size**-0.5 if scale is None else scale,
+        kv_strides=compat.kv_view_strides(feats, block_size, num_kv_heads, slot),
+        model_dtype=model_dtype,
+        block_table_width=width,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=batched,
+        num_kv_splits=splits,
+        fp8_e4b15=0,
+        features=feats,
+    )
+
+
+class TurboQuantAttentionImpl:
+    """Stands in for vLLM's class; discovery must match it by exact type."""
+
+    def __init__(
+        self, num_heads: int = 8, num_kv_heads: int = 2, head_size: int = 128, splits: int = 32
+    ) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.scale = head_size**-0.5
+        self.max_num_kv_splits = splits
+
+
+class UltraQuantAttentionImpl(TurboQuantAttentionImpl):
+    """A subclass that runs other kernels (0.32+)."""
+
+
+class FlashAttentionImpl:
+    """An unrelated impl with the same attributes (a boundary layer)."""
+
+    __init__ = TurboQuantAttentionImpl.__init__
+
+
+def kv_cache(
+    feats: compat.Features,
+    *,
+    heads: int = 2,
+    head_size: int = 128,
+    block_size: int = 16,
+    blocks: int = 4,
+    cache_dtype: str = PRESET,
+    aligned: bool = True,
+) -> Any:
+    """A uint8 KV tensor allocated the way the release allocates it."""
+    import torch
+
+    slot = keys.preset(cache_dtype, head_size).slot_size_aligned
+    head_major = feats.kv_head_major
+    shape = (blocks, heads, block_size, slot) if head_major else (blocks, block_size, heads, slot)
+    count = blocks * heads * block_size * slot
+    flat = torch.zeros(count + 1, dtype=torch.uint8)
+    tensor = (flat[:count] if aligned else flat[1:]).view(shape)
+    if feats.kv_view_transposed and not head_major:
+        return tensor.transpose(1, 2)  # 0.29+: token-major storage, head-major view
+    return tensor
+
+
+def layer(
+    feats: compat.Features, impl: Any = None, cache_dtype: str = PRESET, **kv: Any
+) -> SimpleNamespace:
+    """An ``Attention`` layer; ``kv`` overrides the cache geometry."""
+    impl = TurboQuantAttentionImpl() if impl is None else impl
+    kv.setdefault("heads", impl.num_kv_heads)
+    kv.setdefault("head_size", impl.head_size)
+    cache = kv_cache(feats, cache_dtype=cache_dtype if cache_dtype in keys.PRESETS else PRESET, **kv)
+    return SimpleNamespace(impl=impl, kv_cache=cache, kv_cache_dtype=cache_dtype)
+
+
+def table(width: int, rows: int = 8) -> Any:
+    import torch
+
+    return torch.zeros(rows, width, dtype=torch.int32)
+
+
+def worker(
+    layers: dict[str, Any],
+    tables: list[Any],
+    *,
+    v2_tables: list[Any] | None = None,
+    use_v2: bool = False,
+    kernel_table: Any = None,
+    groups: list[tuple[list[str], int]] | None = None,
+    runner_type: str = "generate",
+    dtype: Any = None,
+    max_num_seqs: int = 8,
+    max_model_len: int = 1024,
+    max_num_batched_tokens: int = 2048,
+) -> SimpleNamespace:
+    """A worker exposing exactly what discovery reads (V1 and V2 block tables)."""
+    import torch
+
+    attn_groups = []
+    for names, gid in groups or [(list(layers), 0)]:
+        group = SimpleNamespace(layer_names=names, kv_cache_group_id=gid)
+        if kernel_table is not None:  # only 0.32+ groups have the attribute
+            group.kernel_block_table = kernel_table
+        attn_groups.append([group])
+    runner = SimpleNamespace(
+        attn_groups=attn_groups,
+        input_batch=SimpleNamespace(
+            block_table=[SimpleNamespace(block_table=SimpleNamespace(gpu=t)) for t in tables]
+        ),
+        block_tables=SimpleNamespace(input_block_tables=list(v2_tables or [])),
+    )
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(
+            runner_type=runner_type,
+            dtype=torch.bfloat16 if dtype is None else dtype,
+            max_model_len=max_model_len,
+        ),
+        scheduler_config=SimpleNamespace(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        ),
+        compilation_config=SimpleNamespace(static_forward_context=dict(layers)),
+    )
+    return SimpleNamespace(
+        vllm_config=config, model_runner=runner, use_v2_model_runner=use_v2, rank=0
+    )

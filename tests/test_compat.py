@@ -1,0 +1,84 @@
+"""Version parsing, the supported range, and the per-release feature gates."""
+
+from __future__ import annotations
+
+import pytest
+
+from tq_warmup_plugin import compat
+
+
+@pytest.mark.parametrize(
+    ("text", "version"),
+    [("0.26.0", (0, 26)), ("0.26.1rc1.dev3+gabc", (0, 26)), (" 0.33.2", (0, 33)),
+     ("1.0", (1, 0)), ("", None), (None, None), ("garbage", None), ("v0.26.0", None)],
+)
+def test_parse_version(text: str | None, version: compat.Version | None) -> None:
+    assert compat.parse_version(text) == version
+
+
+@pytest.mark.parametrize("version", [(0, 20), (0, 26), (0, 33)])
+def test_supported_releases(version: compat.Version) -> None:
+    assert compat.support_problem(version) is None
+
+
+@pytest.mark.parametrize(("version", "shown"), [((0, 19), "0.19"), ((0, 34), "0.34"),
+                                                ((1, 0), "1.0")])
+def test_unsupported_release_is_one_line_naming_the_range(
+    version: compat.Version, shown: str
+) -> None:
+    problem = compat.support_problem(version)
+    assert problem is not None and "\n" not in problem
+    assert shown in problem and "0.20-0.33" in problem
+
+
+def test_unknown_version_is_a_problem() -> None:
+    assert compat.support_problem(None) == "cannot determine the installed vLLM version"
+
+
+# transposed, head_major, stage2 fp16, sliced seq_lens, workspace, builder reserves
+GATES = {
+    (0, 20): (False, False, False, False, False, False),
+    (0, 21): (False, False, True, True, True, False),
+    (0, 23): (False, False, True, True, True, False),
+    (0, 24): (False, False, True, True, True, True),
+    (0, 25): (False, False, True, True, True, True),
+    (0, 26): (True, True, True, True, True, True),
+    (0, 28): (True, True, True, True, True, True),
+    (0, 29): (True, False, True, True, True, True),
+    (0, 33): (True, False, True, True, True, True),
+}
+
+
+@pytest.mark.parametrize(("version", "gates"), GATES.items())
+def test_feature_gates(version: compat.Version, gates: tuple[bool, ...]) -> None:
+    f = compat.features(version)
+    assert f.version == version
+    assert (f.kv_view_transposed, f.kv_head_major, f.stage2_output_fp16,
+            f.continuation_seq_lens_sliced, f.uses_workspace,
+            f.builder_reserves_workspace) == gates
+
+
+@pytest.mark.parametrize(
+    ("version", "strides"),
+    # 16 tokens per block, 2 KV heads, 134-byte slots (turboquant_4bit_nc, d=128)
+    [((0, 25), (4288, 268, 134)), ((0, 26), (4288, 134, 2144)), ((0, 28), (4288, 134, 2144)),
+     ((0, 29), (4288, 268, 134))],
+)
+def test_kv_view_strides(version: compat.Version, strides: tuple[int, int, int]) -> None:
+    assert compat.kv_view_strides(compat.features(version), 16, 2, 134) == strides
+
+
+@pytest.mark.parametrize(("capability", "flag"), [(None, 0), ((8, 0), 1), ((8, 6), 1),
+                                                  ((8, 9), 0), ((9, 0), 0), ((10, 0), 0)])
+def test_fp8_e4b15(capability: tuple[int, int] | None, flag: int) -> None:
+    assert compat.fp8_e4b15(capability) == flag
+
+
+def test_workspace_manager_is_none_where_unused_without_importing_vllm() -> None:
+    assert compat.workspace_manager(compat.features((0, 20))) is None
+
+
+def test_every_kernel_module_is_a_known_vllm_module() -> None:
+    modules = {compat.DECODE_MODULE, compat.STAGE2_MODULE, compat.STORE_MODULE}
+    assert set(compat.KERNEL_MODULES.values()) == modules
+    assert compat.CALL_SITE_MODULES[0] == compat.WARMUP_MODULE
