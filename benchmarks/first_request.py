@@ -46,7 +46,10 @@ One configuration, in this process (imports vLLM)::
 
     python benchmarks/first_request.py run --preset turboquant_4bit_nc \\
         --mode eager --head-size 128 --q-heads 16 --kv-heads 8 --plugin on \\
-        --triton-cache-dir /tmp/tc --out /tmp/rec.json
+        --out /tmp/rec.json
+
+(without ``--cache-root`` / ``--triton-cache-dir`` it uses a fresh Triton cache
+under ``--work-dir``, so the run is "cold").
 
 The whole matrix (the parent does not import vLLM or torch; it spawns one
 ``run`` subprocess per configuration and variant)::
@@ -67,7 +70,13 @@ Subsets (``--presets turboquant_k8v4 --modes eager``), ``--variants`` and
 ``--deadline-s`` (stop starting runs, and kill running ones, after that many
 seconds; the rest are recorded as skipped/failed) let a matrix be split across
 several device calls with a per-call time limit; later calls merge into the
-same results file.
+same results file. On a machine that returns only a few files, point
+``--results-dir`` at the returned folder and pack ``--log-dir`` into one archive.
+
+Rough cost (H200, tp 1, ``--jobs 1``, after the one-time CUDA driver PTX
+compile): a run is ~10 s of imports plus 15-30 s (eager) or 40-70 s
+(cudagraph, cold torch.compile) of startup plus a few seconds of requests, so a
+configuration (three runs) takes ~1.5 min eager and ~3 min cudagraph.
 
 What is measured
 ----------------

@@ -55,8 +55,14 @@ class TurboQuantAttentionImpl:
     """Stands in for vLLM's class; discovery must match it by exact type."""
 
     def __init__(
-        self, num_heads: int = 8, num_kv_heads: int = 2, head_size: int = 128, splits: int = 32
+        self,
+        num_heads: int = 8,
+        num_kv_heads: int = 2,
+        head_size: int = 128,
+        splits: int = 32,
+        cache_dtype: str = PRESET,
     ) -> None:
+        self.kv_cache_dtype = cache_dtype
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
@@ -98,15 +104,14 @@ def kv_cache(
     return tensor
 
 
-def layer(
-    feats: compat.Features, impl: Any = None, cache_dtype: str = PRESET, **kv: Any
-) -> SimpleNamespace:
+def layer(feats: compat.Features, impl: Any = None, **kv: Any) -> SimpleNamespace:
     """An ``Attention`` layer; ``kv`` overrides the cache geometry."""
     impl = TurboQuantAttentionImpl() if impl is None else impl
+    dtype = impl.kv_cache_dtype
     kv.setdefault("heads", impl.num_kv_heads)
     kv.setdefault("head_size", impl.head_size)
-    cache = kv_cache(feats, cache_dtype=cache_dtype if cache_dtype in keys.PRESETS else PRESET, **kv)
-    return SimpleNamespace(impl=impl, kv_cache=cache, kv_cache_dtype=cache_dtype)
+    kv.setdefault("cache_dtype", dtype if dtype in keys.PRESETS else PRESET)
+    return SimpleNamespace(impl=impl, kv_cache=kv_cache(feats, **kv), kv_cache_dtype=dtype)
 
 
 def table(width: int, rows: int = 8) -> Any:

@@ -4,8 +4,20 @@ recorder of the specialization keys that launches ask Triton for."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 from collections.abc import Iterator
 from typing import Any
+
+import pytest
+
+from tq_warmup_plugin import compat
+
+MAX_NUM_SEQS = 8
+# (q_len, cached_len) per request. Rows 0..4 of an odd-width table cover both row
+# alignments; cached 3 vs 4 gives arange slices at aligned (4) and unaligned (5)
+# offsets; 130 tokens exceed the 128-token fast-path threshold.
+PREFILL_BATCHES = [[(5, 3), (6, 4), (130, 20), (3, 3), (4, 4)], [(130, 16)]]
 
 def activate_compile_only_driver() -> None:
     """Make Triton target sm90 on a host without a GPU (cpu-ci-recipe.md, 3a)."""
@@ -24,8 +36,6 @@ def recorded_keys() -> Iterator[set[tuple[str, str]]]:
     """
     from triton import knobs
 
-    from tq_warmup_plugin import compat
-
     for name in compat.KERNEL_MODULES:
         compat.kernel_function(name).device_caches.clear()
     seen: set[tuple[str, str]] = set()
@@ -40,3 +50,99 @@ def recorded_keys() -> Iterator[set[tuple[str, str]]]:
         yield seen
     finally:
         knobs.runtime.jit_cache_hook = previous
+
+
+@pytest.fixture(scope="module")
+def vllm_env() -> Any:
+    activate_compile_only_driver()
+    import torch
+    from vllm.v1.worker import workspace
+
+    # A workspace resize frees cached accelerator memory, which a CPU host lacks.
+    torch.accelerator.empty_cache = lambda: None
+
+    feats = compat.features(compat.parse_version(compat.installed_vllm_version()))  # type: ignore[arg-type]
+    if not workspace.is_workspace_manager_initialized():
+        workspace.init_workspace_manager(torch.device("cpu"))
+    return feats
+
+
+def make_impl(cache_dtype: str, d: int, hq: int, hk: int, splits: int, max_len: int) -> Any:
+    """The real impl; only the config it reads in ``__init__`` is a stand-in (a full
+    VllmConfig needs a model and a device)."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from vllm.v1.attention.backends import turboquant_attn
+
+    config = SimpleNamespace(
+        attention_config=SimpleNamespace(tq_max_kv_splits_for_cuda_graph=splits),
+        model_config=SimpleNamespace(max_model_len=max_len),  # read by 0.28+
+    )
+    with mock.patch.object(turboquant_attn, "get_current_vllm_config", return_value=config):
+        return turboquant_attn.TurboQuantAttentionImpl(
+            num_heads=hq, head_size=d, scale=d**-0.5, num_kv_heads=hk, kv_cache_dtype=cache_dtype
+        )
+
+
+def layer_kv_cache(feats: compat.Features, blocks: int, bs: int, hk: int, slot: int) -> Any:
+    """The layer's KV tensor as the release allocates it (see compat.kv_view_strides)."""
+    import torch
+
+    if feats.kv_head_major:
+        return torch.zeros(blocks, hk, bs, slot, dtype=torch.uint8)
+    token_major = torch.zeros(blocks, bs, hk, slot, dtype=torch.uint8)
+    return token_major.transpose(1, 2) if feats.kv_view_transposed else token_major
+
+
+def metadata(requests: list[tuple[int, int]], num_decodes: int, table: Any, seq_buf: Any) -> Any:
+    """TurboQuantMetadata as the builder makes it, over the runner's persistent buffers."""
+    import torch
+    from vllm.v1.attention.backends.turboquant_attn import TurboQuantMetadata
+
+    q_lens = [q for q, _ in requests]
+    seq_lens = [q + c for q, c in requests]
+    n = len(requests)
+    seq_buf[:n] = torch.tensor(seq_lens, dtype=torch.int32)
+    qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    fields = {
+        "seq_lens": seq_buf[:n],
+        "slot_mapping": torch.full((sum(q_lens),), -1, dtype=torch.int64),
+        "block_table": table[:n],
+        "query_start_loc": qsl,
+        "num_actual_tokens": sum(q_lens),
+        "max_query_len": max(q_lens),
+        "max_seq_len": max(seq_lens),
+        "is_prefill": max(q_lens) > 1,
+        "num_decodes": num_decodes,
+        "num_decode_tokens": num_decodes,
+        "query_start_loc_cpu": qsl,
+        "seq_lens_cpu": torch.tensor(seq_lens, dtype=torch.int32),
+    }
+    names = {f.name for f in dataclasses.fields(TurboQuantMetadata)}  # 0.20 lacks the _cpu ones
+    return TurboQuantMetadata(**{k: v for k, v in fields.items() if k in names})
+
+
+def run_backend(
+    impl: Any, kv: Any, width: int, dtype: Any,
+    batches: list[tuple[list[tuple[int, int]], int]] | None = None,
+) -> None:
+    """Drive the real backend over ``(requests, num_decodes)`` batches; by default
+    every TurboQuant path once: decode, mixed, short and long continuation."""
+    import torch
+
+    hq, hk, d = impl.num_heads, impl.num_kv_heads, impl.head_size
+    layer = torch.nn.Module()
+    table = torch.zeros(MAX_NUM_SEQS, width, dtype=torch.int32)
+    seq_buf = torch.zeros(MAX_NUM_SEQS, dtype=torch.int32)
+    if batches is None:
+        batches = [([(1, 40)] * 3, 3), ([(1, 40), (5, 3)], 1)]
+        batches += [(requests, 0) for requests in PREFILL_BATCHES]
+    for requests, num_decodes in batches:
+        n = sum(q for q, _ in requests)
+        q = torch.randn(n, hq * d, dtype=dtype)
+        k = torch.randn(n, hk * d, dtype=dtype)
+        v = torch.randn(n, hk * d, dtype=dtype)
+        meta = metadata(requests, num_decodes, table, seq_buf)
+        impl.do_kv_cache_update(layer, k, v, kv, meta.slot_mapping)
+        impl.forward(layer, q, k, v, kv, meta, output=torch.zeros(n, hq * d, dtype=dtype))

@@ -82,3 +82,14 @@ def test_every_kernel_module_is_a_known_vllm_module() -> None:
     modules = {compat.DECODE_MODULE, compat.STAGE2_MODULE, compat.STORE_MODULE}
     assert set(compat.KERNEL_MODULES.values()) == modules
     assert compat.CALL_SITE_MODULES[0] == compat.WARMUP_MODULE
+
+
+@pytest.mark.parametrize(
+    ("version", "bs", "v2", "width"),
+    [((0, 26), 16, True, 64), ((0, 26), 16, False, 63), ((0, 27), 16, False, 64),
+     ((0, 33), 48, False, 24), ((0, 33), 256, True, 4), ((0, 20), 128, True, 8)],
+)
+def test_block_table_width_for_1000_tokens(
+    version: compat.Version, bs: int, v2: bool, width: int
+) -> None:
+    assert compat.block_table_width(compat.features(version), 1000, bs, v2) == width

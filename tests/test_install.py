@@ -1,0 +1,226 @@
+"""Hooking vLLM's kernel_warmup: call sites, import hook, register(), failure isolation."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import tq_warmup_plugin
+from tq_warmup_plugin import compat, install, warmup
+from tq_warmup_plugin.report import Report
+from tq_warmup_plugin.settings import Settings
+
+
+Log = Callable[[], list[tuple[int, str]]]
+
+
+@pytest.fixture
+def log(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Iterator[Log]:
+    """(level, message) of the plugin's records so far, even where vLLM's logging
+    config stops propagation."""
+    monkeypatch.setattr(install.logger, "propagate", False)
+    caplog.set_level(logging.INFO, logger=install.logger.name)
+    install.logger.addHandler(caplog.handler)
+    yield lambda: [(r.levelno, r.getMessage()) for r in caplog.records]
+    install.logger.removeHandler(caplog.handler)
+
+
+@pytest.fixture
+def sites(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimpleNamespace]:
+    """vLLM's three call-site modules bound to one ``kernel_warmup``; calls are recorded
+    in order, ours as ("warm", worker), vLLM's as ("original", worker, kwargs)."""
+    calls: list[tuple] = []
+
+    def kernel_warmup(worker: Any, *args: Any, **kwargs: Any) -> str:
+        calls.append(("original", worker, kwargs))
+        return "done"
+
+    modules = {}
+    for name in compat.CALL_SITE_MODULES:
+        modules[name] = types.ModuleType(name)
+        modules[name].kernel_warmup = kernel_warmup  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, name, modules[name])
+    monkeypatch.setattr(install, "warm_worker", lambda w, s: calls.append(("warm", w)))
+    yield SimpleNamespace(original=kernel_warmup, modules=modules, calls=calls)
+    install.uninstall()
+
+
+def hooks() -> int:
+    return sum(isinstance(f, install._PatchOnImport) for f in sys.meta_path)
+
+
+def bound(sites: SimpleNamespace) -> set[Any]:
+    return {m.kernel_warmup for m in sites.modules.values()}
+
+
+def test_install_rebinds_every_call_site_to_one_wrapper(sites: SimpleNamespace) -> None:
+    install.install(Settings())
+    (wrapper,) = bound(sites)
+    assert wrapper is not sites.original and install.installed() and hooks() == 1
+    elastic = sites.modules[compat.ELASTIC_MODULE]
+    assert elastic.kernel_warmup("w", process_local_only=True) == "done"
+    assert sites.calls == [("warm", "w"), ("original", "w", {"process_local_only": True})]
+
+
+def test_install_twice_does_not_wrap_twice(sites: SimpleNamespace) -> None:
+    install.install(Settings())
+    install.install(Settings(strict=True))
+    (wrapper,) = bound(sites)
+    assert wrapper.__tq_warmup_original__ is sites.original
+    assert hooks() == 1
+    sites.modules[compat.WORKER_MODULE].kernel_warmup("w")
+    assert [c[0] for c in sites.calls] == ["warm", "original"]
+
+
+def test_foreign_or_absent_call_sites_are_left_alone(
+    sites: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def theirs(worker: Any) -> None: ...
+
+    sites.modules[compat.ELASTIC_MODULE].kernel_warmup = theirs
+    monkeypatch.delitem(sys.modules, compat.WORKER_MODULE)
+    install.install(Settings())
+    assert sites.modules[compat.ELASTIC_MODULE].kernel_warmup is theirs
+    assert install.installed()
+
+
+def test_uninstall_restores_vllm_everywhere(sites: SimpleNamespace) -> None:
+    install.install(Settings())
+    install.uninstall()
+    assert bound(sites) == {sites.original}
+    assert hooks() == 0 and not install.installed()
+
+
+def test_import_hook_patches_a_module_imported_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sites: SimpleNamespace
+) -> None:
+    name = "tqfake_vllm_pkg.kernel_warmup"
+    package = tmp_path / "tqfake_vllm_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "kernel_warmup.py").write_text(
+        "def kernel_warmup(worker, *args, **kwargs):\n    return ('original', worker, kwargs)\n"
+    )
+    monkeypatch.setattr(compat, "WARMUP_MODULE", name)
+    monkeypatch.setattr(compat, "CALL_SITE_MODULES", (name,))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "tqfake_vllm_pkg", raising=False)
+    install.install(Settings())
+    try:
+        module = importlib.import_module(name)
+        assert install.installed()
+        result = module.kernel_warmup("w", process_local_only=True)
+        assert result == ("original", "w", {"process_local_only": True})
+        assert sites.calls == [("warm", "w")]
+    finally:
+        install.uninstall()
+        sys.modules.pop(name, None)
+        sys.modules.pop("tqfake_vllm_pkg", None)
+    assert not hasattr(module.kernel_warmup, "__tq_warmup_original__")
+
+
+@pytest.fixture
+def installs(monkeypatch: pytest.MonkeyPatch) -> list[Settings]:
+    """A fresh ``register()`` whose ``install`` only records its settings."""
+    for var in ("TQ_WARMUP", "TQ_WARMUP_STRICT", "TQ_WARMUP_REPORT", "TQ_WARMUP_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(tq_warmup_plugin, "_registered", False)
+    calls: list[Settings] = []
+    monkeypatch.setattr(install, "install", calls.append)
+    return calls
+
+
+def test_register_disabled_installs_nothing(
+    installs: list[Settings], monkeypatch: pytest.MonkeyPatch, log: Log,
+) -> None:
+    monkeypatch.setenv("TQ_WARMUP", "OFF")
+    tq_warmup_plugin.register()
+    assert installs == []
+    assert log() == [(logging.INFO, "tq-warmup: disabled by TQ_WARMUP")]
+
+
+def test_register_is_idempotent(installs: list[Settings]) -> None:
+    tq_warmup_plugin.register()
+    tq_warmup_plugin.register()
+    assert installs == [Settings()]
+
+
+def test_register_imports_nothing_heavy() -> None:
+    code = (
+        "import sys, tq_warmup_plugin; tq_warmup_plugin.register()\n"
+        "from tq_warmup_plugin import install\n"
+        "print([m for m in ('torch', 'triton', 'vllm') if m in sys.modules])\n"
+        "print(sum(isinstance(f, install._PatchOnImport) for f in sys.meta_path))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TQ_WARMUP")}
+    src = str(Path(tq_warmup_plugin.__file__).parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, check=True)
+    assert done.stdout.split("\n")[:2] == ["[]", "1"]
+
+
+def boom(worker: Any, settings: Settings) -> Report:
+    raise RuntimeError("kaput\nsecond line")
+
+
+def test_warmup_failure_is_one_warning_and_vllm_still_warms(
+    monkeypatch: pytest.MonkeyPatch, log: Log,
+) -> None:
+    monkeypatch.setattr(warmup, "run", boom)
+    original = []
+    wrapper = install.wrap(lambda worker, **kw: original.append(kw) or "done", Settings())
+    assert wrapper(SimpleNamespace(rank=0), process_local_only=True) == "done"
+    assert original == [{"process_local_only": True}]
+    assert log() == [(logging.WARNING, "tq-warmup: failed: RuntimeError: kaput")]
+
+
+def test_strict_mode_raises_the_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(warmup, "run", boom)
+    with pytest.raises(RuntimeError, match="kaput"):
+        install.warm_worker(SimpleNamespace(rank=0), Settings(strict=True))
+
+
+@pytest.mark.parametrize(("strict", "raises"), [(False, False), (True, True)])
+def test_errors_warn_and_fail_only_strict_mode(
+    monkeypatch: pytest.MonkeyPatch, log: Log,
+    strict: bool, raises: bool,
+) -> None:
+    report = Report(layers=1, distinct=2, compiled=1, failed=1, errors=["_k: E: x"])
+    monkeypatch.setattr(warmup, "run", lambda w, s: report)
+    if raises:
+        with pytest.raises(RuntimeError, match="strict mode"):
+            install.warm_worker(SimpleNamespace(rank=0), Settings(strict=strict))
+    else:
+        install.warm_worker(SimpleNamespace(rank=0), Settings(strict=strict))
+    assert log() == [(logging.WARNING, report.line())]
+
+
+def test_report_json_per_rank(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, log: Log) -> None:
+    report = Report(vllm_version="0.26.0", layers=2, distinct=5, compiled=5)
+    monkeypatch.setattr(warmup, "run", lambda w, s: report)
+    settings = Settings(report_path=str(tmp_path / "tq-{rank}.json"))
+    install.warm_worker(SimpleNamespace(rank=3), settings)
+    assert json.loads((tmp_path / "tq-3.json").read_text()) == json.loads(report.to_json())
+    assert log() == [(logging.INFO, report.line())]
+
+
+def test_unwritable_report_only_warns(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                      log: Log) -> None:
+    monkeypatch.setattr(warmup, "run", lambda w, s: Report())
+    settings = Settings(report_path=str(tmp_path / "missing" / "r.json"))
+    install.warm_worker(SimpleNamespace(rank=0), settings)
+    levels = [level for level, _ in log()]
+    assert levels == [logging.INFO, logging.WARNING]
+    assert "cannot write the JSON report" in log()[1][1]

@@ -1,0 +1,166 @@
+"""The plugin against the real vLLM modules: hook placement, the objects it reads,
+end-to-end warmup with real Triton compilation for sm90, and the workspace lock."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tq_warmup_plugin import compat, install, keys, workspace
+from tq_warmup_plugin.settings import Settings
+from tq_warmup_plugin.warmup import run
+
+from realvllm import (
+    MAX_NUM_SEQS,
+    layer_kv_cache,
+    make_impl,
+    recorded_keys,
+    run_backend,
+    vllm_env,
+)
+
+pytestmark = pytest.mark.real_vllm
+
+
+def test_hook_lands_at_the_real_call_sites(vllm_env: compat.Features) -> None:
+    import vllm.model_executor.warmup.kernel_warmup as defining
+    import vllm.v1.worker.gpu_worker as gpu_worker
+
+    original = defining.kernel_warmup
+    params = list(inspect.signature(original).parameters)
+    assert params[0] == "worker"
+    if vllm_env.version >= (0, 27):
+        assert "process_local_only" in params
+    assert "kernel_warmup(self)" in inspect.getsource(gpu_worker.Worker)
+    install.install(Settings())
+    try:
+        assert gpu_worker.kernel_warmup is defining.kernel_warmup is not original
+        assert gpu_worker.kernel_warmup.__wrapped__ is original  # type: ignore[attr-defined]
+    finally:
+        install.uninstall()
+    assert gpu_worker.kernel_warmup is original and defining.kernel_warmup is original
+
+
+def test_vllm_loads_the_entry_point_and_the_worker_gets_the_wrapper() -> None:
+    # A fresh process: vLLM's own plugin loader calls register(), then the worker
+    # module is imported and must bind our wrapper through the import hook.
+    code = (
+        "from vllm.plugins import load_general_plugins; load_general_plugins();"
+        "import vllm.v1.worker.gpu_worker as w;"
+        "print(hasattr(w.kernel_warmup, '__tq_warmup_original__'))"
+    )
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "VLLM_PLUGINS": "tq_warmup"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip().splitlines()[-1] == "True", out.stderr[-2000:]
+    env["VLLM_PLUGINS"] = "someone_else"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]
+
+
+def test_objects_the_plugin_reads_exist(vllm_env: compat.Features) -> None:
+    import dataclasses
+
+    from vllm.v1.worker import gpu_model_runner, workspace as ws
+    from vllm.v1.worker.gpu import block_table as v2_block_table
+    from vllm.v1.worker.utils import AttentionGroup
+
+    impl = make_impl("turboquant_k3v4_nc", 128, 8, 2, 32, 1024)
+    for attr in ("num_heads", "num_kv_heads", "head_size", "scale", "max_num_kv_splits",
+                 "kv_cache_dtype"):
+        assert hasattr(impl, attr), attr
+    fields = {f.name for f in dataclasses.fields(AttentionGroup)}
+    assert {"layer_names", "kv_cache_group_id"} <= fields
+    for name in ("is_workspace_manager_initialized", "current_workspace_manager"):
+        assert callable(getattr(ws, name))
+    for method in ("get_simultaneous", "is_locked", "lock"):
+        assert callable(getattr(ws.WorkspaceManager, method))
+    assert "self.input_block_tables" in inspect.getsource(v2_block_table.BlockTables)
+    assert "self.attn_groups" in inspect.getsource(gpu_model_runner.GPUModelRunner)
+    assert compat.turboquant_impl_class() is type(impl)
+
+
+def fake_worker(impls: dict[str, Any], feats: compat.Features, width: int) -> Any:
+    """A worker/runner stand-in whose layers carry real impls and real KV tensors."""
+    import torch
+
+    layers = {}
+    for name, impl in impls.items():
+        kv = layer_kv_cache(feats, 4, 16, impl.num_kv_heads, impl.tq_config.slot_size_aligned)
+        layers[name] = SimpleNamespace(impl=impl, kv_cache=kv)
+    layers["boundary"] = SimpleNamespace(impl=object(), kv_cache=None)
+    group = SimpleNamespace(layer_names=[*layers], kv_cache_group_id=0)
+    table = torch.zeros(MAX_NUM_SEQS, width, dtype=torch.int32)
+    runner = SimpleNamespace(
+        attn_groups=[[group]], block_tables=SimpleNamespace(input_block_tables=[table])
+    )
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(runner_type="generate", dtype=torch.bfloat16,
+                                     max_model_len=width * 16),
+        scheduler_config=SimpleNamespace(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=2048),
+        compilation_config=SimpleNamespace(static_forward_context=layers),
+    )
+    return SimpleNamespace(vllm_config=config, model_runner=runner, use_v2_model_runner=True,
+                           rank=0)
+
+
+def test_end_to_end_warmup_builds_sm90_cubins(
+    vllm_env: compat.Features, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    for name in compat.KERNEL_MODULES:
+        compat.kernel_function(name).device_caches.clear()
+    impls = {f"layers.{i}.attn": make_impl(p, 128, 8, 2, 32, 1024)
+             for i, p in enumerate(["turboquant_4bit_nc", "turboquant_4bit_nc", "turboquant_k8v4"])}
+    report = run(fake_worker(impls, vllm_env, 64), Settings(threads=2))
+    assert report.status == "ok", report.line()
+    assert report.layers == 3 and report.failed == 0, report.line()
+    # Two identical layers share keys: distinct keys come from two presets only.
+    assert report.distinct == report.compiled + report.loaded
+    assert report.compiled == report.distinct  # fresh cache dir: everything compiled
+    cubins = {p.stem for p in tmp_path.rglob("*.cubin")}
+    assert cubins == {"_tq_decode_stage1", "_fwd_kernel_stage2", "_tq_full_dequant_kv",
+                      "_tq_fused_store_mse", "_tq_fused_store_fp8"}
+    again = run(fake_worker(impls, vllm_env, 64), Settings())
+    assert again.compiled == 0 and again.loaded == 0  # all in Triton's in-memory cache
+
+
+@pytest.mark.parametrize("reserve", [True, False])
+def test_reservation_survives_the_workspace_lock(vllm_env: compat.Features, reserve: bool) -> None:
+    """Without our reservation, the real backend grows the locked workspace and
+    raises; with it, decode at max_num_seqs and the longest continuation fit."""
+    import torch
+    from vllm.v1.worker import workspace as ws
+
+    if not vllm_env.uses_workspace:
+        pytest.skip("0.20 does not use the workspace")
+    width, bs = 64, 16
+    impl = make_impl("turboquant_4bit_nc", 128, 8, 2, 32, width * bs)
+    ws.reset_workspace_manager()
+    ws.init_workspace_manager(torch.device("cpu"))
+    try:
+        g = keys.Geometry("turboquant_4bit_nc", 128, 8, 2, bs, impl.scale, (0, 0, 0), "bfloat16",
+                          width, MAX_NUM_SEQS, width * bs, 2048, 32, 0, vllm_env)
+        if reserve:
+            assert workspace.reserve(workspace.plan_reservation([g]), vllm_env) > 0
+        ws.lock_workspace()
+        kv = layer_kv_cache(vllm_env, width, bs, 2, impl.tq_config.slot_size_aligned)
+        longest = [(200, width * bs - 200 - 1)]
+        decode_all = [(1, 40)] * MAX_NUM_SEQS
+        # Launches are recorded, not run: the compile-only driver cannot launch.
+        with recorded_keys():
+            if reserve:
+                batches = [(decode_all, MAX_NUM_SEQS), (longest, 0)]
+                run_backend(impl, kv, width, torch.bfloat16, batches)
+            else:
+                with pytest.raises(AssertionError, match="Workspace is locked"):
+                    run_backend(impl, kv, width, torch.bfloat16, [(longest, 0)])
+    finally:
+        ws.reset_workspace_manager()
+        ws.init_workspace_manager(torch.device("cpu"))

@@ -1,0 +1,72 @@
+"""The workspace the TurboQuant paths request, and its reservation."""
+
+from __future__ import annotations
+
+import fakes
+import pytest
+
+from tq_warmup_plugin import compat, workspace
+
+
+def test_decode_and_continuation_requests() -> None:
+    g = fakes.geometry(max_num_seqs=8, num_heads=8, num_kv_heads=2, head_size=128, splits=16,
+                       block_size=16, max_model_len=1000, model_dtype="float16")
+    decode, continuation = workspace.runtime_requests(g)
+    assert decode == (((8, 8, 16, 129), "float32"), ((8, 8, 128), "float16"), ((8, 8), "float32"))
+    # 999 cached tokens round up to 63 blocks of 16
+    assert continuation == (((1, 2, 1008, 128), "float16"),) * 2
+
+
+def test_release_0_20_requests_nothing() -> None:
+    assert workspace.runtime_requests(fakes.geometry(version=(0, 20))) == []
+
+
+@pytest.mark.parametrize(("batched", "groups"), [(128, 1), (129, 2)])
+def test_continuation_only_past_the_fast_path(batched: int, groups: int) -> None:
+    assert len(workspace.runtime_requests(fakes.geometry(batched=batched))) == groups
+
+
+@pytest.mark.parametrize(
+    ("group", "size"),
+    [([((1,), "float32")], 256), ([((64,), "float32")], 256), ([((65,), "float32")], 512),
+     ([((1,), "float32"), ((1,), "bfloat16")], 512), ([((2, 3, 64), "float16")], 768), ([], 0)],
+)
+def test_request_bytes_rounds_each_view(group: list[workspace.Request], size: int) -> None:
+    assert workspace.request_bytes(group) == size
+
+
+def test_plan_reservation_dedupes_largest_first() -> None:
+    small, big = fakes.geometry(max_num_seqs=2), fakes.geometry(max_num_seqs=64)
+    groups = workspace.plan_reservation([small, big, small])
+    assert len(groups) == len(set(groups)) == 3  # the continuation request is shared
+    assert set(groups) == {*workspace.runtime_requests(small), *workspace.runtime_requests(big)}
+    sizes = [workspace.request_bytes(g) for g in groups]
+    assert sizes == sorted(sizes, reverse=True)
+
+
+class FakeManager:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def get_simultaneous(self, *views: tuple) -> None:
+        self.calls.append(views)
+
+
+def test_reserve_requests_the_largest_group_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    manager = FakeManager()
+    monkeypatch.setattr(compat, "workspace_manager", lambda feats: manager)
+    groups = workspace.plan_reservation([fakes.geometry(max_num_seqs=64, model_dtype="float16")])
+    reserved = workspace.reserve(groups, compat.features((0, 26)))
+    assert reserved == workspace.request_bytes(groups[0]) > workspace.request_bytes(groups[1])
+    assert manager.calls == [tuple((shape, getattr(torch, dt)) for shape, dt in groups[0])]
+
+
+@pytest.mark.parametrize(("manager", "groups"), [(None, [(((1,), "float32"),)]),
+                                                 (FakeManager(), [])])
+def test_reserve_without_manager_or_requests(
+    monkeypatch: pytest.MonkeyPatch, manager: FakeManager | None, groups: list
+) -> None:
+    monkeypatch.setattr(compat, "workspace_manager", lambda feats: manager)
+    assert workspace.reserve(groups, compat.features((0, 26))) == 0
+    assert manager is None or manager.calls == []
