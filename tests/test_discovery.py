@@ -72,6 +72,12 @@ def test_block_table_source(use_v2: bool, kernel_width: int | None, width: int) 
     assert discover(worker, FEATS).geometries["tq"].block_table_width == width
 
 
+def test_block_table_width_is_the_row_stride() -> None:
+    padded = fakes.table(128)[:, :80]
+    worker = fakes.worker({"tq": fakes.layer(FEATS)}, [padded])
+    assert discover(worker, FEATS).geometries["tq"].block_table_width == 128
+
+
 def test_each_group_reads_its_own_block_table() -> None:
     layers = {"a": fakes.layer(FEATS), "b": fakes.layer(FEATS)}
     worker = fakes.worker(layers, [fakes.table(48), fakes.table(33)],

@@ -21,7 +21,6 @@ from tq_warmup_plugin import compat, install, warmup
 from tq_warmup_plugin.report import Report
 from tq_warmup_plugin.settings import Settings
 
-
 Log = Callable[[], list[tuple[int, str]]]
 
 
@@ -80,6 +79,15 @@ def test_install_twice_does_not_wrap_twice(sites: SimpleNamespace) -> None:
     assert wrapper.__tq_warmup_original__ is sites.original
     assert hooks() == 1
     sites.modules[compat.WORKER_MODULE].kernel_warmup("w")
+    assert [c[0] for c in sites.calls] == ["warm", "original"]
+
+
+def test_a_late_call_site_gets_the_same_wrapper(sites: SimpleNamespace) -> None:
+    install.install(Settings())
+    sites.modules[compat.ELASTIC_MODULE].kernel_warmup = sites.original
+    install.install(Settings())
+    (wrapper,) = bound(sites)
+    wrapper("w")
     assert [c[0] for c in sites.calls] == ["warm", "original"]
 
 

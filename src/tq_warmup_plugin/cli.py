@@ -8,10 +8,12 @@ feed it to the same warmers, so what they print or build is what startup warms.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from importlib import metadata
@@ -74,6 +76,8 @@ def _model_shape(path: str | None) -> dict[str, Any]:
 def geometry_from_args(args: argparse.Namespace) -> tuple[keys.Geometry, int]:
     """The geometry the worker would discover, from a config and explicit flags,
     and the number of TurboQuant layers (TurboQuant leaves two at each end)."""
+    if args.kv_cache_dtype is None:
+        raise SystemExit("tq-warmup: need --kv-cache-dtype (or --geometry-json)")
     cfg = _model_shape(args.model)
     heads = args.num_heads or cfg.get("num_attention_heads")
     kv_heads = args.num_kv_heads or cfg.get("num_key_value_heads") or heads
@@ -116,10 +120,27 @@ def geometry_from_args(args: argparse.Namespace) -> tuple[keys.Geometry, int]:
     return geometry, max(0, int(cfg.get("num_hidden_layers", 5)) - 4)
 
 
+def geometries_from_report(path: str) -> list[keys.Geometry]:
+    """The geometries a real startup discovered (its ``TQ_WARMUP_REPORT`` JSON)."""
+    data = json.loads(Path(path).read_text())
+    version = compat.parse_version(data.get("vllm_version"))
+    problem = compat.support_problem(version)
+    if problem is not None or version is None:
+        raise SystemExit(f"tq-warmup: {path}: {problem}")
+    feats = compat.features(version)
+    return [keys.Geometry.from_dict(g, feats) for g in data["geometries"]]
+
+
 def _plan(args: argparse.Namespace) -> tuple[keys.Plan, keys.Geometry, int]:
-    geometry, layers = geometry_from_args(args)
+    if args.geometry_json:
+        found = geometries_from_report(args.geometry_json)
+        geometry, layers = found[0], len(found)
+    else:
+        geometry, layers = geometry_from_args(args)
+        found = [geometry]
     pm = plugin_manager()
-    contributions = pm.hook.tq_warmup_keys(geometries={"layer": geometry})
+    named = {f"geometry{i}": g for i, g in enumerate(found)}
+    contributions = pm.hook.tq_warmup_keys(geometries=named)
     return keys.plan(c for batch in contributions for c in batch), geometry, layers
 
 
@@ -136,7 +157,7 @@ def inspect(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
         return 0
     print(f"{len(the_plan.keys)} distinct kernel keys for {layers} TurboQuant layers "
-          f"({args.kv_cache_dtype}, vLLM {'.'.join(map(str, geometry.features.version))}, "
+          f"({geometry.cache_dtype}, vLLM {'.'.join(map(str, geometry.features.version))}, "
           f"sm{args.arch})")
     for path, described in per_path.items():
         print(f"\n{path}: {len(described)}")
@@ -157,29 +178,39 @@ def _progress(done: int, total: int) -> None:
 def precompile(args: argparse.Namespace) -> int:
     """Compile the plan for the target architecture into ``--cache-dir``."""
     installed = {"vllm": compat.installed_vllm_version(), "triton": _dist_version("triton")}
-    wanted = {"vllm": args.image_vllm, "triton": args.image_triton}
+    wheel = Path(args.image_triton_wheel) if args.image_triton_wheel else None
+    image_triton = args.image_triton
+    if wheel is not None:
+        # "triton-3.6.0-cp312-...whl": the release is the second field.
+        image_triton = image_triton or wheel.name.split("-")[1]
+    wanted = {"vllm": args.image_vllm, "triton": image_triton}
     for name, want in wanted.items():
         if want is not None and want != installed[name]:
             print(f"tq-warmup: refusing: the image runs {name} {want} but {installed[name]} is "
                   f"installed here; Triton's cache is only valid for the same Triton and "
                   f"kernel sources", file=sys.stderr)
             return 2
-    args.vllm_version = None  # compile with, and for, what is installed
+    if args.geometry_json is None:
+        args.vllm_version = None  # compile with, and for, what is installed
     cache_dir = Path(args.cache_dir).resolve()
     cache_dir.mkdir(parents=True, exist_ok=True)
     os.environ["TRITON_CACHE_DIR"] = str(cache_dir)
     # Without a GPU, vLLM swaps Triton for placeholders unless this is set first.
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    the_plan, _, _ = _plan(args)
+    the_plan, geometry, _ = _plan(args)
 
     from .report import CompileCounter
-    from .warmers.triton_jit import use_compile_only_target
+    from .warmers.triton_jit import cache_keys_for, triton_key_of_wheel, use_compile_only_target
 
     use_compile_only_target(args.arch)
     pm = plugin_manager()
     failures: list[str] = []
     start = time.perf_counter()
-    with CompileCounter() as counter:
+    keys_as: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if wheel is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            keys_as = cache_keys_for(triton_key_of_wheel(wheel, tmp))
+    with keys_as, CompileCounter() as counter:
         for i, key in enumerate(the_plan.keys, 1):
             try:
                 pm.hook.tq_warmup_compile(key=key)
@@ -188,10 +219,11 @@ def precompile(args: argparse.Namespace) -> int:
             _progress(i, len(the_plan.keys))
     manifest = {
         "vllm": installed["vllm"], "triton": installed["triton"], "arch": args.arch,
-        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_dtype": geometry.cache_dtype,
         "keys": [k.describe() for k in the_plan.keys],  # type: ignore[attr-defined]
     }
-    (cache_dir / "tq-warmup-manifest.json").write_text(json.dumps(manifest, indent=2))
+    manifest_file = cache_dir / f"tq-warmup-manifest-{geometry.cache_dtype}.json"
+    manifest_file.write_text(json.dumps(manifest, indent=2))
     print(f"tq-warmup: {len(the_plan.keys)} keys for sm{args.arch} in {cache_dir}: "
           f"{counter.compiled} built, {counter.loaded} already there, {len(failures)} failed "
           f"({time.perf_counter() - start:.1f} s; vLLM {installed['vllm']}, "
@@ -203,7 +235,9 @@ def precompile(args: argparse.Namespace) -> int:
 
 def _geometry_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="config.json, or a directory holding one")
-    p.add_argument("--kv-cache-dtype", required=True, choices=sorted(keys.PRESETS))
+    p.add_argument("--geometry-json", help="plan from the geometries in a plugin JSON report "
+                   "(TQ_WARMUP_REPORT) of a real startup instead of the flags below")
+    p.add_argument("--kv-cache-dtype", choices=sorted(keys.PRESETS))
     p.add_argument("--head-size", type=int)
     p.add_argument("--num-heads", type=int, help="query heads (whole model)")
     p.add_argument("--num-kv-heads", type=int, help="KV heads (whole model)")
@@ -233,6 +267,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_pre.add_argument("--cache-dir", required=True)
     p_pre.add_argument("--image-vllm", help="vLLM version the image will run")
     p_pre.add_argument("--image-triton", help="Triton version the image will run")
+    p_pre.add_argument("--image-triton-wheel",
+                       help="the image's Triton wheel, when the image runs another Python: "
+                            "Triton's cache keys hash its own build, so they are computed "
+                            "from this wheel (same Triton release only)")
     args = parser.parse_args(argv)
     handler = {"doctor": doctor, "inspect": inspect, "precompile": precompile}[args.command]
     return handler(args)

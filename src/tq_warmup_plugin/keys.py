@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from .compat import (
     CONTINUATION_DECODE_THRESHOLD,
@@ -202,6 +203,16 @@ class Geometry:
         if self.model_dtype not in _MODEL_DTYPES:
             raise ValueError(f"unsupported model dtype {self.model_dtype!r}")
         return _MODEL_DTYPES[self.model_dtype]
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain fields, without the release features (the release is recorded apart)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "features"}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], feats: Features) -> Geometry:
+        values = dict(data)
+        values["kv_strides"] = tuple(values["kv_strides"])
+        return cls(**values, features=feats)
 
     def check(self) -> None:
         """Raise ValueError for a geometry the kernels cannot have been built for."""

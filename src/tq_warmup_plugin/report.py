@@ -27,6 +27,9 @@ class Report:
     warmup_s: float = 0.0
     workspace_bytes: int = 0
     errors: list[str] = field(default_factory=list)
+    geometries: list[dict[str, Any]] = field(default_factory=list)
+    """Distinct layer geometries as discovered: ``tq-warmup inspect/precompile
+    --geometry-json`` plans from these exactly what this startup warmed."""
 
     def line(self) -> str:
         """The single INFO/WARNING line vLLM's log gets."""

@@ -52,6 +52,8 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
 
     found = discover(worker, feats)
     report = Report(vllm_version=version_text, layers=len(found.geometries))
+    distinct = dict.fromkeys(found.geometries.values())
+    report.geometries = [g.to_dict() for g in distinct]
     report.errors.extend(f"layer {name}: {why}" for name, why in found.refused.items())
     if not found.geometries:
         report.status = "skipped"

@@ -1,0 +1,50 @@
+"""The report's log line and JSON form, and the Triton compile counter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tq_warmup_plugin.report import CompileCounter, Report
+
+
+def test_ok_line_has_every_count() -> None:
+    report = Report(layers=32, keys={"decode": 2, "store": 1}, distinct=3, compiled=2,
+                    loaded=1, failed=0, warmup_s=1.2345, workspace_bytes=3 * 2**20)
+    assert report.line() == (
+        "tq-warmup: 32 TurboQuant layers, 3 distinct kernel keys (decode 2, store 1): "
+        "2 compiled, 1 from Triton's disk cache, 0 failed; workspace 3.0 MiB; 1234 ms")
+
+
+def test_ok_line_with_failures_names_the_first_error() -> None:
+    line = Report(failed=2, errors=["_k: RuntimeError: a", "_k: RuntimeError: b"]).line()
+    assert "2 failed" in line and line.endswith("; first error: _k: RuntimeError: a")
+
+
+@pytest.mark.parametrize("status", ["skipped", "failed"])
+def test_other_statuses_give_the_reason(status: str) -> None:
+    report = Report(status=status, reason="vLLM 0.19 is outside the supported releases")
+    assert report.line() == f"tq-warmup: {status}: vLLM 0.19 is outside the supported releases"
+
+
+def test_json_round_trips() -> None:
+    report = Report(vllm_version="0.26.0", layers=2, keys={"decode": 4}, distinct=4,
+                    compiled=3, loaded=1, warmup_s=0.5, workspace_bytes=1024, errors=["x"])
+    assert Report(**json.loads(report.to_json())) == report
+
+
+def test_compile_counter_counts_and_chains_the_listener(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("triton")
+    from triton import knobs
+
+    previous: list[bool] = []
+    monkeypatch.setattr(knobs.compilation, "listener",
+                        lambda *, cache_hit, **kw: previous.append(cache_hit))
+    chained = knobs.compilation.listener
+    with CompileCounter() as counter:
+        for hit in (False, True, False):
+            knobs.compilation.listener(cache_hit=hit, src=None, metadata=None, times=None)
+    assert (counter.compiled, counter.loaded) == (2, 1)
+    assert previous == [False, True, False]
+    assert knobs.compilation.listener is chained

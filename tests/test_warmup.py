@@ -1,0 +1,188 @@
+"""warmup.run end to end with discovery, the compiler and the workspace faked."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import fakes
+import pytest
+
+from tq_warmup_plugin import compat, keys, warmup
+from tq_warmup_plugin.discovery import Discovery
+from tq_warmup_plugin.hookspecs import hookimpl, plugin_manager
+from tq_warmup_plugin.keys import Const, Int, KernelKey, Ptr
+from tq_warmup_plugin.settings import Settings
+from tq_warmup_plugin.warmers import triton_jit
+
+FAILING = "_tq_full_dequant_kv"
+GEOMETRIES = {
+    "model.layers.0.attn": fakes.geometry(),
+    "model.layers.1.attn": fakes.geometry(),
+    "model.layers.2.attn": fakes.geometry(head_size=64, width=63),
+}
+
+
+class RecordingWarmer:
+    """Handles every KernelKey instead of Triton; raises for one kernel."""
+
+    def __init__(self, failing: str | None = FAILING) -> None:
+        self.failing = failing
+        self.seen: list[Hashable] = []
+        self.threads: set[int] = set()
+
+    @hookimpl
+    def tq_warmup_compile(self, key: Hashable) -> bool | None:
+        if not isinstance(key, KernelKey):
+            return None
+        self.seen.append(key)
+        self.threads.add(threading.get_ident())
+        if key.kernel == self.failing:
+            raise RuntimeError("ptxas died\nstack")
+        return True
+
+
+class ExtraWarmer:
+    """A third-party warmer with its own keys and compiler."""
+
+    def __init__(self) -> None:
+        self.compiled: list[Hashable] = []
+
+    @hookimpl
+    def tq_warmup_keys(self, geometries: Mapping[str, keys.Geometry]) -> list[tuple]:
+        return [(name, "extra", ("extra", g.head_size)) for name, g in geometries.items()]
+
+    @hookimpl
+    def tq_warmup_compile(self, key: Hashable) -> bool | None:
+        if not (isinstance(key, tuple) and key[0] == "extra"):
+            return None
+        self.compiled.append(key)
+        return True
+
+
+class StubCounter:
+    def __enter__(self) -> StubCounter:
+        self.compiled, self.loaded = 3, 4
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def manager(*warmers: object) -> Any:
+    pm = plugin_manager(load_entry_points=False)
+    for warmer in warmers:  # registered last, called first
+        pm.register(warmer)
+    return pm
+
+
+@pytest.fixture
+def found(monkeypatch: pytest.MonkeyPatch) -> Discovery:
+    """vLLM 0.26 with three discovered layers, no workspace and no Triton."""
+    found = Discovery(geometries=dict(GEOMETRIES))
+
+    def discover(worker: Any, feats: compat.Features) -> Discovery:
+        assert feats == compat.features((0, 26))
+        return found
+
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
+    monkeypatch.setattr(compat, "workspace_manager", lambda feats: None)
+    monkeypatch.setattr(warmup, "CompileCounter", StubCounter)
+    monkeypatch.setattr(warmup, "discover", discover)
+    return found
+
+
+@pytest.mark.parametrize("version", ["0.19.0", "0.34.0", "", None])
+def test_unsupported_release_is_skipped(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: version)
+    monkeypatch.setattr(warmup, "discover", None)  # must not be reached
+    report = warmup.run(object(), Settings())
+    assert report.status == "skipped" and report.vllm_version == (version or "")
+    assert report.reason == compat.support_problem(compat.parse_version(version))
+    assert report.line() == f"tq-warmup: skipped: {report.reason}"
+
+
+def test_each_distinct_key_compiles_once_and_failures_are_counted(found: Discovery) -> None:
+    warmer = RecordingWarmer()
+    report = warmup.run(object(), Settings(), manager(warmer))
+    expected = keys.plan(keys.turboquant_contributions(GEOMETRIES))
+    failing = [k for k in expected.keys if k.kernel == FAILING]  # type: ignore[attr-defined]
+    assert report.status == "ok" and report.layers == 3
+    assert Counter(warmer.seen) == Counter(expected.keys)
+    assert report.distinct == len(expected.keys) < len(list(
+        keys.turboquant_contributions(GEOMETRIES)))
+    assert report.keys == expected.count_by_path()
+    assert failing and report.failed == len(failing) == len(report.errors)
+    assert set(report.errors) == {f"{FAILING}: RuntimeError: ptxas died"}
+    assert (report.compiled, report.loaded, report.workspace_bytes) == (3, 4, 0)
+
+
+def test_threads_compile_the_same_set() -> None:
+    todo = keys.plan(keys.turboquant_contributions(GEOMETRIES)).keys
+    serial, threaded = RecordingWarmer(), RecordingWarmer()
+    errors_serial = warmup.compile_all(manager(serial), todo, 1)
+    errors_threaded = warmup.compile_all(manager(threaded), todo, 2)
+    assert Counter(serial.seen) == Counter(threaded.seen) == Counter(todo)
+    assert Counter(errors_serial) == Counter(errors_threaded) and errors_serial
+    main = threading.get_ident()
+    assert serial.threads == {main} and main not in threaded.threads
+
+
+def test_a_key_nobody_handles_is_an_error() -> None:
+    assert warmup.compile_all(manager(), ["mystery"], 1) == ["no warmer handles 'mystery'"]
+
+
+def test_third_party_warmer_contributes_and_compiles_its_keys(found: Discovery) -> None:
+    extra = ExtraWarmer()
+    report = warmup.run(object(), Settings(threads=2), manager(RecordingWarmer(None), extra))
+    tq_only = keys.plan(keys.turboquant_contributions(GEOMETRIES))
+    assert Counter(extra.compiled) == Counter([("extra", 128), ("extra", 64)])
+    assert report.keys == {**tq_only.count_by_path(), "extra": 2}
+    assert report.distinct == len(tq_only.keys) + 2
+    assert (report.failed, report.errors) == (0, [])
+
+
+def test_refused_layers_are_errors_not_failures(found: Discovery) -> None:
+    found.refused["model.layers.3.attn"] = "ValueError: odd cache"
+    report = warmup.run(object(), Settings(), manager(RecordingWarmer(None)))
+    assert report.status == "ok" and report.failed == 0
+    assert report.errors == ["layer model.layers.3.attn: ValueError: odd cache"]
+
+
+def test_no_turboquant_layers_is_skipped(found: Discovery) -> None:
+    found.geometries.clear()
+    assert warmup.run(object(), Settings(), manager()).reason == (
+        "no TurboQuant attention layers in this worker")
+    found.refused["l"] = "ValueError: bad"
+    report = warmup.run(object(), Settings(), manager())
+    assert report.status == "skipped"
+    assert report.reason.endswith("(1 refused: layer l: ValueError: bad)")
+
+
+def test_triton_warmer_passes_the_key_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, dict]] = []
+
+    class Kernel:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def warmup(self, **kwargs: Any) -> None:
+            calls.append((self.name, kwargs))
+
+    monkeypatch.setattr(compat, "kernel_function", Kernel)
+    key = KernelKey("_tq_decode_stage1", (("n", Int.of(48)), ("C", Const(0.5))), 4, 2)
+    assert triton_jit.tq_warmup_compile(key) is True
+    assert calls == [("_tq_decode_stage1",
+                      {"grid": (1,), "n": 16, "C": 0.5, "num_warps": 4, "num_stages": 2})]
+    assert triton_jit.tq_warmup_compile(("extra", 1)) is None
+
+
+def test_warmup_arguments_reproduce_dtype_and_alignment() -> None:
+    torch = pytest.importorskip("torch")
+    key = KernelKey("k", (("a", Ptr("bf16")), ("b", Ptr("i32", aligned=False))), 8)
+    out = triton_jit.warmup_arguments(key)
+    assert (out["a"].dtype, out["a"].data_ptr() % 16) == (torch.bfloat16, 0)
+    assert out["b"].dtype == torch.int32 and out["b"].data_ptr() % 16 != 0
+    assert out["num_warps"] == 8 and "num_stages" not in out
