@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Any
 
 import pytest
 
@@ -20,3 +21,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "real_vllm" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def vllm_env() -> Any:
+    from realvllm import activate_compile_only_driver
+
+    activate_compile_only_driver()
+    import torch
+    from vllm.v1.worker import workspace
+
+    # A workspace resize frees cached accelerator memory, which a CPU host lacks.
+    torch.accelerator.empty_cache = lambda: None
+
+    from tq_warmup_plugin import compat
+
+    feats = compat.features(compat.parse_version(compat.installed_vllm_version()))  # type: ignore[arg-type]
+    if not workspace.is_workspace_manager_initialized():
+        workspace.init_workspace_manager(torch.device("cpu"))
+    return feats

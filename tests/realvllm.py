@@ -9,8 +9,6 @@ import itertools
 from collections.abc import Iterator
 from typing import Any
 
-import pytest
-
 from tq_warmup_plugin import compat
 
 MAX_NUM_SEQS = 8
@@ -50,21 +48,6 @@ def recorded_keys() -> Iterator[set[tuple[str, str]]]:
         yield seen
     finally:
         knobs.runtime.jit_cache_hook = previous
-
-
-@pytest.fixture(scope="module")
-def vllm_env() -> Any:
-    activate_compile_only_driver()
-    import torch
-    from vllm.v1.worker import workspace
-
-    # A workspace resize frees cached accelerator memory, which a CPU host lacks.
-    torch.accelerator.empty_cache = lambda: None
-
-    feats = compat.features(compat.parse_version(compat.installed_vllm_version()))  # type: ignore[arg-type]
-    if not workspace.is_workspace_manager_initialized():
-        workspace.init_workspace_manager(torch.device("cpu"))
-    return feats
 
 
 def make_impl(cache_dtype: str, d: int, hq: int, hk: int, splits: int, max_len: int) -> Any:

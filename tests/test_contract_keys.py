@@ -13,11 +13,10 @@ import math
 from typing import Any
 
 import pytest
+from realvllm import MAX_NUM_SEQS, layer_kv_cache, make_impl, recorded_keys, run_backend
 
 from tq_warmup_plugin import compat, keys
 from tq_warmup_plugin.warmers.triton_jit import compile_key
-
-from realvllm import MAX_NUM_SEQS, layer_kv_cache, make_impl, recorded_keys, run_backend, vllm_env
 
 pytestmark = pytest.mark.real_vllm
 

@@ -12,19 +12,17 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-
-from tq_warmup_plugin import compat, install, keys, workspace
-from tq_warmup_plugin.settings import Settings
-from tq_warmup_plugin.warmup import run
-
 from realvllm import (
     MAX_NUM_SEQS,
     layer_kv_cache,
     make_impl,
     recorded_keys,
     run_backend,
-    vllm_env,
 )
+
+from tq_warmup_plugin import compat, install, keys, workspace
+from tq_warmup_plugin.settings import Settings
+from tq_warmup_plugin.warmup import run
 
 pytestmark = pytest.mark.real_vllm
 
@@ -67,7 +65,8 @@ def test_vllm_loads_the_entry_point_and_the_worker_gets_the_wrapper() -> None:
 def test_objects_the_plugin_reads_exist(vllm_env: compat.Features) -> None:
     import dataclasses
 
-    from vllm.v1.worker import gpu_model_runner, workspace as ws
+    from vllm.v1.worker import gpu_model_runner
+    from vllm.v1.worker import workspace as ws
     from vllm.v1.worker.gpu import block_table as v2_block_table
     from vllm.v1.worker.utils import AttentionGroup
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from tq_warmup_plugin.settings import Settings, load
+from tq_warmup_plugin.settings import DEFAULT_THREADS, Settings, load
 
 
 def test_defaults() -> None:
-    assert load({}) == Settings(enabled=True, strict=False, report_path=None, threads=1)
+    assert load({}) == Settings(
+        enabled=True, strict=False, report_path=None, threads=DEFAULT_THREADS
+    )
+    assert 1 <= DEFAULT_THREADS <= 4
 
 
 @pytest.mark.parametrize("raw", ["0", "false", "FALSE", "Off", "no", " No "])
@@ -35,7 +38,8 @@ def test_report_path(raw: str, path: str | None) -> None:
 
 @pytest.mark.parametrize(
     ("raw", "threads"),
-    [("4", 4), (" 8 ", 8), ("1", 1), ("0", 1), ("-3", 1), ("abc", 1), ("2.5", 1), ("", 1)],
+    [("4", 4), (" 8 ", 8), ("1", 1), ("0", 1), ("-3", 1), ("abc", DEFAULT_THREADS),
+     ("2.5", DEFAULT_THREADS), ("", DEFAULT_THREADS)],
 )
 def test_threads(raw: str, threads: int) -> None:
     assert load({"TQ_WARMUP_THREADS": raw}).threads == threads

@@ -34,11 +34,12 @@ def layer_geometry(
     kv = compat.kv_view(layer.kv_cache, feats)
     if kv.dim() != 4 or kv.shape[2] != impl.num_kv_heads:
         raise ValueError(f"KV cache view of shape {tuple(kv.shape)} does not match the layer")
-    capability = None
+    capability: tuple[int, int] | None = None
     if kv.is_cuda:
         import torch
 
-        capability = tuple(torch.cuda.get_device_capability(kv.device))
+        major, minor = torch.cuda.get_device_capability(kv.device)
+        capability = (int(major), int(minor))
     scheduler = vllm_config.scheduler_config
     geometry = Geometry(
         cache_dtype=str(impl.kv_cache_dtype),
@@ -54,7 +55,7 @@ def layer_geometry(
         max_model_len=int(vllm_config.model_config.max_model_len),
         max_num_batched_tokens=int(scheduler.max_num_batched_tokens),
         num_kv_splits=int(impl.max_num_kv_splits),
-        fp8_e4b15=compat.fp8_e4b15(capability),  # type: ignore[arg-type]
+        fp8_e4b15=compat.fp8_e4b15(capability),
         features=feats,
         kv_aligned=kv.data_ptr() % 16 == 0,
     )

@@ -34,7 +34,7 @@ def tq_warmup_keys(  # type: ignore[empty-body]
 
 
 @hookspec(firstresult=True)
-def tq_warmup_compile(key: Hashable) -> bool | None:  # type: ignore[empty-body]
+def tq_warmup_compile(key: Hashable) -> bool | None:
     """Compile ``key`` without touching any live tensor. Return True when handled,
     None to leave the key to another warmer. Raise to report a failure."""
 

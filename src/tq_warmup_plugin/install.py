@@ -70,13 +70,15 @@ def _patch_loaded(settings: Settings) -> None:
     source = sys.modules.get(compat.WARMUP_MODULE)
     if source is None:
         return
-    current = source.kernel_warmup
+    current = getattr(source, "kernel_warmup", None)
+    if current is None:
+        return
     original = getattr(current, _ORIGINAL_ATTR, current)
     wrapped = current if original is not current else wrap(original, settings)
     for name in compat.CALL_SITE_MODULES:
         module = sys.modules.get(name)
         if module is not None and getattr(module, "kernel_warmup", None) is original:
-            module.kernel_warmup = wrapped
+            setattr(module, "kernel_warmup", wrapped)  # noqa: B010 (a module, not a class)
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):

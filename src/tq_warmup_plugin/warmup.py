@@ -66,8 +66,8 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
         from .hookspecs import plugin_manager
 
         pm = plugin_manager()
-    contributions = [c for batch in pm.hook.tq_warmup_keys(geometries=found.geometries) for c in batch]
-    the_plan = keys.plan(contributions)
+    batches = pm.hook.tq_warmup_keys(geometries=found.geometries)
+    the_plan = keys.plan(c for batch in batches for c in batch)
     report.keys = the_plan.count_by_path()
     report.distinct = len(the_plan.keys)
 
