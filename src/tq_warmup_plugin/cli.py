@@ -96,7 +96,8 @@ def geometry_from_args(args: argparse.Namespace) -> tuple[keys.Geometry, int]:
     hq, hk = heads // tp, max(1, kv_heads // tp)  # vLLM replicates KV heads when tp > hk
     max_model_len = args.max_model_len or cfg.get("max_position_embeddings") or 4096
     dtype = args.dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    bs = args.block_size
+    dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}.get(dtype, 2)
+    bs = compat.effective_block_size(feats, args.block_size, dtype_bytes)
     preset = keys.preset(args.kv_cache_dtype, head_size)
     runner = args.runner or ("v2" if version >= (0, 25) else "v1")
     geometry = keys.Geometry(
@@ -242,7 +243,8 @@ def _geometry_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-heads", type=int, help="query heads (whole model)")
     p.add_argument("--num-kv-heads", type=int, help="KV heads (whole model)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16,
+                   help="vLLM's --block-size; the effective TurboQuant block is derived")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)

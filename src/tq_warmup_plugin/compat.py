@@ -115,6 +115,23 @@ def kv_view_strides(
     return (page, num_kv_heads * slot_size, slot_size)
 
 
+def effective_block_size(feats: Features, requested: int, model_dtype_bytes: int) -> int:
+    """The block size vLLM settles on for TurboQuant layers, for planning without a
+    worker (a worker's real KV tensor says it directly).
+
+    0.25-0.33: TurboQuant leaves boundary layers in the model dtype, and
+    ``Platform._align_heterogeneous_kv_block_size`` grows the block until a
+    TurboQuant page, sized there as uint8 K+V per token, covers a 16-token page of
+    those layers: ``align * ceil(16 * dtype_bytes / align)`` with
+    ``align = max(16, requested)`` (32 for a bf16 model at the default 16; seen on
+    the H200 with 0.26.0). 0.20-0.24 keep the requested size.
+    """
+    if feats.version < (0, 25):
+        return requested
+    align = max(16, requested)
+    return align * -(-16 * model_dtype_bytes // align)
+
+
 def block_table_width(feats: Features, max_model_len: int, block_size: int, v2: bool) -> int:
     """Row stride of the runner's block table, for planning without a worker.
 
