@@ -186,3 +186,33 @@ def test_warmup_arguments_reproduce_dtype_and_alignment() -> None:
     assert (out["a"].dtype, out["a"].data_ptr() % 16) == (torch.bfloat16, 0)
     assert out["b"].dtype == torch.int32 and out["b"].data_ptr() % 16 != 0
     assert out["num_warps"] == 8 and "num_stages" not in out
+
+
+def test_compile_threads_run_on_the_callers_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton caches kernels per current device; pool threads must use the caller's
+    (tensor-parallel rank 1 warmed device 0 before this was pinned)."""
+    pytest.importorskip("triton")
+    from triton.runtime import driver
+
+    seen: dict[int, int] = {}
+    current = threading.local()
+
+    class Driver:
+        def get_current_device(self) -> int:
+            return getattr(current, "device", 0)
+
+        def set_current_device(self, device: int) -> None:
+            current.device = device
+
+    monkeypatch.setattr(driver, "_active", Driver(), raising=False)
+    current.device = 1  # the worker thread of rank 1
+
+    class DeviceWarmer:
+        @hookimpl
+        def tq_warmup_compile(self, key: Hashable) -> bool:
+            seen[threading.get_ident()] = Driver().get_current_device()
+            return True
+
+    assert warmup.compile_all(manager(DeviceWarmer()), ["a", "b", "c", "d"], 2) == []
+    assert seen and set(seen.values()) == {1}
+    assert threading.get_ident() not in seen

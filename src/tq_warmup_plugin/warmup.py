@@ -7,7 +7,7 @@ captured and the workspace is not yet locked, in every release 0.20-0.33.
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -30,12 +30,29 @@ def _compile_one(pm: pluggy.PluginManager, key: Hashable) -> str | None:
     return None
 
 
+def _pin_to_callers_device() -> Callable[[], None] | None:
+    """An initializer that moves a new thread to the caller's current device.
+
+    Triton keys its in-memory kernel cache by the current device, and a new thread
+    starts on device 0: without this, tensor-parallel rank 1 warmed device 0's cache
+    and still compiled at runtime (seen on two H200s with vLLM 0.26.0).
+    """
+    try:
+        from triton.runtime import driver
+
+        active = driver.active
+        device = active.get_current_device()
+    except (ImportError, RuntimeError):  # no Triton, or no active driver: nothing to pin
+        return None
+    return lambda: active.set_current_device(device)
+
+
 def compile_all(pm: pluggy.PluginManager, todo: list[Hashable], threads: int) -> list[str]:
     """Compile distinct keys, on ``threads`` threads; returns the error lines."""
     if threads <= 1 or len(todo) <= 1:
         results = [_compile_one(pm, key) for key in todo]
     else:
-        with ThreadPoolExecutor(max_workers=threads) as pool:
+        with ThreadPoolExecutor(max_workers=threads, initializer=_pin_to_callers_device()) as pool:
             results = list(pool.map(lambda key: _compile_one(pm, key), todo))
     return [r for r in results if r is not None]
 

@@ -91,6 +91,9 @@ def use_compile_only_target(arch: int) -> None:
         def get_current_device(self) -> int:
             return 0
 
+        def set_current_device(self, device: int) -> None:
+            pass
+
         def get_current_stream(self, device: Any = None) -> int:
             return 0
 
