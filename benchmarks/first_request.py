@@ -558,15 +558,25 @@ def _kernel_summary(rec: dict[str, Any]) -> str:
     return f"{text} {','.join(parts)}" if parts else text
 
 
+_CONFIG_COLUMNS = ("preset", "mode", "geom", "tp", "plugin", "cache")
+
+
+def _config_cells(r: dict[str, Any]) -> tuple[str, ...]:
+    """The cells under ``_CONFIG_COLUMNS`` that say which run a row belongs to."""
+    return (
+        _short_preset(r.get("kv_cache_dtype")),
+        str(r.get("mode")),
+        f"{r.get('head_size')}x{r.get('q_heads')}x{r.get('kv_heads')}",
+        str(r.get("tp")),
+        str(r.get("plugin")),
+        str(r.get("triton_cache")),
+    )
+
+
 def format_table(records: Sequence[dict[str, Any]]) -> str:
     """One row per (config, variant, phase): first_s, steady_s, ratio, TQ compiles."""
     header = (
-        "preset",
-        "mode",
-        "geom",
-        "tp",
-        "plugin",
-        "cache",
+        *_CONFIG_COLUMNS,
         "phase",
         "status",
         "first_s",
@@ -591,15 +601,9 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
             if isinstance(first, (int, float)) and isinstance(steady, (int, float)) and steady
             else "-"
         )
-        geom = f"{r.get('head_size')}x{r.get('q_heads')}x{r.get('kv_heads')}"
         rows.append(
             (
-                _short_preset(r.get("kv_cache_dtype")),
-                str(r.get("mode")),
-                geom,
-                str(r.get("tp")),
-                str(r.get("plugin")),
-                str(r.get("triton_cache")),
+                *_config_cells(r),
                 str(r.get("phase")),
                 str(r.get("status")),
                 _fmt_s(first),
@@ -614,12 +618,7 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
 def format_startup_table(records: Sequence[dict[str, Any]]) -> str:
     """One row per (config, variant): engine startup time and the plugin's own time."""
     header = (
-        "preset",
-        "mode",
-        "geom",
-        "tp",
-        "plugin",
-        "cache",
+        *_CONFIG_COLUMNS,
         "startup_s",
         "warmup_s",
         "plugin status",
@@ -638,12 +637,7 @@ def format_startup_table(records: Sequence[dict[str, Any]]) -> str:
         rep = r.get("plugin_report") or {}
         rows.append(
             (
-                _short_preset(r.get("kv_cache_dtype")),
-                str(r.get("mode")),
-                f"{r.get('head_size')}x{r.get('q_heads')}x{r.get('kv_heads')}",
-                str(r.get("tp")),
-                str(r.get("plugin")),
-                str(r.get("triton_cache")),
+                *_config_cells(r),
                 _fmt_s(r.get("startup_s")),
                 _fmt_s(r.get("warmup_s")),
                 str(rep.get("status", "-")),

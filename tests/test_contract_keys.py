@@ -89,6 +89,15 @@ def test_keys_match_real_backend(
     check_case(vllm_env, preset, d, 2 * gqa, 2, bs, dtype)
 
 
+@pytest.mark.parametrize(("hq", "hk"), [(8, 4), (16, 8), (32, 8), (4, 4)])
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4"])
+def test_keys_match_tensor_parallel_head_counts(
+    vllm_env: compat.Features, preset: str, hq: int, hk: int
+) -> None:
+    # Per-rank head counts of 16/8 and 32/8 models at tensor-parallel 1, 2 and 4.
+    check_case(vllm_env, preset, 128, hq, hk, 32, "bfloat16")
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_keys_match_single_query_head_and_custom_splits(
     vllm_env: compat.Features, preset: str
