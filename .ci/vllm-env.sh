@@ -30,6 +30,7 @@ EXTRAS=(
   "transformers>=5.16.1,<5.20.0" aiohttp requests openai pillow pybase64
   cachetools msgspec cloudpickle uvloop py-cpuinfo prometheus_client "xgrammar==0.2.8"
   "fastapi>=0.133.0,<0.137.0" partial_json_parser "llguidance>=1.7.0,<1.8.0" einops
+  gguf  # imported at module level by 0.20-0.22 (vllm/transformers_utils/gguf_utils.py)
 )
 # The `openai_harmony` module comes from a distribution that changed between releases:
 # vLLM 0.26.0 requires openai-harmony>=0.0.3, 0.33.0 requires oss-harmony>=0.0.11 (a fork

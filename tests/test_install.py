@@ -232,3 +232,14 @@ def test_unwritable_report_only_warns(monkeypatch: pytest.MonkeyPatch, tmp_path:
     levels = [level for level, _ in log()]
     assert levels == [logging.INFO, logging.WARNING]
     assert "cannot write the JSON report" in log()[1][1]
+
+
+@pytest.mark.parametrize(("status", "level"), [("unsupported", logging.WARNING),
+                                               ("skipped", logging.INFO)])
+def test_declined_release_warns_but_no_layers_informs(
+    monkeypatch: pytest.MonkeyPatch, log: Log, status: str, level: int
+) -> None:
+    report = Report(status=status, reason="vLLM 0.34 is outside the supported releases 0.20-0.33")
+    monkeypatch.setattr(warmup, "run", lambda w, s: report)
+    install.warm_worker(SimpleNamespace(rank=0), Settings(strict=True))  # not a failure
+    assert log() == [(level, report.line())]

@@ -95,13 +95,14 @@ def found(monkeypatch: pytest.MonkeyPatch) -> Discovery:
 
 
 @pytest.mark.parametrize("version", ["0.19.0", "0.34.0", "", None])
-def test_unsupported_release_is_skipped(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+def test_unsupported_release_is_declined(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: version)
     monkeypatch.setattr(warmup, "discover", None)  # must not be reached
     report = warmup.run(object(), Settings())
-    assert report.status == "skipped" and report.vllm_version == (version or "")
+    assert report.status == "unsupported" and report.vllm_version == (version or "")
     assert report.reason == compat.support_problem(compat.parse_version(version))
-    assert report.line() == f"tq-warmup: skipped: {report.reason}"
+    assert report.line() == f"tq-warmup: unsupported: {report.reason}"
+    assert report.is_problem
 
 
 def test_each_distinct_key_compiles_once_and_failures_are_counted(found: Discovery) -> None:

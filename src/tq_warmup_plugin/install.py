@@ -27,8 +27,7 @@ _ORIGINAL_ATTR = "__tq_warmup_original__"
 
 
 def _emit(report: Any, settings: Settings, worker: Any) -> None:
-    level = logging.INFO if report.status != "failed" and not report.errors else logging.WARNING
-    logger.log(level, report.line())
+    logger.log(logging.WARNING if report.is_problem else logging.INFO, report.line())
     if settings.report_path:
         path = settings.report_path.replace("{rank}", str(getattr(worker, "rank", 0)))
         with open(path, "w", encoding="utf-8") as fh:

@@ -13,7 +13,8 @@ class Report:
     """The outcome of one worker's warmup."""
 
     status: str = "ok"
-    """``ok``, ``skipped`` (nothing to do or disabled) or ``failed``."""
+    """``ok``; ``skipped`` (no TurboQuant layer: nothing to do); ``unsupported`` (a vLLM
+    release outside 0.20-0.33: declined); ``failed``."""
     reason: str = ""
     vllm_version: str = ""
     layers: int = 0
@@ -30,6 +31,11 @@ class Report:
     geometries: list[dict[str, Any]] = field(default_factory=list)
     """Distinct layer geometries as discovered: ``tq-warmup inspect/precompile
     --geometry-json`` plans from these exactly what this startup warmed."""
+
+    @property
+    def is_problem(self) -> bool:
+        """Whether the operator should hear about it at WARNING level."""
+        return self.status in ("unsupported", "failed") or bool(self.errors)
 
     def line(self) -> str:
         """The single INFO/WARNING line vLLM's log gets."""

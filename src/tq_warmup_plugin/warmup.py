@@ -64,7 +64,7 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
     version = compat.parse_version(version_text)
     problem = compat.support_problem(version)
     if problem is not None or version is None:
-        return Report(status="skipped", reason=problem or "", vllm_version=version_text)
+        return Report(status="unsupported", reason=problem or "", vllm_version=version_text)
     feats = compat.features(version)
 
     found = discover(worker, feats)
