@@ -113,9 +113,13 @@ def run_backend(
     """Drive the real backend over ``(requests, num_decodes)`` batches; by default
     every TurboQuant path once: decode, mixed, short and long continuation."""
     import torch
+    from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
 
     hq, hk, d = impl.num_heads, impl.num_kv_heads, impl.head_size
     layer = torch.nn.Module()
+    # 0.20 reads centroids that the Attention layer registered at construction;
+    # 0.21+ build them in _ensure_on_device and overwrite this.
+    layer._tq_centroids = get_centroids(d, impl.tq_config.centroid_bits)
     table = torch.zeros(MAX_NUM_SEQS, width, dtype=torch.int32)
     seq_buf = torch.zeros(MAX_NUM_SEQS, dtype=torch.int32)
     if batches is None:

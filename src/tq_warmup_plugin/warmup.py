@@ -54,6 +54,13 @@ def compile_all(pm: pluggy.PluginManager, todo: list[Hashable], threads: int) ->
     else:
         with ThreadPoolExecutor(max_workers=threads, initializer=_pin_to_callers_device()) as pool:
             results = list(pool.map(lambda key: _compile_one(pm, key), todo))
+        # A compile that failed on a pool thread gets one more try on this thread:
+        # Triton parses kernel sources with `ast`, which CPython 3.11 does not make
+        # thread-safe ("AST constructor recursion depth mismatch", seen here).
+        results = [
+            None if r is None else _compile_one(pm, key)
+            for key, r in zip(todo, results, strict=True)
+        ]
     return [r for r in results if r is not None]
 
 
