@@ -50,7 +50,7 @@ def doctor(_: argparse.Namespace) -> int:
         ("torch", _dist_version("torch") or "not installed"),
         ("triton", _dist_version("triton") or "not installed"),
         ("supported", "yes" if problem is None else f"no: {problem}"),
-        ("settings", ", ".join(f"{k}={v}" for k, v in vars(settings).items())),
+        ("settings", ", ".join(f"{k}={v}" for k, v in settings._asdict().items())),
         ("entry point", "visible" if visible else "missing (reinstall the package)"),
         ("VLLM_PLUGINS", plugins if plugins is not None else "unset (all plugins load)"),
     ]

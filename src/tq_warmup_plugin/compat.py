@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
-from importlib import metadata
-from typing import Any
+from typing import Any, NamedTuple
 
 Version = tuple[int, int]
 
@@ -67,8 +65,7 @@ def support_problem(version: Version | None) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class Features:
+class Features(NamedTuple):
     """What a release does, as far as TurboQuant warmup is concerned."""
 
     version: Version
@@ -156,6 +153,8 @@ def fp8_e4b15(capability: tuple[int, int] | None) -> int:
 
 def installed_vllm_version() -> str | None:
     """The installed vLLM distribution's version, without importing vLLM."""
+    from importlib import metadata  # not at module level: register() must stay cheap
+
     try:
         return metadata.version("vllm")
     except metadata.PackageNotFoundError:

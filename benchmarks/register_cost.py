@@ -1,0 +1,76 @@
+"""What ``register()`` costs a vLLM process, measured in fresh interpreters.
+
+vLLM calls every general plugin's entry function in each process it starts, so the
+function must stay cheap. Each sample is a new interpreter that first imports
+``vllm.plugins`` (what is loaded when vLLM calls plugins), then times
+``import tq_warmup_plugin; register()`` and a second ``register()`` call.
+
+    CUDA_VISIBLE_DEVICES="" python benchmarks/register_cost.py [--samples 15] [--out FILE]
+
+Prints a table and writes JSON (default ``benchmarks/results/register-cost.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+_PROBE = """
+import json, sys, time
+import vllm.plugins
+before = set(sys.modules)
+t0 = time.perf_counter()
+import tq_warmup_plugin
+tq_warmup_plugin.register()
+t1 = time.perf_counter()
+tq_warmup_plugin.register()
+t2 = time.perf_counter()
+heavy = sorted(m for m in set(sys.modules) - before if m.split(".")[0] in ("torch", "triton"))
+print(json.dumps({"first_ms": 1e3 * (t1 - t0), "again_us": 1e6 * (t2 - t1), "heavy": heavy}))
+"""
+
+
+def sample() -> dict[str, object]:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
+    out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True,
+                         text=True, check=True)
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=15)
+    parser.add_argument("--out", default="benchmarks/results/register-cost.json")
+    args = parser.parse_args()
+    runs = [sample() for _ in range(args.samples)]
+    first = [float(r["first_ms"]) for r in runs]  # type: ignore[arg-type]
+    again = [float(r["again_us"]) for r in runs]  # type: ignore[arg-type]
+    from importlib.metadata import version
+
+    summary = {
+        "vllm": version("vllm"),
+        "python": sys.version.split()[0],
+        "samples": args.samples,
+        "first_call_ms_median": statistics.median(first),
+        "first_call_ms_max": max(first),
+        "repeat_call_us_median": statistics.median(again),
+        "heavy_modules_imported": sorted({m for r in runs for m in r["heavy"]}),  # type: ignore[attr-defined]
+    }
+    print(f"{'measure':<28}{'value':>12}")
+    print(f"{'first register(), median':<28}{summary['first_call_ms_median']:>10.2f} ms")
+    print(f"{'first register(), max':<28}{summary['first_call_ms_max']:>10.2f} ms")
+    print(f"{'repeat register(), median':<28}{summary['repeat_call_us_median']:>10.1f} us")
+    print(f"{'torch/triton imported':<28}{len(summary['heavy_modules_imported']):>12}")  # type: ignore[arg-type]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
