@@ -36,7 +36,7 @@ def vllm_env() -> Any:
 
     from tq_warmup_plugin import compat
 
-    feats = compat.features(compat.parse_version(compat.installed_vllm_version()))  # type: ignore[arg-type]
+    feats = compat.release_features(compat.installed_vllm_version())
     if not workspace.is_workspace_manager_initialized():
         workspace.init_workspace_manager(torch.device("cpu"))
     return feats

@@ -86,20 +86,17 @@ def geometry_from_args(args: argparse.Namespace) -> tuple[keys.Geometry, int]:
         head_size = cfg["hidden_size"] // heads
     if not (heads and kv_heads and head_size):
         raise SystemExit("tq-warmup: need --model or --head-size/--num-heads/--num-kv-heads")
-    version_text = args.vllm_version or compat.installed_vllm_version()
-    version = compat.parse_version(version_text)
-    problem = compat.support_problem(version)
-    if problem is not None or version is None:
-        raise SystemExit(f"tq-warmup: {problem} (pass --vllm-version)")
-    feats = compat.features(version)
+    try:
+        feats = compat.release_features(args.vllm_version or compat.installed_vllm_version())
+    except compat.UnsupportedRelease as exc:
+        raise SystemExit(f"tq-warmup: {exc} (pass --vllm-version)") from None
     tp = args.tensor_parallel_size
     hq, hk = heads // tp, max(1, kv_heads // tp)  # vLLM replicates KV heads when tp > hk
     max_model_len = args.max_model_len or cfg.get("max_position_embeddings") or 4096
     dtype = args.dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}.get(dtype, 2)
-    bs = compat.effective_block_size(feats, args.block_size, dtype_bytes)
+    bs = compat.effective_block_size(feats, args.block_size, keys.DTYPE_BYTES.get(dtype, 2))
     preset = keys.preset(args.kv_cache_dtype, head_size)
-    runner = args.runner or ("v2" if version >= (0, 25) else "v1")
+    runner = args.runner or ("v2" if feats.version >= (0, 25) else "v1")
     geometry = keys.Geometry(
         cache_dtype=args.kv_cache_dtype,
         head_size=head_size,
@@ -124,11 +121,10 @@ def geometry_from_args(args: argparse.Namespace) -> tuple[keys.Geometry, int]:
 def geometries_from_report(path: str) -> list[keys.Geometry]:
     """The geometries a real startup discovered (its ``TQ_WARMUP_REPORT`` JSON)."""
     data = json.loads(Path(path).read_text())
-    version = compat.parse_version(data.get("vllm_version"))
-    problem = compat.support_problem(version)
-    if problem is not None or version is None:
-        raise SystemExit(f"tq-warmup: {path}: {problem}")
-    feats = compat.features(version)
+    try:
+        feats = compat.release_features(data.get("vllm_version"))
+    except compat.UnsupportedRelease as exc:
+        raise SystemExit(f"tq-warmup: {path}: {exc}") from None
     return [keys.Geometry.from_dict(g, feats) for g in data["geometries"]]
 
 

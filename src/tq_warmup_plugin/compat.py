@@ -55,6 +55,11 @@ def parse_version(text: str | None) -> Version | None:
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
+class UnsupportedRelease(ValueError):
+    """The installed (or named) vLLM release is not one the plugin knows; the message
+    is the one-line reason."""
+
+
 def support_problem(version: Version | None) -> str | None:
     """None when the release is supported, else a one-line reason."""
     if version is None:
@@ -95,6 +100,15 @@ def features(version: Version) -> Features:
         uses_workspace=version >= (0, 21),
         builder_reserves_workspace=version >= (0, 24),
     )
+
+
+def release_features(version_text: str | None) -> Features:
+    """Features of the release named by a version string; raises UnsupportedRelease."""
+    version = parse_version(version_text)
+    problem = support_problem(version)
+    if problem is not None or version is None:
+        raise UnsupportedRelease(problem)
+    return features(version)
 
 
 def kv_view_strides(

@@ -32,6 +32,7 @@ PRESETS: dict[str, tuple[int, int, bool]] = {
 }
 
 _MODEL_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,12 @@ class Geometry:
             raise ValueError(f"unsupported model dtype {self.model_dtype!r}")
         return _MODEL_DTYPES[self.model_dtype]
 
+    @property
+    def dequant_rows(self) -> int:
+        """Rows of the fp16 scratch the longest continuation dequantizes into: the
+        cached prefix (at most ``max_model_len - 1`` tokens) in whole blocks."""
+        return math.ceil(max(0, self.max_model_len - 1) / self.block_size) * self.block_size
+
     def to_dict(self) -> dict[str, object]:
         """Plain fields, without the release features (the release is recorded apart)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "features"}
@@ -352,9 +359,8 @@ def long_continuation_keys(g: Geometry) -> tuple[KernelKey, ...]:
     d = g.head_size
     kv = g.kv_strides
     # The smallest and the largest scratch lengths bound the stride classes in between.
-    longest = math.ceil(max(1, g.max_model_len - 1) / g.block_size) * g.block_size
     keys = []
-    for rows in sorted({g.block_size, longest}):
+    for rows in sorted({g.block_size, max(g.block_size, g.dequant_rows)}):
         for bt_aligned in _row_alignments(g):
             keys.append(
                 _key(

@@ -68,11 +68,10 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
     """Warm every TurboQuant kernel key this worker's runtime will launch."""
     start = time.perf_counter()
     version_text = compat.installed_vllm_version() or ""
-    version = compat.parse_version(version_text)
-    problem = compat.support_problem(version)
-    if problem is not None or version is None:
-        return Report(status="unsupported", reason=problem or "", vllm_version=version_text)
-    feats = compat.features(version)
+    try:
+        feats = compat.release_features(version_text)
+    except compat.UnsupportedRelease as exc:
+        return Report(status="unsupported", reason=str(exc), vllm_version=version_text)
 
     found = discover(worker, feats)
     report = Report(vllm_version=version_text, layers=len(found.geometries))

@@ -16,12 +16,11 @@ from typing import Any
 
 from . import compat
 from .compat import Features
-from .keys import Geometry
+from .keys import DTYPE_BYTES, Geometry
 
 Request = tuple[tuple[int, ...], str]
 """(shape, dtype name) as ``get_simultaneous`` takes it."""
 
-_ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _ALIGN = 256  # get_simultaneous rounds every view up to 256 bytes
 
 
@@ -35,8 +34,7 @@ def runtime_requests(g: Geometry) -> list[tuple[Request, ...]]:
     ]
     if g.max_num_batched_tokens > compat.CONTINUATION_DECODE_THRESHOLD:
         # _continuation_prefill: cached prefix <= max_model_len - 1 tokens, in blocks.
-        rows = math.ceil(max(0, g.max_model_len - 1) / g.block_size) * g.block_size
-        pair = ((1, hk, rows, d), "float16")
+        pair = ((1, hk, g.dequant_rows, d), "float16")
         groups.append((pair, pair))
     return groups
 
@@ -45,7 +43,7 @@ def request_bytes(group: Iterable[Request]) -> int:
     """Bytes one ``get_simultaneous`` call needs, as vLLM computes it."""
     total = 0
     for shape, dtype in group:
-        raw = math.prod(shape) * _ITEM_BYTES[dtype]
+        raw = math.prod(shape) * DTYPE_BYTES[dtype]
         total += -(-raw // _ALIGN) * _ALIGN
     return total
 
