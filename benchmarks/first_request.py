@@ -136,6 +136,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import importlib
 import json
 import os
 import random
@@ -162,6 +163,7 @@ PRESETS: tuple[str, ...] = (
 )
 MODES: tuple[str, ...] = ("eager", "cudagraph")
 VARIANTS: tuple[str, ...] = ("on-cold", "off-cold", "on-warm")
+RUNNERS: tuple[str, ...] = ("default", "v1", "v2")
 PHASES: tuple[str, ...] = ("decode", "batch", "long", "short_tail", "prefix_hit")
 TQ_KERNELS: frozenset[str] = frozenset(
     {
@@ -397,6 +399,19 @@ def gpu_slug(name: str) -> str:
     """``NVIDIA H200`` -> ``nvidia-h200``."""
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
     return slug or "unknown-gpu"
+
+
+def jit_monitor_support(vllm_version: str) -> tuple[str, bool]:
+    """Where vLLM's JIT monitor lives and whether ``jit_monitor_mode`` exists.
+
+    0.25+: ``vllm.utils.jit_monitor`` and ``observability_config.jit_monitor_mode``
+    (``warn``/``error``). 0.22 (and the releases around it) has a warn-only monitor in
+    ``vllm.triton_utils.jit_monitor``; 0.20 has none, which ``cmd_run`` tolerates.
+    """
+    parts = [int(x) for x in re.findall(r"\d+", vllm_version)[:2]] + [0, 0]
+    if (parts[0], parts[1]) >= (0, 25):
+        return "vllm.utils.jit_monitor", True
+    return "vllm.triton_utils.jit_monitor", False
 
 
 def results_path(results_dir: Path, date: str, gpu: str, vllm_version: str) -> Path:
@@ -904,6 +919,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["TQ_WARMUP"] = "1" if plugin_on else "0"
     os.environ["TQ_WARMUP_REPORT"] = str(report_dir / REPORT_TEMPLATE)
+    if args.runner != "default":
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
     if args.cache_root:
         root = Path(args.cache_root)
         os.environ["TRITON_CACHE_DIR"] = str(root / "triton")
@@ -940,6 +957,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         "gpu_memory_utilization": gpu_mem,
         "kv_cache_gib": args.kv_cache_gib,
         "jit_monitor_mode": monitor_mode,
+        "runner": args.runner,
+        "cuda_module_loading": os.environ.get("CUDA_MODULE_LOADING", "default (LAZY)"),
         "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
         "hooks_in_process": args.tp == 1,
         "vllm_version": None,
@@ -989,6 +1008,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         base["torch_version"] = torch.__version__
     base["plugin_entry_point_found"] = _plugin_entry_point_found()
+    monitor_module, monitor_has_mode = jit_monitor_support(vllm.__version__)
+    if not monitor_has_mode:
+        base["jit_monitor_mode"] = "warn (no jit_monitor_mode before 0.25)"
 
     llm_kwargs: dict[str, Any] = {
         "model": str(model_dir),
@@ -1004,9 +1026,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         "enforce_eager": args.mode == "eager",
         "tensor_parallel_size": args.tp,
         "gpu_memory_utilization": gpu_mem,
-        "jit_monitor_mode": monitor_mode,
         "seed": 0,
     }
+    if monitor_has_mode:
+        llm_kwargs["jit_monitor_mode"] = monitor_mode
     if args.kv_cache_gib > 0:
         llm_kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
     if args.mode == "cudagraph" and args.cudagraph_mode:
@@ -1034,7 +1057,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     recorder.set_phase("after_startup", "")
     _marker("startup done")
 
-    from vllm.utils import jit_monitor
+    try:
+        jit_monitor_active: bool | None = importlib.import_module(monitor_module).is_active()
+    except ImportError:  # 0.20: no monitor at all
+        jit_monitor_active = None
 
     vcfg = llm.llm_engine.vllm_config
     block_size = int(vcfg.cache_config.block_size or 16)
@@ -1060,7 +1086,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         plugin_reports=reports if len(reports) > 1 else None,
         block_size=block_size,
         cudagraph_mode=str(vcfg.compilation_config.cudagraph_mode),
-        jit_monitor_active=jit_monitor.is_active(),
+        jit_monitor_active=jit_monitor_active,
+        model_runner="v2" if vcfg.use_v2_model_runner else "v1",
         monitor_rewrapped=rewrapped,
         config_warnings=warnings,
         startup_jit=startup_summary(startup_events),
@@ -1300,6 +1327,8 @@ class Matrix:
         ]
         if a.cudagraph_mode:
             argv += ["--cudagraph-mode", a.cudagraph_mode]
+        if a.runner != "default":
+            argv += ["--runner", a.runner]
         if a.share_compile_cache:
             argv.append("--share-compile-cache")
         if spec.plugin == "on" and a.jit_monitor_mode_on:
@@ -1581,6 +1610,12 @@ def _common(p: argparse.ArgumentParser) -> None:
         default="",
         help="cudagraph mode for --mode cudagraph (e.g. FULL_AND_PIECEWISE, "
         "PIECEWISE, FULL_DECODE_ONLY); empty: vLLM's default",
+    )
+    p.add_argument(
+        "--runner",
+        choices=RUNNERS,
+        default="default",
+        help="model runner: v1/v2 set VLLM_USE_V2_MODEL_RUNNER=0/1; default: vLLM's choice",
     )
     p.add_argument(
         "--share-compile-cache",
