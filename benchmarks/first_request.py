@@ -1134,7 +1134,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         recorder.set_phase("between", "")
         return res
 
-    for phase in PHASES:
+    for phase in parse_list(args.phases, PHASES) if args.phases != "all" else PHASES:
         first = timed(phase, "first")
         steady = timed(phase, "steady")
         events = recorder.phase_events(phase)
@@ -1655,6 +1655,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("warn", "error"),
         default="",
         help="default: error with the plugin on, warn with it off",
+    )
+    r.add_argument(
+        "--phases",
+        default="all",
+        help=f"comma list of {PHASES}, run in the order given (default: all, in that order)",
     )
     r.add_argument("--vocab-size", type=int, default=1024)
     r.add_argument("--intermediate-size", type=int, default=1024)
