@@ -840,6 +840,69 @@ class JitRecorder:
 # --------------------------------------------------------------------------------------
 
 
+PREWARMS: tuple[str, ...] = ("fa2", "gemm16")
+
+
+def _profiler() -> Any:
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+
+def op_cpu_times(prof: Any) -> dict[str, float]:
+    """Total CPU microseconds per op name (includes children: a launch and what it waits on)."""
+    return {e.key: float(e.cpu_time_total) for e in prof.key_averages()}
+
+
+def first_request_extra(
+    first: dict[str, float], steady: dict[str, float], top: int = 15
+) -> list[dict[str, Any]]:
+    """The ops whose CPU time grew most from the steady to the first request."""
+    extra = sorted(first, key=lambda k: steady.get(k, 0.0) - first[k])[:top]
+    return [
+        {"op": k, "first_us": round(first[k]), "steady_us": round(steady.get(k, 0.0))}
+        for k in extra
+    ]
+
+
+def prewarm_launches(which: Sequence[str], geometry: Geometry) -> dict[str, float]:
+    """Launch the non-Triton kernels of the long-continuation path once on dummy tensors.
+
+    ``fa2``: vLLM's FlashAttention-2 varlen with a causal query shorter than its keys (the
+    continuation shape) in bf16; ``gemm16``: an fp16 GEMM like the MSE key un-rotation.
+    An experiment (the seconds each took), not part of the plugin.
+    """
+    import torch
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+
+    took: dict[str, float] = {}
+    d, hq, hk = geometry.head_size, geometry.q_heads, geometry.kv_heads
+    dev = torch.device("cuda")
+    for name in which:
+        t = time.perf_counter()
+        if name == "fa2":
+            q = torch.randn(16, hq, d, device=dev, dtype=torch.bfloat16)
+            kv = torch.randn(48, hk, d, device=dev, dtype=torch.bfloat16)
+            flash_attn_varlen_func(
+                q=q,
+                k=kv,
+                v=kv,
+                cu_seqlens_q=torch.tensor([0, 16], device=dev, dtype=torch.int32),
+                cu_seqlens_k=torch.tensor([0, 48], device=dev, dtype=torch.int32),
+                max_seqlen_q=16,
+                max_seqlen_k=48,
+                softmax_scale=d**-0.5,
+                causal=True,
+                fa_version=2,
+            )
+        else:
+            a = torch.randn(hk * 512, d, device=dev, dtype=torch.float16)
+            _ = a @ torch.randn(d, d, device=dev, dtype=torch.float16)
+        torch.cuda.synchronize()
+        took[name] = round(time.perf_counter() - t, 4)
+    return took
+
+
 def _marker(text: str) -> None:
     print(f"{MARKER} {text}", file=sys.stderr, flush=True)
 
@@ -1115,14 +1178,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         tail = make_prompts(1, plan.prefix_tail, seed + 7, vocab)[0]
         return [prefix[: plan.prefix_len] + tail]
 
+    profiled = set(parse_list(args.profile_phases, PHASES)) if args.profile_phases else set()
+    profiles: dict[tuple[str, str], dict[str, float]] = {}
+    if profiled:
+        with _profiler():  # Kineto's one-time setup, outside the timed requests
+            pass
+    if args.prewarm:
+        base["prewarm"] = prewarm_launches(parse_list(args.prewarm, PREWARMS), geometry)
+
     def timed(phase: str, part: str) -> dict[str, Any]:
         prompts = prompts_for(phase, part)
         recorder.set_phase(phase, part)
         _marker(f"phase={phase} part={part} begin")
+        prof = _profiler() if phase in profiled else contextlib.nullcontext()
         t = time.perf_counter()
         res: dict[str, Any] = {"s": None, "error": None, "cached": None, "out_tokens": None}
         try:
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+            with prof as session:
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+            if session is not None:
+                profiles[phase, part] = op_cpu_times(session)
             res["s"] = round(time.perf_counter() - t, 4)
             res["cached"] = sum(int(o.num_cached_tokens or 0) for o in outs)
             res["out_tokens"] = sum(len(o.outputs[0].token_ids) for o in outs if o.outputs)
@@ -1158,6 +1233,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             **JitRecorder.summarize(events),
             "jit_events": events,
         }
+        if phase in profiled:
+            rec["profile_top_extra"] = first_request_extra(
+                profiles.get((phase, "first"), {}), profiles.get((phase, "steady"), {})
+            )
         if plan.expected_cached(phase) == 0 and (first["cached"] or steady["cached"]):
             rec["phase_warning"] = "unexpected prefix-cache hit"
         prefix_missed = any(
@@ -1660,6 +1739,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--phases",
         default="all",
         help=f"comma list of {PHASES}, run in the order given (default: all, in that order)",
+    )
+    r.add_argument(
+        "--profile-phases",
+        default="",
+        help="comma list of phases whose first and steady request run under torch.profiler; "
+        "the records get the ops whose CPU time differs most (where a first request's "
+        "extra time goes)",
+    )
+    r.add_argument(
+        "--prewarm",
+        default="",
+        help="experiment: comma list of fa2,gemm16 launched once on dummy tensors after "
+        "startup, before the phases (tests whether first launches explain first_s)",
     )
     r.add_argument("--vocab-size", type=int, default=1024)
     r.add_argument("--intermediate-size", type=int, default=1024)
