@@ -163,3 +163,47 @@ def test_reservation_survives_the_workspace_lock(vllm_env: compat.Features, rese
     finally:
         ws.reset_workspace_manager()
         ws.init_workspace_manager(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("cache_dtype", sorted(keys.PRESETS))
+def test_planned_gemms_are_the_backends_gemms(vllm_env: compat.Features, cache_dtype: str) -> None:
+    # The real backend's decode, short and long continuation on CPU tensors: every
+    # GEMM it runs must have a planned launch of the same dtype and inner size (the
+    # module CUDA would load for it), and no planned GEMM may be one it never runs.
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tq_warmup_plugin import launches
+
+    gemm_ops = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+    seen: set[tuple[str, int]] = set()
+
+    class Gemms(TorchDispatchMode):
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            if func in gemm_ops:
+                a = args[-2]
+                seen.add((str(a.dtype).removeprefix("torch."), int(a.shape[-1])))
+            return func(*args, **(kwargs or {}))
+
+    width, bs, d = 64, 16, 128
+    impl = make_impl(cache_dtype, d, 8, 2, 32, width * bs)
+    kv = layer_kv_cache(vllm_env, width, bs, 2, impl.tq_config.slot_size_aligned)
+    with recorded_keys(), Gemms():
+        run_backend(impl, kv, width, torch.bfloat16)
+    g = keys.Geometry(cache_dtype, d, 8, 2, bs, impl.scale, (0, 0, 0), "bfloat16", width,
+                      MAX_NUM_SEQS, width * bs, 2048, 32, 0, vllm_env)
+    planned = {(x.dtype, x.cols) for x in launches.launches(g) if x.kind == "gemm"}
+    assert seen == planned
+
+
+def test_the_impls_flash_attention_call(vllm_env: compat.Features) -> None:
+    from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionImpl
+
+    params = list(inspect.signature(TurboQuantAttentionImpl._flash_attn_varlen).parameters)
+    assert params == ["self", "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+                      "max_seqlen_k"]
+    impl = make_impl("turboquant_k8v4", 128, 8, 2, 32, 1024)
+    assert compat.flash_attn_varlen(impl).__func__ is TurboQuantAttentionImpl._flash_attn_varlen
+    assert isinstance(compat.flash_attn_available(), bool)

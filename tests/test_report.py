@@ -15,6 +15,8 @@ def test_ok_line_has_every_count() -> None:
     assert report.line() == (
         "tq-warmup: 32 TurboQuant layers, 3 distinct kernel keys (decode 2, store 1): "
         "2 compiled, 1 from Triton's disk cache, 0 failed; workspace 3.0 MiB; 1234 ms")
+    report.launches, report.launch_s = 6, 0.1714
+    assert report.line().endswith("workspace 3.0 MiB; 1234 ms; 6 first launches 171 ms")
 
 
 def test_ok_line_with_failures_names_the_first_error() -> None:

@@ -9,9 +9,15 @@ from tq_warmup_plugin.settings import DEFAULT_THREADS, Settings, load
 
 def test_defaults() -> None:
     assert load({}) == Settings(
-        enabled=True, strict=False, report_path=None, threads=DEFAULT_THREADS
+        enabled=True, strict=False, report_path=None, threads=DEFAULT_THREADS, launch=True
     )
     assert 1 <= DEFAULT_THREADS <= 4
+
+
+@pytest.mark.parametrize(("raw", "launch"), [("0", False), ("off", False), ("1", True),
+                                             ("", True), ("maybe", True)])
+def test_launch(raw: str, launch: bool) -> None:
+    assert load({"TQ_WARMUP_LAUNCH": raw}).launch is launch
 
 
 @pytest.mark.parametrize("raw", ["0", "false", "FALSE", "Off", "no", " No "])

@@ -237,3 +237,35 @@ def test_compile_threads_run_on_the_callers_device(monkeypatch: pytest.MonkeyPat
     assert warmup.compile_all(manager(DeviceWarmer()), ["a", "b", "c", "d"], 2) == []
     assert seen and set(seen.values()) == {1}
     assert threading.get_ident() not in seen
+
+
+@pytest.mark.parametrize(
+    ("device", "enabled", "called"),
+    [("cuda", True, True), ("cuda", False, False), ("cpu", True, False), (None, True, False)],
+)
+def test_first_launches_only_on_cuda_and_when_enabled(
+    monkeypatch: pytest.MonkeyPatch, found: Discovery, device: str | None, enabled: bool,
+    called: bool,
+) -> None:
+    from types import SimpleNamespace
+
+    from tq_warmup_plugin import launches
+
+    found.device = SimpleNamespace(type=device) if device else None
+    found.impls = {name: object() for name in found.geometries}
+    calls: list[tuple[Any, ...]] = []
+
+    def launch_all(todo: Any, impls: Any, dev: Any) -> tuple[int, float, list[str]]:
+        calls.append((todo, impls, dev))
+        return len(todo) - 1, 0.25, ["launch gemm float16 258x128: RuntimeError: x"]
+
+    monkeypatch.setattr(launches, "launch_all", launch_all)
+    report = warmup.run(object(), Settings(launch=enabled), manager(RecordingWarmer(None)))
+    assert bool(calls) is called
+    if called:
+        assert calls[0] == (launches.plan(found.geometries), found.impls, found.device)
+        assert (report.launches, report.launch_s) == (len(calls[0][0]) - 1, 0.25)
+        assert report.failed == 1 and report.errors[-1].startswith("launch gemm")
+        assert report.line().endswith("first error: launch gemm float16 258x128: RuntimeError: x")
+    else:
+        assert (report.launches, report.failed) == (0, 0)

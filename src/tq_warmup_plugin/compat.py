@@ -87,6 +87,9 @@ class Features(NamedTuple):
     """0.21+: decode and long continuation take scratch from the WorkspaceManager."""
     builder_reserves_workspace: bool
     """0.24+: ``TurboQuantMetadataBuilder._reserve_workspace`` exists."""
+    unrotate_fp16: bool
+    """0.21+: a long continuation un-rotates MSE keys with an fp16 GEMM
+    (``layer._tq_Pi_half``); 0.20 does it in fp32."""
 
 
 def features(version: Version) -> Features:
@@ -99,6 +102,7 @@ def features(version: Version) -> Features:
         continuation_seq_lens_sliced=version >= (0, 21),
         uses_workspace=version >= (0, 21),
         builder_reserves_workspace=version >= (0, 24),
+        unrotate_fp16=version >= (0, 21),
     )
 
 
@@ -193,6 +197,21 @@ def kernel_function(name: str) -> Any:
     import importlib
 
     return getattr(importlib.import_module(KERNEL_MODULES[name]), name)
+
+
+def flash_attn_available() -> bool:
+    """``_HAS_FLASH_ATTN`` of the backend module (0.20-0.33): without it, prefill and
+    long continuations use SDPA and there are no FlashAttention kernels to load."""
+    from vllm.v1.attention.backends import turboquant_attn
+
+    return bool(turboquant_attn._HAS_FLASH_ATTN)
+
+
+def flash_attn_varlen(impl: Any) -> Any:
+    """The impl's own FlashAttention call, ``_flash_attn_varlen(q, k, v, cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` in 0.20-0.33: it adds the impl's
+    ``fa_version``, scale and ``causal=True``, which select the kernel."""
+    return impl._flash_attn_varlen
 
 
 def kv_view(kv_cache: Any, feats: Features) -> Any:

@@ -16,6 +16,10 @@ class Discovery:
 
     geometries: dict[str, Geometry] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)
+    impls: dict[str, Any] = field(default_factory=dict)
+    """The accepted layers' impls, for the launches that go through them."""
+    device: Any = None
+    """The device of the KV cache (``None`` when no layer was accepted)."""
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -87,6 +91,8 @@ def discover(worker: Any, feats: Features) -> Discovery:
                 try:
                     table = compat.block_table(runner, group, group.kv_cache_group_id, use_v2)
                     found.geometries[name] = layer_geometry(layer, table, vllm_config, feats)
+                    found.impls[name] = layer.impl
+                    found.device = compat.kv_view(layer.kv_cache, feats).device
                 except (AttributeError, ValueError, TypeError, IndexError) as exc:
                     found.refused[name] = f"{type(exc).__name__}: {exc}"
     return found

@@ -26,7 +26,13 @@ class Report:
     """Loaded from Triton's on-disk cache instead of compiled."""
     failed: int = 0
     warmup_s: float = 0.0
+    """Discovery, Triton compiles and the workspace reservation."""
     workspace_bytes: int = 0
+    launches: int = 0
+    """Non-Triton kernel launches made so CUDA loads their modules now (``launches``)."""
+    launch_s: float = 0.0
+    """Their time, apart from ``warmup_s``: a cost moved from the first requests, paid
+    in every process (CUDA's module loading is per process; no disk cache helps)."""
     errors: list[str] = field(default_factory=list)
     geometries: list[dict[str, Any]] = field(default_factory=list)
     """Distinct layer geometries as discovered: ``tq-warmup inspect/precompile
@@ -48,6 +54,8 @@ class Report:
             f"{self.failed} failed; workspace {self.workspace_bytes / 2**20:.1f} MiB; "
             f"{self.warmup_s * 1000:.0f} ms"
         )
+        if self.launches:
+            text += f"; {self.launches} first launches {self.launch_s * 1000:.0f} ms"
         if self.errors:
             text += f"; first error: {self.errors[0]}"
         return text

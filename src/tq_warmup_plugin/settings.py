@@ -27,12 +27,16 @@ class Settings(NamedTuple):
         ``{rank}`` in the path is replaced by the worker's rank.
     threads: ``TQ_WARMUP_THREADS``: concurrent Triton compiles (1 = serial; default
         4, or fewer CPUs).
+    launch: ``TQ_WARMUP_LAUNCH`` (default on): also launch the attention paths'
+        non-Triton kernels (cuBLAS, FlashAttention) once on a CUDA device, so CUDA
+        loads their modules at startup instead of in the first long request.
     """
 
     enabled: bool = True
     strict: bool = False
     report_path: str | None = None
     threads: int = DEFAULT_THREADS
+    launch: bool = True
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -61,4 +65,5 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
         strict=_flag(env, "TQ_WARMUP_STRICT", False),
         report_path=env.get("TQ_WARMUP_REPORT") or None,
         threads=_positive_int(env, "TQ_WARMUP_THREADS", DEFAULT_THREADS),
+        launch=_flag(env, "TQ_WARMUP_LAUNCH", True),
     )

@@ -1,4 +1,4 @@
-"""One warmup, start to end: discover, plan, compile, reserve, report.
+"""One warmup, start to end: discover, plan, compile, reserve, launch, report.
 
 Runs inside vLLM's ``kernel_warmup``: the KV cache exists, graphs are not yet
 captured and the workspace is not yet locked, in every release 0.20-0.33.
@@ -13,7 +13,7 @@ from typing import Any
 
 import pluggy
 
-from . import compat, keys, workspace
+from . import compat, keys, launches, workspace
 from .discovery import discover
 from .report import CompileCounter, Report
 from .settings import Settings
@@ -103,4 +103,12 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
         workspace.plan_reservation(found.geometries.values()), feats
     )
     report.warmup_s = time.perf_counter() - start
+
+    if settings.launch and getattr(found.device, "type", None) == "cuda":
+        done, report.launch_s, errors = launches.launch_all(
+            launches.plan(found.geometries), found.impls, found.device
+        )
+        report.launches = done
+        report.errors.extend(errors)
+        report.failed += len(errors)
     return report

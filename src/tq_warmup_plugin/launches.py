@@ -1,0 +1,121 @@
+"""First launches of the non-Triton kernels on TurboQuant's attention paths.
+
+CUDA loads a kernel's module on the kernel's first launch in a process
+(``CUDA_MODULE_LOADING=LAZY``, PyTorch's default), and TurboQuant's long
+continuation runs kernels that nothing before the first such request launches:
+a GEMM in a dtype the model does not use (the MSE key un-rotation: fp16 from
+0.21, fp32 in 0.20) and FlashAttention-2 over more keys than queries. On an
+H200 (vLLM 0.26.0, eager, warm Triton cache) the first long request spent
+~85 ms in the GEMM and ~87 ms in FlashAttention's module loading
+(``benchmarks/first_request.py run --profile-phases long``). Launching each
+shape class once on zero tensors during warmup moves that cost to startup.
+Nothing here writes the KV cache: the tensors are scratch, the outputs dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+from . import compat
+from .compat import CONTINUATION_DECODE_THRESHOLD
+from .keys import Geometry
+
+
+class Launch(NamedTuple):
+    """One kernel launch on scratch tensors. Equal launches load the same kernels."""
+
+    kind: str
+    """``gemm`` (``rows x cols @ cols x cols``) or ``attention`` (causal varlen)."""
+    dtype: str
+    rows: int
+    """GEMM rows, or query tokens."""
+    cols: int
+    """GEMM inner size (the head size), or key tokens."""
+    q_heads: int = 0
+    kv_heads: int = 0
+    head_size: int = 0
+
+
+def launches(g: Geometry) -> list[Launch]:
+    """The launches whose kernels a layer's first requests would otherwise load.
+
+    GEMM rows follow the runtime: decode rotates ``batch x num_heads`` query rows
+    in fp32; a long continuation un-rotates ``num_kv_heads x cached`` key rows.
+    cuBLAS picks kernels by size, hence the smallest and the chunk-sized cases.
+    FlashAttention runs a whole prompt chunk (``q == k``) and a continuation over
+    one cached chunk (``k = 2q``); its kernels depend on the shapes, not values.
+    """
+    d, hq, hk = g.head_size, g.num_heads, g.num_kv_heads
+    chunk = min(g.max_num_batched_tokens, g.max_model_len)
+    out: list[Launch] = []
+    if not g.preset.key_fp8:
+        out += [Launch("gemm", "float32", rows, d) for rows in (hq, hq * g.max_num_seqs)]
+        unrotate = "float16" if g.features.unrotate_fp16 else "float32"
+        if chunk > CONTINUATION_DECODE_THRESHOLD:
+            cached = (CONTINUATION_DECODE_THRESHOLD + 1, chunk)
+            out += [Launch("gemm", unrotate, hk * c, d) for c in cached]
+    attention = [(chunk, chunk)]
+    if chunk > CONTINUATION_DECODE_THRESHOLD and g.max_model_len >= 2 * chunk:
+        attention.append((chunk, 2 * chunk))
+    out += [Launch("attention", g.model_dtype, q, k, hq, hk, d) for q, k in attention]
+    return out
+
+
+def plan(geometries: Mapping[str, Geometry]) -> dict[Launch, str]:
+    """Distinct launches, each with the first layer that needs it."""
+    todo: dict[Launch, str] = {}
+    for name, g in geometries.items():
+        for launch in launches(g):
+            todo.setdefault(launch, name)
+    return todo
+
+
+def _launch(launch: Launch, impl: Any, device: Any) -> None:
+    import torch
+
+    dtype = getattr(torch, launch.dtype)
+    if launch.kind == "gemm":
+        a = torch.zeros(launch.rows, launch.cols, dtype=dtype, device=device)
+        a @ torch.zeros(launch.cols, launch.cols, dtype=dtype, device=device)
+        return
+    q = torch.zeros(launch.rows, launch.q_heads, launch.head_size, dtype=dtype, device=device)
+    kv = torch.zeros(launch.cols, launch.kv_heads, launch.head_size, dtype=dtype, device=device)
+    cu_q = torch.tensor([0, launch.rows], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, launch.cols], dtype=torch.int32, device=device)
+    compat.flash_attn_varlen(impl)(q, kv, kv, cu_q, cu_k, launch.rows, launch.cols)
+
+
+def launch_all(
+    todo: Mapping[Launch, str], impls: Mapping[str, Any], device: Any
+) -> tuple[int, float, list[str]]:
+    """Run the launches; returns (done, seconds, error lines). Never raises."""
+    start = time.perf_counter()
+    errors: list[str] = []
+    done = 0
+    attention_ok = compat.flash_attn_available()
+    for launch, layer in todo.items():
+        if launch.kind == "attention" and not attention_ok:
+            continue  # the backend falls back to SDPA: no FlashAttention kernels to load
+        try:
+            _launch(launch, impls[layer], device)
+            done += 1
+        except Exception as exc:  # a launch that fails costs its first request, not startup
+            errors.append(f"launch {launch.kind} {launch.dtype} {launch.rows}x{launch.cols}: "
+                          f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    if done:
+        import torch
+
+        if getattr(device, "type", None) == "cuda":
+            torch.cuda.synchronize(device)
+    return done, time.perf_counter() - start, errors
+
+
+def describe(todo: Iterable[Launch]) -> list[str]:
+    """One line per launch, for ``tq-warmup inspect``."""
+    return [
+        f"{x.kind} {x.dtype} {x.rows}x{x.cols}"
+        + (f" (heads {x.q_heads}/{x.kv_heads}, d={x.head_size})" if x.kind == "attention" else "")
+        for x in todo
+    ]

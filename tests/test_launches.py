@@ -1,0 +1,112 @@
+"""The non-Triton first launches: which ones a geometry needs (pure), and that
+launch_all runs them through the impl without ever raising."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import fakes
+import pytest
+
+from tq_warmup_plugin import compat, launches
+from tq_warmup_plugin.launches import Launch
+
+
+def kinds(g: Any) -> list[tuple[str, str]]:
+    return [(x.kind, x.dtype) for x in launches.launches(g)]
+
+
+@pytest.mark.parametrize(("version", "unrotate"), [((0, 20), "float32"), ((0, 21), "float16"),
+                                                   ((0, 33), "float16")])
+def test_mse_keys_add_the_query_rotation_and_the_key_unrotation(
+    version: compat.Version, unrotate: str
+) -> None:
+    g = fakes.geometry(version=version, num_heads=8, num_kv_heads=2, max_num_seqs=4,
+                       batched=512, max_model_len=4096)
+    assert launches.launches(g) == [
+        Launch("gemm", "float32", 8, 128),
+        Launch("gemm", "float32", 32, 128),
+        Launch("gemm", unrotate, 2 * 129, 128),
+        Launch("gemm", unrotate, 2 * 512, 128),
+        Launch("attention", "bfloat16", 512, 512, 8, 2, 128),
+        Launch("attention", "bfloat16", 512, 1024, 8, 2, 128),
+    ]
+
+
+def test_fp8_keys_need_no_gemm() -> None:
+    g = fakes.geometry(cache_dtype="turboquant_k8v4", model_dtype="float16")
+    assert {k for k, _ in kinds(g)} == {"attention"}
+    assert {d for _, d in kinds(g)} == {"float16"}
+
+
+def test_no_long_continuation_without_chunks_over_128_tokens() -> None:
+    g = fakes.geometry(batched=128, max_model_len=4096)
+    assert ("gemm", "float16") not in kinds(g)
+    assert [x for x in launches.launches(g) if x.kind == "attention"] == [
+        Launch("attention", "bfloat16", 128, 128, 8, 2, 128)
+    ]
+
+
+def test_continuation_attention_needs_room_for_two_chunks() -> None:
+    g = fakes.geometry(batched=2048, max_model_len=3000)
+    assert [(x.rows, x.cols) for x in launches.launches(g) if x.kind == "attention"] == [
+        (2048, 2048)
+    ]
+
+
+def test_plan_dedupes_across_layers_and_keeps_the_first_layer() -> None:
+    a = fakes.geometry()
+    b = fakes.geometry(cache_dtype="turboquant_k8v4")
+    todo = launches.plan({"l0": a, "l1": a, "l2": b})
+    assert set(todo.values()) == {"l0"}  # k8v4's launches are a subset of 4bit's here
+    assert len(todo) == len(launches.launches(a))
+
+
+class FakeImpl:
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.fail = fail
+
+    def _flash_attn_varlen(self, q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any,
+                           max_q: int, max_k: int) -> Any:
+        if self.fail:
+            raise RuntimeError("no kernel image\nsecond line")
+        self.calls.append((tuple(q.shape), tuple(k.shape), cu_q.tolist(), cu_k.tolist(),
+                           max_q, max_k, q.dtype))
+        return q
+
+
+def test_launch_all_runs_gemms_and_attention_through_the_impl(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(compat, "flash_attn_available", lambda: True)
+    impl = FakeImpl()
+    todo = launches.plan({"l0": fakes.geometry(batched=512, max_model_len=4096)})
+    done, seconds, errors = launches.launch_all(todo, {"l0": impl}, torch.device("cpu"))
+    assert (done, errors) == (len(todo), [])
+    assert seconds > 0
+    assert impl.calls == [
+        ((512, 8, 128), (512, 2, 128), [0, 512], [0, 512], 512, 512, torch.bfloat16),
+        ((512, 8, 128), (1024, 2, 128), [0, 512], [0, 1024], 512, 1024, torch.bfloat16),
+    ]
+
+
+def test_without_flash_attention_only_gemms_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(compat, "flash_attn_available", lambda: False)
+    impl = FakeImpl()
+    todo = launches.plan({"l0": fakes.geometry(batched=512, max_model_len=4096)})
+    done, _, errors = launches.launch_all(todo, {"l0": impl}, torch.device("cpu"))
+    assert (done, errors, impl.calls) == (4, [], [])
+
+
+def test_a_failing_launch_is_one_error_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(compat, "flash_attn_available", lambda: True)
+    todo = launches.plan({"l0": fakes.geometry(cache_dtype="turboquant_k8v4")})
+    done, _, errors = launches.launch_all(todo, {"l0": FakeImpl(fail=True)}, torch.device("cpu"))
+    assert done == 0
+    assert errors == [
+        "launch attention bfloat16 1024x1024: RuntimeError: no kernel image",
+    ]
