@@ -193,6 +193,7 @@ def test_triton_warmer_passes_the_key_through(monkeypatch: pytest.MonkeyPatch) -
             calls.append((self.name, kwargs))
 
     monkeypatch.setattr(compat, "kernel_function", Kernel)
+    monkeypatch.setattr(triton_jit, "_gpu_driver_active", lambda: True)
     key = KernelKey("_tq_decode_stage1", (("n", Int.of(48)), ("C", Const(0.5))), 4, 2)
     assert triton_jit.tq_warmup_compile(key) is True
     assert calls == [("_tq_decode_stage1",
@@ -269,3 +270,25 @@ def test_first_launches_only_on_cuda_and_when_enabled(
         assert report.line().endswith("first error: launch gemm float16 258x128: RuntimeError: x")
     else:
         assert (report.launches, report.failed) == (0, 0)
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_compiled_kernels_are_loaded_only_on_a_gpu(monkeypatch: pytest.MonkeyPatch,
+                                                   gpu: bool) -> None:
+    loaded: list[str] = []
+
+    class Compiled:
+        def _init_handles(self) -> None:
+            loaded.append("launcher and module")
+
+    class Kernel:
+        def __init__(self, name: str) -> None:
+            pass
+
+        def warmup(self, **kwargs: Any) -> Compiled:
+            return Compiled()
+
+    monkeypatch.setattr(compat, "kernel_function", Kernel)
+    monkeypatch.setattr(triton_jit, "_gpu_driver_active", lambda: gpu)
+    assert triton_jit.tq_warmup_compile(KernelKey("_tq_decode_stage1", (), 4)) is True
+    assert loaded == (["launcher and module"] if gpu else [])
