@@ -429,6 +429,7 @@ def config_id(preset: str, mode: str, geometry: Geometry, layers: int, budget: i
 def record_key(rec: dict[str, Any]) -> tuple[Any, ...]:
     """Identity of a record in the results file."""
     return (
+        rec.get("series"),
         rec.get("run_id"),
         rec.get("config_id"),
         rec.get("plugin"),
@@ -464,6 +465,31 @@ def parse_monitor_log(text: str) -> dict[str, list[str]]:
         if jm:
             out.setdefault(where, []).append(jm.group(1))
     return out
+
+
+def apply_log(records: Sequence[dict[str, Any]], log_text: str) -> None:
+    """Add what only a run's log shows: the plugin's lines and the JIT monitor's kernels.
+
+    With tp > 1 compiles happen in worker processes the run's hooks cannot see, so
+    ``tq_compiles_after_startup`` comes from the monitor's lines there.
+    """
+    monitor = parse_monitor_log(log_text)
+    plugin_lines = plugin_log_lines(log_text)
+    for r in records:
+        r["plugin_log"] = plugin_lines
+        phase = r.get("phase")
+        # Unique short names: warn mode logs a kernel once, error mode may repeat it
+        # (the raise and its traceback).
+        logged = list(
+            dict.fromkeys(
+                k.rsplit(".", 1)[-1]
+                for k in monitor.get(f"{phase}/first", []) + monitor.get(f"{phase}/steady", [])
+            )
+        )
+        r["monitor_log_kernels"] = logged
+        if r.get("hooks_in_process") is False:
+            r["tq_compiles_after_startup"] = [k for k in logged if is_tq_kernel(k)]
+            r["other_jit_after_startup"] = [k for k in logged if not is_tq_kernel(k)]
 
 
 def plugin_log_lines(text: str) -> list[str]:
@@ -1002,7 +1028,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     max_model_len = args.max_model_len or auto_max_model_len(plan.required_max_model_len)
 
     base: dict[str, Any] = {
-        "run_id": args.run_id or dt.datetime.now().strftime("%Y%m%dT%H%M%S"),
+        "run_id": args.run_id or f"{dt.datetime.now():%Y%m%dT%H%M%S}-{os.getpid()}",
         "config_id": cfg_id,
         "date": dt.date.today().isoformat(),
         "kv_cache_dtype": args.preset,
@@ -1501,28 +1527,12 @@ class Matrix:
             error = f"{why}; last log lines:\n{tail_lines(log_text)}"
             seed = {**base, **run_level_fields(records[0])} if records else base
             records = fill_missing_phases(records, seed, error)
-        monitor = parse_monitor_log(log_text)
-        plugin_lines = plugin_log_lines(log_text)
+        apply_log(records, log_text)
         for r in records:
             r.setdefault("log_file", str(spec.log))
             r["rc"] = rc
             r["timed_out"] = timed_out
             r["process_wall_s"] = round(wall, 2)
-            r["plugin_log"] = plugin_lines
-            phase = r.get("phase")
-            # Unique short names: warn mode logs a kernel once, error mode may repeat it
-            # (the raise and its traceback).
-            logged = list(
-                dict.fromkeys(
-                    k.rsplit(".", 1)[-1]
-                    for k in monitor.get(f"{phase}/first", []) + monitor.get(f"{phase}/steady", [])
-                )
-            )
-            r["monitor_log_kernels"] = logged
-            if r.get("hooks_in_process") is False:
-                # tp > 1: compiles happen in workers; use the JIT monitor's log lines.
-                r["tq_compiles_after_startup"] = [k for k in logged if is_tq_kernel(k)]
-                r["other_jit_after_startup"] = [k for k in logged if not is_tq_kernel(k)]
             if "cache_warning" in base:
                 r["cache_warning"] = base["cache_warning"]
         status = {r.get("status") for r in records}
@@ -1655,6 +1665,33 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------
+
+
+def cmd_collect(args: argparse.Namespace) -> int:
+    """Merge ``run --out`` files (and their logs, ``X.json`` -> ``X.log``) into the
+    results file, each record labelled with ``--series``."""
+    new: list[dict[str, Any]] = []
+    for name in args.files:
+        path = Path(name)
+        records = load_records(path)
+        log = path.with_suffix(".log")
+        if log.is_file():
+            apply_log(records, log.read_text(errors="replace"))
+        for r in records:
+            r["series"] = args.series
+        new.extend(records)
+    if not new:
+        print("no records", file=sys.stderr)
+        return 1
+    first = new[0]
+    out = results_path(Path(args.results_dir), first["date"], first["gpu"], first["vllm_version"])
+    merged = merge_records(load_records(out) if out.is_file() else [], new)
+    write_json_atomic(out, merged)
+    print(format_table(new))
+    print()
+    print(format_startup_table(new))
+    print(f"{len(new)} records -> {out} ({len(merged)} in all)")
+    return 0
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -1801,6 +1838,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--keep-caches", action="store_true", help="keep the default tmp work dir")
     _common(m)
     m.set_defaults(func=cmd_matrix)
+
+    c = sub.add_parser("collect", help="merge run/matrix JSON files into the results file")
+    c.add_argument("files", nargs="+", help="JSON record lists (a sibling .log is read too)")
+    c.add_argument("--series", required=True, help="label for these records")
+    c.add_argument("--results-dir", default=str(DEFAULT_RESULTS_DIR))
+    c.set_defaults(func=cmd_collect)
     return parser
 
 
