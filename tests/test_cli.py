@@ -136,3 +136,15 @@ def test_geometry_round_trips_through_the_report() -> None:
     data = json.loads(H200_REPORT.read_text())["geometries"][0]
     g = keys.Geometry.from_dict(data, compat.features((0, 26)))
     assert g.to_dict() == {**data, "kv_strides": tuple(data["kv_strides"])}
+
+
+def test_inspect_lists_the_first_launches(capsys: pytest.CaptureFixture[str]) -> None:
+    out = inspect_json(capsys, *H200_FLAGS)
+    assert out["launches"] == [
+        "gemm float32 16x128",
+        "gemm float32 512x128",
+        "gemm float16 1032x128",
+        "gemm float16 4096x128",
+        "attention bfloat16 512x512 (heads 16/8, d=128)",
+        "attention bfloat16 512x1024 (heads 16/8, d=128)",
+    ]

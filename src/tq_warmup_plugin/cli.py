@@ -20,7 +20,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from . import compat, keys
+from . import compat, keys, launches
 from .hookspecs import plugin_manager
 from .settings import load
 
@@ -128,17 +128,21 @@ def geometries_from_report(path: str) -> list[keys.Geometry]:
     return [keys.Geometry.from_dict(g, feats) for g in data["geometries"]]
 
 
-def _plan(args: argparse.Namespace) -> tuple[keys.Plan, keys.Geometry, int]:
+def _geometries(args: argparse.Namespace) -> tuple[dict[str, keys.Geometry], int]:
+    """Distinct geometries by name, and how many TurboQuant layers they stand for."""
     if args.geometry_json:
         found = geometries_from_report(args.geometry_json)
-        geometry, layers = found[0], len(found)
-    else:
-        geometry, layers = geometry_from_args(args)
-        found = [geometry]
+        return {f"geometry{i}": g for i, g in enumerate(found)}, len(found)
+    geometry, layers = geometry_from_args(args)
+    return {"geometry0": geometry}, layers
+
+
+def _plan(args: argparse.Namespace) -> tuple[keys.Plan, keys.Geometry, int]:
+    named, layers = _geometries(args)
     pm = plugin_manager()
-    named = {f"geometry{i}": g for i, g in enumerate(found)}
     contributions = pm.hook.tq_warmup_keys(geometries=named)
-    return keys.plan(c for batch in contributions for c in batch), geometry, layers
+    plan = keys.plan(c for batch in contributions for c in batch)
+    return plan, next(iter(named.values())), layers
 
 
 def inspect(args: argparse.Namespace) -> int:
@@ -148,8 +152,10 @@ def inspect(args: argparse.Namespace) -> int:
     for key, paths in the_plan.paths.items():
         for path in paths:
             per_path.setdefault(path, []).append(key.describe())  # type: ignore[attr-defined]
+    first_launches = launches.describe(launches.plan(_geometries(args)[0]))
     if args.json:
         out = {"distinct": len(the_plan.keys), "turboquant_layers": layers, "paths": per_path,
+               "launches": first_launches,
                "geometry": {k: v for k, v in vars(geometry).items() if k != "features"}}
         print(json.dumps(out, indent=2))
         return 0
@@ -160,6 +166,9 @@ def inspect(args: argparse.Namespace) -> int:
         print(f"\n{path}: {len(described)}")
         for text in described:
             print(f"  {text}")
+    print(f"\nfirst launches on the GPU (TQ_WARMUP_LAUNCH): {len(first_launches)}")
+    for text in first_launches:
+        print(f"  {text}")
     return 0
 
 
