@@ -110,3 +110,13 @@ def test_a_failing_launch_is_one_error_line(monkeypatch: pytest.MonkeyPatch) -> 
     assert errors == [
         "launch attention bfloat16 1024x1024: RuntimeError: no kernel image",
     ]
+
+
+def test_attention_scratch_is_capped_for_large_chunk_budgets() -> None:
+    g = fakes.geometry(batched=8192, max_model_len=32768)
+    cap = launches.ATTENTION_TOKENS
+    assert [(x.rows, x.cols) for x in launches.launches(g) if x.kind == "attention"] == [
+        (cap, cap),
+        (cap, 2 * cap),
+    ]
+    assert max(x.rows for x in launches.launches(g) if x.kind == "gemm") == 2 * 8192

@@ -22,6 +22,13 @@ from . import compat
 from .compat import CONTINUATION_DECODE_THRESHOLD
 from .keys import Geometry
 
+# Query tokens of the FlashAttention launches at most. Its varlen forward (vLLM's fork,
+# non-paged K/V) picks the kernel from dtype, head size and causality only: split-KV is
+# for one-token queries and "even M/N" is off whenever cu_seqlens are given. So a short
+# launch loads the same kernel, and the scratch it allocates -- after the KV cache, outside
+# vLLM's memory profile -- stays a few MiB even for an 8k-token chunk budget.
+ATTENTION_TOKENS = 2048
+
 
 class Launch(NamedTuple):
     """One kernel launch on scratch tensors. Equal launches load the same kernels."""
@@ -45,7 +52,7 @@ def launches(g: Geometry) -> list[Launch]:
     in fp32; a long continuation un-rotates ``num_kv_heads x cached`` key rows.
     cuBLAS picks kernels by size, hence the smallest and the chunk-sized cases.
     FlashAttention runs a whole prompt chunk (``q == k``) and a continuation over
-    one cached chunk (``k = 2q``); its kernels depend on the shapes, not values.
+    one cached chunk (``k = 2q``), capped at ``ATTENTION_TOKENS`` queries.
     """
     d, hq, hk = g.head_size, g.num_heads, g.num_kv_heads
     chunk = min(g.max_num_batched_tokens, g.max_model_len)
@@ -56,9 +63,10 @@ def launches(g: Geometry) -> list[Launch]:
         if chunk > CONTINUATION_DECODE_THRESHOLD:
             cached = (CONTINUATION_DECODE_THRESHOLD + 1, chunk)
             out += [Launch("gemm", unrotate, hk * c, d) for c in cached]
-    attention = [(chunk, chunk)]
+    q = min(chunk, ATTENTION_TOKENS)
+    attention = [(q, q)]
     if chunk > CONTINUATION_DECODE_THRESHOLD and g.max_model_len >= 2 * chunk:
-        attention.append((chunk, 2 * chunk))
+        attention.append((q, 2 * q))
     out += [Launch("attention", g.model_dtype, q, k, hq, hk, d) for q, k in attention]
     return out
 
