@@ -35,7 +35,7 @@ def _emit(report: Any, settings: Settings, worker: Any) -> None:
 
 def warm_worker(worker: Any, settings: Settings) -> None:
     """Run the warmup; outside strict mode nothing it does can stop vLLM starting."""
-    from .report import Report
+    from .report import Report, error_line
     from .warmup import run
 
     try:
@@ -43,7 +43,7 @@ def warm_worker(worker: Any, settings: Settings) -> None:
     except Exception as exc:
         if settings.strict:
             raise
-        report = Report(status="failed", reason=f"{type(exc).__name__}: {exc}".splitlines()[0])
+        report = Report(status="failed", reason=error_line(exc))
     try:
         _emit(report, settings, worker)
     except OSError as exc:

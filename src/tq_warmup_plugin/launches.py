@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 from . import compat
 from .compat import CONTINUATION_DECODE_THRESHOLD
 from .keys import Geometry
+from .report import error_line
 
 # Query tokens of the FlashAttention launches at most. Its varlen forward (vLLM's fork,
 # non-paged K/V) picks the kernel from dtype, head size and causality only: split-KV is
@@ -63,10 +64,10 @@ def launches(g: Geometry) -> list[Launch]:
         if chunk > CONTINUATION_DECODE_THRESHOLD:
             cached = (CONTINUATION_DECODE_THRESHOLD + 1, chunk)
             out += [Launch("gemm", unrotate, hk * c, d) for c in cached]
-    q = min(chunk, ATTENTION_TOKENS)
-    attention = [(q, q)]
+    tokens = min(chunk, ATTENTION_TOKENS)
+    attention = [(tokens, tokens)]
     if chunk > CONTINUATION_DECODE_THRESHOLD and g.max_model_len >= 2 * chunk:
-        attention.append((q, 2 * q))
+        attention.append((tokens, 2 * tokens))
     out += [Launch("attention", g.model_dtype, q, k, hq, hk, d) for q, k in attention]
     return out
 
@@ -110,8 +111,8 @@ def launch_all(
             _launch(launch, impls[layer], device)
             done += 1
         except Exception as exc:  # a launch that fails costs its first request, not startup
-            errors.append(f"launch {launch.kind} {launch.dtype} {launch.rows}x{launch.cols}: "
-                          f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            where = f"{launch.kind} {launch.dtype} {launch.rows}x{launch.cols}"
+            errors.append(f"launch {where}: {error_line(exc)}")
     if done:
         import torch
 

@@ -8,6 +8,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
+def error_line(exc: BaseException) -> str:
+    """``Type: first line of the message``: errors go to one log line."""
+    return f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+
 @dataclass
 class Report:
     """The outcome of one worker's warmup."""

@@ -15,7 +15,7 @@ import pluggy
 
 from . import compat, keys, launches, workspace
 from .discovery import discover
-from .report import CompileCounter, Report
+from .report import CompileCounter, Report, error_line
 from .settings import Settings
 
 
@@ -26,7 +26,7 @@ def _compile_one(pm: pluggy.PluginManager, key: Hashable) -> str | None:
             return f"no warmer handles {key!r}"
     except Exception as exc:  # a warmer's failure must not stop the others
         name = getattr(key, "kernel", type(key).__name__)
-        return f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return f"{name}: {error_line(exc)}"
     return None
 
 
