@@ -137,22 +137,22 @@ def _geometries(args: argparse.Namespace) -> tuple[dict[str, keys.Geometry], int
     return {"geometry0": geometry}, layers
 
 
-def _plan(args: argparse.Namespace) -> tuple[keys.Plan, keys.Geometry, int]:
+def _plan(args: argparse.Namespace) -> tuple[keys.Plan, dict[str, keys.Geometry], int]:
     named, layers = _geometries(args)
     pm = plugin_manager()
     contributions = pm.hook.tq_warmup_keys(geometries=named)
-    plan = keys.plan(c for batch in contributions for c in batch)
-    return plan, next(iter(named.values())), layers
+    return keys.plan(c for batch in contributions for c in batch), named, layers
 
 
 def inspect(args: argparse.Namespace) -> int:
     """Print the keys startup would warm, per path, deduplicated."""
-    the_plan, geometry, layers = _plan(args)
+    the_plan, named, layers = _plan(args)
+    geometry = next(iter(named.values()))
     per_path: dict[str, list[str]] = {}
     for key, paths in the_plan.paths.items():
         for path in paths:
             per_path.setdefault(path, []).append(key.describe())  # type: ignore[attr-defined]
-    first_launches = launches.describe(launches.plan(_geometries(args)[0]))
+    first_launches = launches.describe(launches.plan(named))
     if args.json:
         out = {"distinct": len(the_plan.keys), "turboquant_layers": layers, "paths": per_path,
                "launches": first_launches,
@@ -203,7 +203,8 @@ def precompile(args: argparse.Namespace) -> int:
     os.environ["TRITON_CACHE_DIR"] = str(cache_dir)
     # Without a GPU, vLLM swaps Triton for placeholders unless this is set first.
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    the_plan, geometry, _ = _plan(args)
+    the_plan, named, _ = _plan(args)
+    geometry = next(iter(named.values()))
 
     from .report import CompileCounter
     from .warmers.triton_jit import cache_keys_for, triton_key_of_wheel, use_compile_only_target
