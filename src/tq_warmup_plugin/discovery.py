@@ -92,7 +92,7 @@ def discover(worker: Any, feats: Features) -> Discovery:
                     table = compat.block_table(runner, group, group.kv_cache_group_id, use_v2)
                     found.geometries[name] = layer_geometry(layer, table, vllm_config, feats)
                     found.impls[name] = layer.impl
-                    found.device = compat.kv_view(layer.kv_cache, feats).device
+                    found.device = layer.kv_cache.device
                 except (AttributeError, ValueError, TypeError, IndexError) as exc:
                     found.refused[name] = f"{type(exc).__name__}: {exc}"
     return found
