@@ -115,9 +115,10 @@ Caveats
   and therefore the rest of that run.
 * ``--jobs N`` runs N subprocesses on the same GPU at once, each with
   ``gpu_memory_utilization`` about 0.9/N (``--gpu-mem-util``) and a fixed KV
-  cache size (``--kv-cache-gib``, which skips vLLM's memory profiling, which
-  other processes on the GPU would disturb). Timings are then noisier: Triton
-  compiles are CPU-bound and the runs share CPU cores and the GPU. Use
+  cache size (``--kv-cache-gib``: vLLM then does not size the cache from the
+  free memory it measures, which other processes on the GPU would disturb).
+  Timings are then noisier: Triton compiles are CPU-bound and the runs share CPU
+  cores and the GPU. Use
   ``--jobs 1`` for the numbers you quote. With ``--jobs`` > 1 the first run is
   made alone first so that one-time costs (the CUDA driver compiling
   FlashAttention PTX into ``CUDA_CACHE_PATH``) are not paid N times at once.
@@ -408,8 +409,9 @@ def jit_monitor_support(vllm_version: str) -> tuple[str, bool]:
     (``warn``/``error``). 0.22 (and the releases around it) has a warn-only monitor in
     ``vllm.triton_utils.jit_monitor``; 0.20 has none, which ``cmd_run`` tolerates.
     """
-    parts = [int(x) for x in re.findall(r"\d+", vllm_version)[:2]] + [0, 0]
-    if (parts[0], parts[1]) >= (0, 25):
+    from tq_warmup_plugin.compat import parse_version
+
+    if (parse_version(vllm_version) or (0, 0)) >= (0, 25):
         return "vllm.utils.jit_monitor", True
     return "vllm.triton_utils.jit_monitor", False
 
@@ -1715,7 +1717,8 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--kv-cache-gib",
         type=float,
         default=2.0,
-        help="fixed KV cache size (skips memory profiling); 0: profile",
+        help="fixed KV cache size instead of a share of the measured free memory "
+        "(vLLM still runs its profiling forward); 0: from --gpu-mem-util",
     )
     p.add_argument(
         "--gpu-mem-util",
