@@ -693,6 +693,13 @@ def format_startup_table(records: Sequence[dict[str, Any]]) -> str:
     return _render(header, rows)
 
 
+def print_tables(records: Sequence[dict[str, Any]]) -> None:
+    """The per-phase table, a blank line, the startup table."""
+    print(format_table(records))
+    print()
+    print(format_startup_table(records))
+
+
 def _render(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [len(h) for h in header]
     for row in rows:
@@ -1285,9 +1292,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             r["jit_outside_phases"] = [e["kernel"] for e in stray]
         flush()
 
-    print(format_table(records))
-    print()
-    print(format_startup_table(records))
+    print_tables(records)
     sys.stdout.flush()
     with contextlib.suppress(Exception):
         llm.llm_engine.engine_core.shutdown()
@@ -1615,9 +1620,7 @@ class Matrix:
             if self.own_work_root and not self.args.keep_caches:
                 shutil.rmtree(self.work_root, ignore_errors=True)
         print()
-        print(format_table(self.records))
-        print()
-        print(format_startup_table(self.records))
+        print_tables(self.records)
         print(f"\n[matrix] results: {self.results_file}")
         return 0 if all(r.get("status") == "ok" for r in self.records) else 1
 
@@ -1689,9 +1692,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
     out = results_path(Path(args.results_dir), first["date"], first["gpu"], first["vllm_version"])
     merged = merge_records(load_records(out) if out.is_file() else [], new)
     write_json_atomic(out, merged)
-    print(format_table(new))
-    print()
-    print(format_startup_table(new))
+    print_tables(new)
     print(f"{len(new)} records -> {out} ({len(merged)} in all)")
     return 0
 
