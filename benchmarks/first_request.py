@@ -572,6 +572,8 @@ PHASE_KEYS: frozenset[str] = frozenset(
         "other_jit_after_startup",
         "jit_events",
         "phase_warning",
+        "profile_top_extra",
+        "profile_slow_leaves",
     }
 )
 
@@ -883,12 +885,36 @@ PREWARMS: tuple[str, ...] = ("fa2", "gemm16")
 def _profiler() -> Any:
     from torch.profiler import ProfilerActivity, profile
 
-    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    # Shapes name the specialization behind a slow first call (which GEMM, which attention).
+    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True)
 
 
 def op_cpu_times(prof: Any) -> dict[str, float]:
     """Total CPU microseconds per op name (includes children: a launch and what it waits on)."""
     return {e.key: float(e.cpu_time_total) for e in prof.key_averages()}
+
+
+def slow_leaves(prof: Any, min_us: float = 2000.0, top: int = 12) -> list[dict[str, Any]]:
+    """The slowest childless CPU events (module loads, syncs, launches) with their callers.
+
+    A one-time cost (CUDA loading a kernel's module, a cuBLAS handle) is a leaf under the op
+    that needed it; the caller chain and the nearest op's input shapes say which specialization.
+    """
+    leaves = [e for e in prof.events() if not e.cpu_children and e.cpu_time_total >= min_us]
+    leaves.sort(key=lambda e: -e.cpu_time_total)
+    rows = []
+    for e in leaves[:top]:
+        chain: list[str] = []
+        shapes, parent = None, e.cpu_parent
+        while parent is not None and len(chain) < 6:
+            chain.append(parent.name)
+            if shapes is None and parent.input_shapes:
+                shapes = str(parent.input_shapes)[:300]
+            parent = parent.cpu_parent
+        rows.append(
+            {"leaf": e.name, "us": round(e.cpu_time_total), "callers": chain, "shapes": shapes}
+        )
+    return rows
 
 
 def first_request_extra(
@@ -1218,6 +1244,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     profiled = set(parse_list(args.profile_phases, PHASES)) if args.profile_phases else set()
     profiles: dict[tuple[str, str], dict[str, float]] = {}
+    leaves: dict[tuple[str, str], list[dict[str, Any]]] = {}
     if profiled:
         with _profiler():  # Kineto's one-time setup, outside the timed requests
             pass
@@ -1236,6 +1263,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
             if session is not None:
                 profiles[phase, part] = op_cpu_times(session)
+                leaves[phase, part] = slow_leaves(session)
             res["s"] = round(time.perf_counter() - t, 4)
             res["cached"] = sum(int(o.num_cached_tokens or 0) for o in outs)
             res["out_tokens"] = sum(len(o.outputs[0].token_ids) for o in outs if o.outputs)
@@ -1275,6 +1303,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             rec["profile_top_extra"] = first_request_extra(
                 profiles.get((phase, "first"), {}), profiles.get((phase, "steady"), {})
             )
+            rec["profile_slow_leaves"] = {
+                part: leaves.get((phase, part), []) for part in ("first", "steady")
+            }
         if plan.expected_cached(phase) == 0 and (first["cached"] or steady["cached"]):
             rec["phase_warning"] = "unexpected prefix-cache hit"
         prefix_missed = any(

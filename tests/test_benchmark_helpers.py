@@ -38,6 +38,40 @@ def test_first_request_extra_orders_by_growth() -> None:
     assert rows[0] == {"op": "fa", "first_us": 91000, "steady_us": 3800}
 
 
+class _Event:
+    def __init__(
+        self, name: str, us: float, parent: _Event | None = None, shapes: object = None
+    ) -> None:
+        self.name, self.cpu_time_total, self.cpu_parent = name, us, parent
+        self.input_shapes, self.cpu_children = shapes or [], list[_Event]()
+        if parent is not None:
+            parent.cpu_children.append(self)
+
+
+class _Prof:
+    def __init__(self, events: list[_Event]) -> None:
+        self._events = events
+
+    def events(self) -> list[_Event]:
+        return self._events
+
+
+def test_slow_leaves_name_the_op_and_shapes_that_paid() -> None:
+    attn = _Event("vllm::unified_attention_with_output", 95000.0)
+    mm = _Event("aten::mm", 90000.0, attn, [[4096, 128], [128, 128]])
+    load = _Event("Runtime Triggered Module Loading", 87000.0, mm)
+    quick = _Event("cudaLaunchKernel", 10.0, mm)
+    rows = bench.slow_leaves(_Prof([attn, mm, load, quick]))
+    assert rows == [
+        {
+            "leaf": "Runtime Triggered Module Loading",
+            "us": 87000,
+            "callers": ["aten::mm", "vllm::unified_attention_with_output"],
+            "shapes": "[[4096, 128], [128, 128]]",
+        }
+    ]
+
+
 def test_series_keep_records_of_concurrent_runs_apart() -> None:
     rec = {"run_id": "r", "config_id": "c", "plugin": "on", "triton_cache": "warm", "phase": "long"}
     merged = bench.merge_records([{**rec, "series": "a"}], [{**rec, "series": "b"}])
