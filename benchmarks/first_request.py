@@ -879,7 +879,7 @@ class JitRecorder:
 # --------------------------------------------------------------------------------------
 
 
-PREWARMS: tuple[str, ...] = ("fa2", "gemm16")
+PREWARMS: tuple[str, ...] = ("fa2", "gemm16", "fa2paged")
 
 
 def _profiler() -> Any:
@@ -932,8 +932,11 @@ def prewarm_launches(which: Sequence[str], geometry: Geometry) -> dict[str, floa
     """Launch the non-Triton kernels of the long-continuation path once on dummy tensors.
 
     ``fa2``: vLLM's FlashAttention-2 varlen with a causal query shorter than its keys (the
-    continuation shape) in bf16; ``gemm16``: an fp16 GEMM like the MSE key un-rotation.
-    An experiment (the seconds each took), not part of the plugin.
+    continuation shape) in bf16; ``gemm16``: an fp16 GEMM like the MSE key un-rotation;
+    ``fa2paged``: a one-token decode over a 2048-token paged bf16 cache, which FlashAttention
+    splits over the keys -- what the full-precision boundary layers (FlashAttention backend)
+    run on the first long-context decode in eager mode. An experiment (the seconds each
+    took), not part of the plugin.
     """
     import torch
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
@@ -956,6 +959,22 @@ def prewarm_launches(which: Sequence[str], geometry: Geometry) -> dict[str, floa
                 max_seqlen_k=48,
                 softmax_scale=d**-0.5,
                 causal=True,
+                fa_version=2,
+            )
+        elif name == "fa2paged":
+            block, blocks = 32, 64
+            cache = torch.randn(blocks, block, hk, d, device=dev, dtype=torch.bfloat16)
+            flash_attn_varlen_func(
+                q=torch.randn(1, hq, d, device=dev, dtype=torch.bfloat16),
+                k=cache,
+                v=cache,
+                cu_seqlens_q=torch.tensor([0, 1], device=dev, dtype=torch.int32),
+                seqused_k=torch.tensor([block * blocks], device=dev, dtype=torch.int32),
+                max_seqlen_q=1,
+                max_seqlen_k=block * blocks,
+                softmax_scale=d**-0.5,
+                causal=True,
+                block_table=torch.arange(blocks, device=dev, dtype=torch.int32)[None],
                 fa_version=2,
             )
         else:
