@@ -133,3 +133,18 @@ def run_backend(
         meta = metadata(requests, num_decodes, table, seq_buf)
         impl.do_kv_cache_update(layer, k, v, kv, meta.slot_mapping)
         impl.forward(layer, q, k, v, kv, meta, output=torch.zeros(n, hq * d, dtype=dtype))
+
+
+def make_flash_impl(hq: int, hk: int, d: int, version: int = 2, **kwargs: Any) -> Any:
+    """vLLM's real ``FlashAttentionImpl`` as a boundary layer holds it; the FlashAttention
+    version is what TurboQuant forces (2) unless given, since a CPU host cannot pick one."""
+    from unittest import mock
+
+    from vllm.v1.attention.backends import flash_attn
+
+    args: dict[str, Any] = {"alibi_slopes": None, "sliding_window": None,
+                            "kv_cache_dtype": "auto", "logits_soft_cap": None, **kwargs}
+    with mock.patch.object(flash_attn, "get_flash_attn_version", return_value=version):
+        return flash_attn.FlashAttentionImpl(
+            num_heads=hq, head_size=d, scale=d**-0.5, num_kv_heads=hk, **args
+        )

@@ -147,4 +147,5 @@ def test_inspect_lists_the_first_launches(capsys: pytest.CaptureFixture[str]) ->
         "gemm float16 4096x128",
         "attention bfloat16 512x512 (heads 16/8, d=128)",
         "attention bfloat16 512x1024 (heads 16/8, d=128)",
+        "paged_decode bfloat16 1x2048 (heads 16/8, d=128)",
     ]

@@ -120,3 +120,36 @@ def test_attention_scratch_is_capped_for_large_chunk_budgets() -> None:
         (cap, 2 * cap),
     ]
     assert max(x.rows for x in launches.launches(g) if x.kind == "gemm") == 2 * 8192
+
+
+def test_boundary_decode_is_one_launch_per_head_shape() -> None:
+    g = fakes.geometry(max_model_len=1000)
+    heads = {"layers.0.attn": (8, 2, 128), "layers.1.attn": (8, 2, 128), "x": (8, 2, 64)}
+    todo = launches.plan({"l2": g}, heads)
+    paged = {x: name for x, name in todo.items() if x.kind == "paged_decode"}
+    assert paged == {
+        Launch("paged_decode", "bfloat16", 1, 1000, 8, 2, 128): "layers.0.attn",
+        Launch("paged_decode", "bfloat16", 1, 1000, 8, 2, 64): "x",
+    }
+    assert launches.boundary_decode(fakes.geometry(max_model_len=32768), (8, 2, 128)).cols == (
+        launches.ATTENTION_TOKENS
+    )
+    assert launches.plan({}, heads) == {}  # no TurboQuant layer, nothing to warm
+
+
+def test_paged_decode_runs_on_a_scratch_paged_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    seen: list[tuple[Any, ...]] = []
+
+    def decode(impl: Any) -> Any:
+        def call(q: Any, cache: Any, cu_q: Any, used: Any, table: Any, max_k: int) -> None:
+            seen.append((impl, tuple(q.shape), tuple(cache.shape), cu_q.tolist(), used.tolist(),
+                         tuple(table.shape), table[0, -1].item(), max_k))
+        return call
+
+    monkeypatch.setattr(compat, "flash_attn_paged_decode", decode)
+    todo = {Launch("paged_decode", "bfloat16", 1, 1000, 8, 2, 128): "b"}
+    done, _, errors = launches.launch_all(todo, {"b": "impl"}, torch.device("cpu"))
+    assert (done, errors) == (1, [])
+    # 1000 tokens on 16-token pages: 63 pages, the last one partly used.
+    assert seen == [("impl", (1, 8, 128), (63, 16, 2, 128), [0, 1], [1000], (1, 63), 62, 1000)]

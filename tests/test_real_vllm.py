@@ -11,16 +11,18 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import fakes
 import pytest
 from realvllm import (
     MAX_NUM_SEQS,
     layer_kv_cache,
+    make_flash_impl,
     make_impl,
     recorded_keys,
     run_backend,
 )
 
-from tq_warmup_plugin import compat, install, keys, workspace
+from tq_warmup_plugin import compat, install, keys, launches, workspace
 from tq_warmup_plugin.settings import Settings
 from tq_warmup_plugin.warmup import run
 
@@ -93,7 +95,8 @@ def fake_worker(impls: dict[str, Any], feats: compat.Features, width: int) -> An
     for name, impl in impls.items():
         kv = layer_kv_cache(feats, 4, 16, impl.num_kv_heads, impl.tq_config.slot_size_aligned)
         layers[name] = SimpleNamespace(impl=impl, kv_cache=kv)
-    layers["boundary"] = SimpleNamespace(impl=object(), kv_cache=None)
+    layers["not_attention"] = SimpleNamespace(impl=object(), kv_cache=None)
+    layers["boundary"] = SimpleNamespace(impl=make_flash_impl(8, 2, 128), kv_cache=None)
     group = SimpleNamespace(layer_names=[*layers], kv_cache_group_id=0)
     table = torch.zeros(MAX_NUM_SEQS, width, dtype=torch.int32)
     runner = SimpleNamespace(
@@ -173,8 +176,6 @@ def test_planned_gemms_are_the_backends_gemms(vllm_env: compat.Features, cache_d
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from tq_warmup_plugin import launches
-
     gemm_ops = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
     seen: set[tuple[str, int]] = set()
 
@@ -207,3 +208,71 @@ def test_the_impls_flash_attention_call(vllm_env: compat.Features) -> None:
     impl = make_impl("turboquant_k8v4", 128, 8, 2, 32, 1024)
     assert compat.flash_attn_varlen(impl).__func__ is TurboQuantAttentionImpl._flash_attn_varlen
     assert isinstance(compat.flash_attn_available(), bool)
+
+
+def _paged_call_keywords() -> set[str]:
+    """Keywords of ``FlashAttentionImpl.forward``'s paged ``flash_attn_varlen_func`` call
+    (0.33 makes it through ``_FA4_DENSE_ATTENTION_KERNEL``, which passes them on)."""
+    import ast
+    import textwrap
+
+    from vllm.v1.attention.backends import flash_attn
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(flash_attn.FlashAttentionImpl.forward)))
+    callees = ("flash_attn_varlen_func", "_FA4_DENSE_ATTENTION_KERNEL")
+    calls = [
+        {k.arg for k in node.keywords if k.arg}
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", "") in callees
+    ]
+    paged = [kw for kw in calls if "block_table" in kw]
+    assert len(paged) == 1, calls
+    return paged[0]
+
+
+def test_boundary_decode_is_the_backends_paged_call(
+    vllm_env: compat.Features, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Our launch passes a subset of the keywords the backend's paged call passes, and
+    # everything else that call passes is a per-layer option plain_fa2_heads refuses
+    # (ALiBi, window, softcap, sinks), per-batch state, or the output buffer. A new
+    # kernel-selecting keyword in a future release fails this test.
+    import torch
+    from vllm.v1.attention.backends import flash_attn
+
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(flash_attn, "flash_attn_varlen_func",
+                        lambda **kw: calls.append(kw), raising=False)
+    impl = make_flash_impl(16, 8, 128)
+    assert compat.plain_fa2_heads(impl) == (16, 8, 128)
+    for refused in ({"sliding_window": 64}, {"logits_soft_cap": 30.0}, {"version": 3}):
+        assert compat.plain_fa2_heads(make_flash_impl(16, 8, 128, **refused)) is None, refused
+    todo = launches.plan({"l0": fakes.geometry(max_model_len=4096)}, {"boundary": (16, 8, 128)})
+    paged = [x for x in todo if x.kind == "paged_decode"]
+    done, _, errors = launches.launch_all({paged[0]: "boundary"}, {"boundary": impl},
+                                          torch.device("cpu"))
+    assert (done, errors) == (1, [])
+    (kw,) = calls
+    assert set(kw) <= _paged_call_keywords()
+    left_to_the_runtime = {
+        "out", "alibi_slopes", "window_size", "softcap", "s_aux", "num_splits",
+        "scheduler_metadata", "q_descale", "k_descale", "v_descale", "dynamic_causal",
+        "mask_mod", "aux_tensors",
+    }
+    assert _paged_call_keywords() - set(kw) <= left_to_the_runtime
+    assert (kw["causal"], kw["fa_version"], kw["max_seqlen_q"], kw["max_seqlen_k"]) == (
+        True, 2, 1, launches.ATTENTION_TOKENS)
+    assert tuple(kw["k"].shape) == (launches.ATTENTION_TOKENS // launches.PAGE_TOKENS,
+                                    launches.PAGE_TOKENS, 8, 128)
+    assert kw["q"].dtype == torch.bfloat16 and kw["softmax_scale"] == impl.scale
+
+
+def test_discovery_finds_the_boundary_layers(vllm_env: compat.Features) -> None:
+    from tq_warmup_plugin.discovery import discover
+
+    impls = {"layers.2.attn": make_impl("turboquant_4bit_nc", 128, 8, 2, 32, 1024)}
+    found = discover(fake_worker(impls, vllm_env, 64), vllm_env)
+    assert list(found.geometries) == ["layers.2.attn"]
+    assert found.boundary == {"boundary": (8, 2, 128)}
+    assert set(found.impls) == {"layers.2.attn", "boundary"}

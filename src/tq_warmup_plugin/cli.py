@@ -152,7 +152,10 @@ def inspect(args: argparse.Namespace) -> int:
     for key, paths in the_plan.paths.items():
         for path in paths:
             per_path.setdefault(path, []).append(key.describe())  # type: ignore[attr-defined]
-    first_launches = launches.describe(launches.plan(named))
+    # A dense model's boundary layers have the TurboQuant layers' heads; a worker only
+    # launches their decode if it finds them on plain FlashAttention 2.
+    boundary = {"boundary": (geometry.num_heads, geometry.num_kv_heads, geometry.head_size)}
+    first_launches = launches.describe(launches.plan(named, boundary))
     if args.json:
         out = {"distinct": len(the_plan.keys), "turboquant_layers": layers, "paths": per_path,
                "launches": first_launches,

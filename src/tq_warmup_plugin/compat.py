@@ -214,6 +214,55 @@ def flash_attn_varlen(impl: Any) -> Any:
     return impl._flash_attn_varlen
 
 
+FLASH_ATTN_MODULE = "vllm.v1.attention.backends.flash_attn"
+
+
+def plain_fa2_heads(impl: Any) -> tuple[int, int, int] | None:
+    """``(query heads, KV heads, head size)`` of a boundary layer whose decode we can
+    warm, else None.
+
+    TurboQuant keeps its boundary layers in the model dtype on vLLM's
+    ``FlashAttentionImpl`` and forces FlashAttention 2 for every layer (0.20-0.33:
+    ``attention_config.flash_attn_version = 2`` in ``EngineArgs``). Only the plain
+    kernel family is warmed: ALiBi, a sliding window, a softcap or sinks select other
+    kernels. Attribute names are those of 0.20-0.33.
+    """
+    import importlib
+
+    flash_attn = importlib.import_module(FLASH_ATTN_MODULE)
+    if type(impl) is not flash_attn.FlashAttentionImpl or impl.vllm_flash_attn_version != 2:
+        return None
+    plain = (
+        impl.alibi_slopes is None
+        and tuple(impl.sliding_window) == (-1, -1)
+        and not impl.logits_soft_cap
+        and impl.sinks is None
+    )
+    return (int(impl.num_heads), int(impl.num_kv_heads), int(impl.head_size)) if plain else None
+
+
+def flash_attn_paged_decode(impl: Any) -> Any:
+    """A one-token decode over a paged cache, called as ``FlashAttentionImpl.forward``
+    calls it (0.20-0.33): the backend module's ``flash_attn_varlen_func`` with the
+    impl's scale and ``fa_version`` and ``num_splits`` left at 0, as outside CUDA graphs,
+    so FlashAttention's own heuristic splits the keys the way a first long decode does.
+    0.33 makes that call through ``_FA4_DENSE_ATTENTION_KERNEL``, which hands the same
+    keywords to the same function."""
+    import importlib
+
+    varlen = importlib.import_module(FLASH_ATTN_MODULE).flash_attn_varlen_func
+
+    def decode(q: Any, cache: Any, cu_seqlens_q: Any, seqused_k: Any, block_table: Any,
+               max_seqlen_k: int) -> Any:
+        return varlen(
+            q=q, k=cache, v=cache, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=1,
+            seqused_k=seqused_k, max_seqlen_k=max_seqlen_k, softmax_scale=impl.scale,
+            causal=True, block_table=block_table, fa_version=impl.vllm_flash_attn_version,
+        )
+
+    return decode
+
+
 def kv_view(kv_cache: Any, feats: Features) -> Any:
     """The KV tensor exactly as the kernels receive it (strides and pointer)."""
     return kv_cache.transpose(1, 2) if feats.kv_view_transposed else kv_cache

@@ -16,8 +16,10 @@ class Discovery:
 
     geometries: dict[str, Geometry] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)
+    boundary: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    """Full-precision FlashAttention-2 layers beside them: (query heads, KV heads, head size)."""
     impls: dict[str, Any] = field(default_factory=dict)
-    """The accepted layers' impls, for the launches that go through them."""
+    """The accepted and boundary layers' impls, for the launches that go through them."""
     device: Any = None
     """The device of the KV cache (``None`` when no layer was accepted)."""
 
@@ -68,11 +70,12 @@ def layer_geometry(
 
 
 def discover(worker: Any, feats: Features) -> Discovery:
-    """All attention layers whose impl is exactly ``TurboQuantAttentionImpl``.
+    """All attention layers whose impl is exactly ``TurboQuantAttentionImpl``, and the
+    boundary layers TurboQuant leaves uncompressed on plain FlashAttention 2.
 
-    Subclasses (UltraQuant, 0.32+) run other kernels; boundary layers that
-    TurboQuant leaves uncompressed and non-attention layers of hybrid models have
-    other impls; pooling models never decode. All are left out.
+    Subclasses (UltraQuant, 0.32+) run other kernels; other boundary backends and
+    non-attention layers of hybrid models have other impls; pooling models never
+    decode. All are left out.
     """
     found = Discovery()
     vllm_config = worker.vllm_config
@@ -87,6 +90,10 @@ def discover(worker: Any, feats: Features) -> Discovery:
             for name in group.layer_names:
                 layer = context.get(name)
                 if type(getattr(layer, "impl", None)) is not tq_impl:
+                    heads = compat.plain_fa2_heads(getattr(layer, "impl", None))
+                    if heads is not None:
+                        found.boundary[name] = heads
+                        found.impls[name] = layer.impl
                     continue
                 try:
                     table = compat.block_table(runner, group, group.kv_cache_group_id, use_v2)

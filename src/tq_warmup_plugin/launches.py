@@ -9,6 +9,15 @@ H200 (vLLM 0.26.0, eager, warm Triton cache) the first long request spent
 ~85 ms in the GEMM and ~87 ms in FlashAttention's module loading
 (``benchmarks/first_request.py run --profile-phases long``). Launching each
 shape class once on zero tensors during warmup moves that cost to startup.
+
+TurboQuant also keeps the first and last layers in the model dtype on vLLM's
+FlashAttention backend and forces FlashAttention 2 there, and FA2 splits a
+long-context decode over the keys with a kernel that eager mode first launches on
+the first decode after a long prompt: ~90-110 ms of module loading per process on
+the H200 (0.26.0, eager), and on a fresh machine the CUDA driver compiling that
+kernel's PTX for sm90 (100-150 s, 0.26.0 eager and 0.22.0 with CUDA graphs).
+One paged decode launch per head shape moves it to startup.
+
 Nothing here writes the KV cache: the tensors are scratch, the outputs dropped.
 """
 
@@ -29,13 +38,17 @@ from .report import error_line
 # launch loads the same kernel, and the scratch it allocates -- after the KV cache, outside
 # vLLM's memory profile -- stays a few MiB even for an 8k-token chunk budget.
 ATTENTION_TOKENS = 2048
+# Page size of the scratch paged cache: vLLM's FlashAttention backend needs a multiple
+# of 16, and FA2 reads the page size at run time (no kernel is specialized on it).
+PAGE_TOKENS = 16
 
 
 class Launch(NamedTuple):
     """One kernel launch on scratch tensors. Equal launches load the same kernels."""
 
     kind: str
-    """``gemm`` (``rows x cols @ cols x cols``) or ``attention`` (causal varlen)."""
+    """``gemm`` (``rows x cols @ cols x cols``), ``attention`` (causal varlen) or
+    ``paged_decode`` (one query token over a paged cache: the boundary layers)."""
     dtype: str
     rows: int
     """GEMM rows, or query tokens."""
@@ -72,12 +85,35 @@ def launches(g: Geometry) -> list[Launch]:
     return out
 
 
-def plan(geometries: Mapping[str, Geometry]) -> dict[Launch, str]:
-    """Distinct launches, each with the first layer that needs it."""
+def boundary_decode(g: Geometry, heads: tuple[int, int, int]) -> Launch:
+    """The decode of a boundary layer with ``(query heads, KV heads, head size)``.
+
+    The context is as long as the model allows, capped like the other attention
+    launches: FlashAttention splits a one-token query over the keys once the
+    context spans a few key blocks, and every split count runs the same kernels.
+    """
+    q_heads, kv_heads, head_size = heads
+    tokens = min(g.max_model_len, ATTENTION_TOKENS)
+    return Launch("paged_decode", g.model_dtype, 1, tokens, q_heads, kv_heads, head_size)
+
+
+def plan(
+    geometries: Mapping[str, Geometry],
+    boundary: Mapping[str, tuple[int, int, int]] | None = None,
+) -> dict[Launch, str]:
+    """Distinct launches, each with the first layer that needs it.
+
+    ``boundary``: heads of the full-precision FlashAttention-2 layers of the same
+    model (their dtype and context length are the TurboQuant layers').
+    """
     todo: dict[Launch, str] = {}
     for name, g in geometries.items():
         for launch in launches(g):
             todo.setdefault(launch, name)
+    if geometries and boundary:
+        g = next(iter(geometries.values()))
+        for name, heads in boundary.items():
+            todo.setdefault(boundary_decode(g, heads), name)
     return todo
 
 
@@ -90,8 +126,17 @@ def _launch(launch: Launch, impl: Any, device: Any) -> None:
         a @ torch.zeros(launch.cols, launch.cols, dtype=dtype, device=device)
         return
     q = torch.zeros(launch.rows, launch.q_heads, launch.head_size, dtype=dtype, device=device)
-    kv = torch.zeros(launch.cols, launch.kv_heads, launch.head_size, dtype=dtype, device=device)
     cu_q = torch.tensor([0, launch.rows], dtype=torch.int32, device=device)
+    if launch.kind == "paged_decode":
+        pages = -(-launch.cols // PAGE_TOKENS)
+        cache = torch.zeros(
+            pages, PAGE_TOKENS, launch.kv_heads, launch.head_size, dtype=dtype, device=device
+        )
+        table = torch.arange(pages, dtype=torch.int32, device=device)[None]
+        used = torch.tensor([launch.cols], dtype=torch.int32, device=device)
+        compat.flash_attn_paged_decode(impl)(q, cache, cu_q, used, table, launch.cols)
+        return
+    kv = torch.zeros(launch.cols, launch.kv_heads, launch.head_size, dtype=dtype, device=device)
     cu_k = torch.tensor([0, launch.cols], dtype=torch.int32, device=device)
     compat.flash_attn_varlen(impl)(q, kv, kv, cu_q, cu_k, launch.rows, launch.cols)
 
@@ -125,6 +170,6 @@ def describe(todo: Iterable[Launch]) -> list[str]:
     """One line per launch, for ``tq-warmup inspect``."""
     return [
         f"{x.kind} {x.dtype} {x.rows}x{x.cols}"
-        + (f" (heads {x.q_heads}/{x.kv_heads}, d={x.head_size})" if x.kind == "attention" else "")
+        + (f" (heads {x.q_heads}/{x.kv_heads}, d={x.head_size})" if x.kind != "gemm" else "")
         for x in todo
     ]

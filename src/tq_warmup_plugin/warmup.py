@@ -106,7 +106,7 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
 
     if settings.launch and getattr(found.device, "type", None) == "cuda":
         done, report.launch_s, errors = launches.launch_all(
-            launches.plan(found.geometries), found.impls, found.device
+            launches.plan(found.geometries, found.boundary), found.impls, found.device
         )
         report.launches = done
         report.errors.extend(errors)
