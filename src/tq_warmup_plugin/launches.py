@@ -15,7 +15,7 @@ FlashAttention backend and forces FlashAttention 2 there, and FA2 splits a
 long-context decode over the keys with a kernel that eager mode first launches on
 the first decode after a long prompt: ~90-110 ms of module loading per process on
 the H200 (0.26.0, eager), and on a fresh machine the CUDA driver compiling that
-kernel's PTX for sm90 (100-150 s, 0.26.0 eager and 0.22.0 with CUDA graphs).
+kernel's PTX for sm90 first (a 102.8 s first long request, 0.26.0 eager, head size 64).
 One paged decode launch per head shape moves it to startup.
 
 Nothing here writes the KV cache: the tensors are scratch, the outputs dropped.
