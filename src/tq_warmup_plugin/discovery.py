@@ -89,16 +89,17 @@ def discover(worker: Any, feats: Features) -> Discovery:
         for group in groups:
             for name in group.layer_names:
                 layer = context.get(name)
-                if type(getattr(layer, "impl", None)) is not tq_impl:
-                    heads = compat.plain_fa2_heads(getattr(layer, "impl", None))
+                impl = getattr(layer, "impl", None)
+                if type(impl) is not tq_impl:
+                    heads = compat.plain_fa2_heads(impl)
                     if heads is not None:
                         found.boundary[name] = heads
-                        found.impls[name] = layer.impl
+                        found.impls[name] = impl
                     continue
                 try:
                     table = compat.block_table(runner, group, group.kv_cache_group_id, use_v2)
                     found.geometries[name] = layer_geometry(layer, table, vllm_config, feats)
-                    found.impls[name] = layer.impl
+                    found.impls[name] = impl
                     found.device = layer.kv_cache.device
                 except (AttributeError, ValueError, TypeError, IndexError) as exc:
                     found.refused[name] = f"{type(exc).__name__}: {exc}"

@@ -58,6 +58,11 @@ class Launch(NamedTuple):
     kv_heads: int = 0
     head_size: int = 0
 
+    @property
+    def label(self) -> str:
+        """``kind dtype rows x cols``: how error lines and ``inspect`` name it."""
+        return f"{self.kind} {self.dtype} {self.rows}x{self.cols}"
+
 
 def launches(g: Geometry) -> list[Launch]:
     """The launches whose kernels a layer's first requests would otherwise load.
@@ -156,8 +161,7 @@ def launch_all(
             _launch(launch, impls[layer], device)
             done += 1
         except Exception as exc:  # a launch that fails costs its first request, not startup
-            where = f"{launch.kind} {launch.dtype} {launch.rows}x{launch.cols}"
-            errors.append(f"launch {where}: {error_line(exc)}")
+            errors.append(f"launch {launch.label}: {error_line(exc)}")
     if done:
         import torch
 
@@ -169,7 +173,7 @@ def launch_all(
 def describe(todo: Iterable[Launch]) -> list[str]:
     """One line per launch, for ``tq-warmup inspect``."""
     return [
-        f"{x.kind} {x.dtype} {x.rows}x{x.cols}"
+        x.label
         + (f" (heads {x.q_heads}/{x.kv_heads}, d={x.head_size})" if x.kind != "gemm" else "")
         for x in todo
     ]
