@@ -4,7 +4,9 @@ imported (else vLLM replaces Triton with placeholders on a GPU-less host)."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -40,3 +42,18 @@ def vllm_env() -> Any:
     if not workspace.is_workspace_manager_initialized():
         workspace.init_workspace_manager(torch.device("cpu"))
     return feats
+
+
+Log = Callable[[], list[tuple[int, str]]]
+
+
+@pytest.fixture
+def log(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Iterator[Log]:
+    """(level, message) of the plugin's records so far, even where vLLM's logging
+    config stops propagation."""
+    logger = logging.getLogger("vllm.tq_warmup_plugin")
+    monkeypatch.setattr(logger, "propagate", False)
+    caplog.set_level(logging.INFO, logger=logger.name)
+    logger.addHandler(caplog.handler)
+    yield lambda: [(r.levelno, r.getMessage()) for r in caplog.records]
+    logger.removeHandler(caplog.handler)

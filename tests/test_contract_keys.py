@@ -114,3 +114,29 @@ def test_long_continuation_path_is_covered(vllm_env: compat.Features) -> None:
     )
     assert {k.kernel for k in g_keys} == {"_tq_full_dequant_kv"}
     assert math.isclose(dict(g_keys[0].args)["HEAD_DIM"].value, 128)  # type: ignore[union-attr]
+
+
+def verify_batches(k: int) -> list[tuple[list[tuple[int, int]], int]]:
+    """Speculative-decoding verify batches as TurboQuant sees them under the guard:
+    1+k tokens per request over cached contexts of both arange alignments, alone and
+    behind one-token decodes (requests ngram found no draft for)."""
+    verify = [(1 + k, cached) for cached in (40, 41, 42, 43)]
+    return [(verify, 0), ([(1, 40), (1, 41), *verify], 2)]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_verify_batch_keys_are_planned(vllm_env: compat.Features, preset: str, k: int) -> None:
+    import torch
+
+    width, bs = 63, 16
+    impl = make_impl(preset, 128, 16, 8, 32, width * bs)
+    kv = layer_kv_cache(vllm_env, 4, bs, 8, impl.tq_config.slot_size_aligned)
+    with recorded_keys() as launched:
+        run_backend(impl, kv, width, torch.bfloat16, verify_batches(k))
+    g = geometry(vllm_env, impl, compat.kv_view(kv, vllm_env), width, "bfloat16")
+    with recorded_keys() as ours:
+        for key in keys.plan(keys.turboquant_contributions({"layer": g})).keys:
+            compile_key(key)  # type: ignore[arg-type]
+    assert {name for name, _ in launched} >= {"_tq_decode_stage1", "_fwd_kernel_stage2"}
+    assert launched <= ours, sorted(launched - ours)

@@ -9,30 +9,18 @@ import os
 import subprocess
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from conftest import Log
 
 import tq_warmup_plugin
 from tq_warmup_plugin import compat, install, warmup
 from tq_warmup_plugin.report import Report
 from tq_warmup_plugin.settings import Settings
-
-Log = Callable[[], list[tuple[int, str]]]
-
-
-@pytest.fixture
-def log(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Iterator[Log]:
-    """(level, message) of the plugin's records so far, even where vLLM's logging
-    config stops propagation."""
-    monkeypatch.setattr(install.logger, "propagate", False)
-    caplog.set_level(logging.INFO, logger=install.logger.name)
-    install.logger.addHandler(caplog.handler)
-    yield lambda: [(r.levelno, r.getMessage()) for r in caplog.records]
-    install.logger.removeHandler(caplog.handler)
 
 
 @pytest.fixture

@@ -276,3 +276,26 @@ def test_discovery_finds_the_boundary_layers(vllm_env: compat.Features) -> None:
     assert list(found.geometries) == ["layers.2.attn"]
     assert found.boundary == {"boundary": (8, 2, 128)}
     assert set(found.impls) == {"layers.2.attn", "boundary"}
+
+
+def test_preallocated_prefill_buffers_are_the_ones_the_backend_uses(
+    vllm_env: compat.Features,
+) -> None:
+    """Made before capture, the loop's buffers are reused, never regrown or replaced,
+    by every prefill path (first chunk, short and long continuation)."""
+    import torch
+
+    if not vllm_env.prefill_buffers_cached:
+        pytest.skip("0.20 allocates them on every call")
+    width, bs, max_len = 63, 16, 63 * 16
+    impl = make_impl("turboquant_4bit_nc", 128, 8, 2, 32, max_len)
+    kv = layer_kv_cache(vllm_env, 4, bs, 2, impl.tq_config.slot_size_aligned)
+    made = compat.preallocate_prefill_buffers(impl, torch.device("cpu"), max_len)
+    assert made == 3 * 8 + 4 * (max_len + 2)
+    before = {n: getattr(impl, n) for n in ("_cu_2", "_cu_2_q", "_cu_2_k", "_arange_cache")}
+    batches = [([(7, 7), (5, 3), (130, 20)], 0), ([(max_len - 1, 1)], 0)]
+    with recorded_keys():  # no launches: the compile-only driver cannot run kernels
+        run_backend(impl, kv, width, torch.bfloat16, batches)
+    assert {n: getattr(impl, n) for n in before} == before  # same objects
+    assert before["_arange_cache"].dtype == torch.int32
+    assert compat.preallocate_prefill_buffers(impl, torch.device("cpu"), max_len) == 0

@@ -91,7 +91,32 @@ def found(monkeypatch: pytest.MonkeyPatch) -> Discovery:
     monkeypatch.setattr(compat, "workspace_manager", lambda feats: None)
     monkeypatch.setattr(warmup, "CompileCounter", StubCounter)
     monkeypatch.setattr(warmup, "discover", discover)
+    monkeypatch.setattr(compat, "preallocate_prefill_buffers", PREALLOCATED.record)
+    PREALLOCATED.calls.clear()
     return found
+
+
+class _Preallocations:
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, Any, int]] = []
+
+    def record(self, impl: Any, device: Any, max_model_len: int) -> int:
+        self.calls.append((impl, device, max_model_len))
+        return 0
+
+
+PREALLOCATED = _Preallocations()
+
+
+@pytest.mark.parametrize("device", [None, "cuda:0"])
+def test_prefill_buffers_are_made_for_every_layer_before_capture(
+    found: Discovery, device: str | None
+) -> None:
+    found.device = device
+    found.impls = {name: f"impl of {name}" for name in found.geometries}
+    warmup.run(object(), Settings(launch=False), manager(RecordingWarmer(None)))
+    expected = [(f"impl of {n}", device, g.max_model_len) for n, g in GEOMETRIES.items()]
+    assert PREALLOCATED.calls == (expected if device else [])
 
 
 @pytest.mark.parametrize("version", ["0.19.0", "0.34.0", "", None])

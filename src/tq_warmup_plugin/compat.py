@@ -2,9 +2,9 @@
 
 Each branch names the releases it covers. The version gates are pure; the
 accessors at the bottom take live vLLM objects and are the only place that
-knows where a release keeps them. Source: the released wheels (see
-``shared/reference/vllm-turboquant-internals.md``), pinned down by the
-``real_vllm`` contract tests.
+knows where a release keeps them. Source: the released wheels of 0.20.0-0.33.0,
+read file by file; the ``real_vllm`` contract tests pin each difference down
+against the real code of the releases CI installs.
 """
 
 from __future__ import annotations
@@ -90,6 +90,19 @@ class Features(NamedTuple):
     unrotate_fp16: bool
     """0.21+: a long continuation un-rotates MSE keys with an fp16 GEMM
     (``layer._tq_Pi_half``); 0.20 does it in fp32."""
+    spec_graphs_unsafe: bool
+    """0.20-0.33: ``TurboQuantMetadataBuilder`` reports ``UNIFORM_BATCH`` while verify
+    batches are not decodes (``supports_spec_as_decode=False``), so under speculative
+    decoding vLLM captures FULL graphs of 1+k-token verify batches. Capture runs
+    ``_prefill_attention``'s per-request loop on dummy metadata (``seq_len == q_len``)
+    and bakes in "attention over the new tokens only": 0.21-0.33 replay it with the
+    cached context ignored (upstream #40831, #52475, #53180), 0.20 calls ``.tolist()``
+    on GPU tensors during capture and fails at startup (#40807). The fixes (#43747,
+    #53406) are unmerged in every release up to 0.33."""
+    prefill_buffers_cached: bool
+    """0.21+: ``_prefill_attention`` caches ``_cu_2`` and ``_arange_cache`` on the impl
+    the first time it runs (``_continuation_prefill`` ``_cu_2_q``/``_cu_2_k``), growing
+    the arange when a longer sequence comes; 0.20 allocates them on every call."""
 
 
 def features(version: Version) -> Features:
@@ -103,6 +116,8 @@ def features(version: Version) -> Features:
         uses_workspace=version >= (0, 21),
         builder_reserves_workspace=version >= (0, 24),
         unrotate_fp16=version >= (0, 21),
+        spec_graphs_unsafe=OLDEST <= version <= (0, 33),
+        prefill_buffers_cached=version >= (0, 21),
     )
 
 
@@ -192,6 +207,23 @@ def turboquant_impl_class() -> type:
     return cls
 
 
+BUILDER_CLASS = "TurboQuantMetadataBuilder"
+
+
+def speculative_decoding(vllm_config: Any) -> bool:
+    """``VllmConfig.speculative_config`` is set (ngram, EAGLE, MTP, draft model) in
+    0.20-0.33; None without speculative decoding."""
+    return getattr(vllm_config, "speculative_config", None) is not None
+
+
+def single_token_decode_support() -> Any:
+    """``AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE`` from
+    ``vllm.v1.attention.backend`` (0.20-0.33)."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+
 def kernel_function(name: str) -> Any:
     """The ``JITFunction`` object of a TurboQuant kernel."""
     import importlib
@@ -261,6 +293,27 @@ def flash_attn_paged_decode(impl: Any) -> Any:
         )
 
     return decode
+
+
+def preallocate_prefill_buffers(impl: Any, device: Any, max_model_len: int) -> int:
+    """Create, before any CUDA graph capture, the buffers ``_prefill_attention`` and
+    ``_continuation_prefill`` would otherwise create on first use (0.21-0.33, same
+    names and dtypes: int32 ``_cu_2``, ``_cu_2_q``, ``_cu_2_k`` of 2 and an int32
+    ``_arange_cache`` of ``0..max_model_len + 1``, long enough that the loop never
+    regrows it). Created lazily, the first one made inside a capture would live in
+    the graph's private pool. Returns the bytes allocated; buffers that exist stay."""
+    import torch
+
+    made = 0
+    for name in ("_cu_2", "_cu_2_q", "_cu_2_k"):
+        if not hasattr(impl, name):
+            setattr(impl, name, torch.zeros(2, device=device, dtype=torch.int32))
+            made += 8
+    arange = getattr(impl, "_arange_cache", None)
+    if arange is None or arange.shape[0] < max_model_len + 2:
+        impl._arange_cache = torch.arange(max_model_len + 2, device=device, dtype=torch.int32)
+        made += 4 * (max_model_len + 2)
+    return made
 
 
 def kv_view(kv_cache: Any, feats: Features) -> Any:

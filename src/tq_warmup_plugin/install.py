@@ -1,9 +1,12 @@
-"""Wraps vLLM's ``kernel_warmup`` wherever vLLM calls it, and puts it back.
+"""Wraps vLLM's ``kernel_warmup`` wherever vLLM calls it, installs the import-time
+guards, and puts everything back.
 
 ``register()`` must stay cheap and may run before vLLM's worker modules exist, so
-the defining module is patched when it is first imported (a meta-path hook), and
-every call-site module that already bound the name is rebound: ``gpu_worker``
-imports it by name at module level (0.20-0.33), elastic EP too (0.27+).
+each module we adjust is patched right after it is first imported (one meta-path
+hook), or at once if it already is: the ``kernel_warmup`` module, whose name every
+call-site module that already bound it gets rebound to (``gpu_worker`` imports it by
+name at module level, 0.20-0.33, elastic EP too, 0.27+), and TurboQuant's backend
+module for the speculative-decoding guard (``guards.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-from . import compat
+from . import compat, guards
 from .settings import Settings
 
 # A child of vLLM's "vllm" logger inherits its handlers and format.
@@ -64,10 +67,11 @@ def wrap(original: Callable[..., Any], settings: Settings) -> Callable[..., Any]
     return kernel_warmup
 
 
-def _patch_loaded(settings: Settings) -> None:
-    source = sys.modules.get(compat.WARMUP_MODULE)
-    if source is None:
-        return
+Patch = Callable[[ModuleType], object]
+
+
+def _hook_warmup(source: ModuleType, settings: Settings) -> None:
+    """Wrap the defining module's ``kernel_warmup`` and rebind every call site."""
     current = getattr(source, "kernel_warmup", None)
     if current is None:
         return
@@ -79,44 +83,59 @@ def _patch_loaded(settings: Settings) -> None:
             setattr(module, "kernel_warmup", wrapped)  # noqa: B010 (a module, not a class)
 
 
+def patches(settings: Settings) -> dict[str, Patch]:
+    """What to do to which vLLM module once it has executed."""
+    todo: dict[str, Patch] = {compat.WARMUP_MODULE: lambda m: _hook_warmup(m, settings)}
+    if settings.spec_guard:
+        todo[compat.BACKEND_MODULE] = guards.install_spec_guard
+    return todo
+
+
 class _PatchOnImport:
-    """A ``sys.meta_path`` finder that patches the warmup module right after it
-    executes, before anyone imports the name from it. (Duck-typed: subclassing
+    """A ``sys.meta_path`` finder that patches a module right after it executes,
+    before anyone imports a name from it. (Duck-typed: subclassing
     ``importlib.abc.MetaPathFinder`` would cost register() ~20 ms of imports.)"""
 
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
+    def __init__(self, todo: dict[str, Patch]) -> None:
+        self.todo = todo
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != compat.WARMUP_MODULE:
+        patch = self.todo.get(fullname)
+        if patch is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return None
-        loader = spec.loader
-        exec_module = loader.exec_module
-        settings = self.settings
+        exec_module = spec.loader.exec_module
 
         def exec_and_patch(module: ModuleType) -> None:
             exec_module(module)
-            module.kernel_warmup = wrap(module.kernel_warmup, settings)  # type: ignore[attr-defined]
+            patch(module)
 
-        loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+        spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
         return spec
 
 
 def install(settings: Settings) -> None:
-    """Idempotently hook every call site, now and on later import."""
+    """Idempotently patch every module we adjust, now and on later import."""
+    todo = patches(settings)
     if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport(settings))
-    _patch_loaded(settings)
+        sys.meta_path.insert(0, _PatchOnImport(todo))
+    for name, patch in todo.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            patch(module)
 
 
 def uninstall() -> None:
-    """Remove the import hook and give every call site vLLM's own function back."""
+    """Remove the import hook, give every call site vLLM's own function back and
+    take the guards off."""
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PatchOnImport)]
+    backend = sys.modules.get(compat.BACKEND_MODULE)
+    if backend is not None:
+        guards.remove_spec_guard(backend)
     for name in compat.CALL_SITE_MODULES:
         module = sys.modules.get(name)
         current = getattr(module, "kernel_warmup", None) if module is not None else None

@@ -30,6 +30,9 @@ class Settings(NamedTuple):
     launch: ``TQ_WARMUP_LAUNCH`` (default on): also launch the attention paths'
         non-Triton kernels (cuBLAS, FlashAttention) once on a CUDA device, so CUDA
         loads their modules at startup instead of in the first long request.
+    spec_guard: ``TQ_WARMUP_SPEC_GUARD`` (default on): under speculative decoding,
+        TurboQuant's metadata builder reports ``UNIFORM_SINGLE_TOKEN_DECODE``, so vLLM
+        captures no FULL CUDA graph of a verify batch (``guards.py`` says why).
     """
 
     enabled: bool = True
@@ -37,6 +40,7 @@ class Settings(NamedTuple):
     report_path: str | None = None
     threads: int = DEFAULT_THREADS
     launch: bool = True
+    spec_guard: bool = True
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -66,4 +70,5 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
         report_path=env.get("TQ_WARMUP_REPORT") or None,
         threads=_positive_int(env, "TQ_WARMUP_THREADS", DEFAULT_THREADS),
         launch=_flag(env, "TQ_WARMUP_LAUNCH", True),
+        spec_guard=_flag(env, "TQ_WARMUP_SPEC_GUARD", True),
     )

@@ -102,6 +102,9 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
     report.workspace_bytes = workspace.reserve(
         workspace.plan_reservation(found.geometries.values()), feats
     )
+    if feats.prefill_buffers_cached and found.device is not None:
+        for name, g in found.geometries.items():
+            compat.preallocate_prefill_buffers(found.impls[name], found.device, g.max_model_len)
     report.warmup_s = time.perf_counter() - start
 
     if settings.launch and getattr(found.device, "type", None) == "cuda":

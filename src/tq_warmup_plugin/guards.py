@@ -1,0 +1,142 @@
+"""The speculative-decoding guard: no FULL CUDA graph of a TurboQuant verify batch.
+
+Why: ``TurboQuantMetadataBuilder`` reports ``UNIFORM_BATCH`` (0.20-0.33), so with
+speculative decoding vLLM captures FULL graphs of uniform 1+k-token verify batches.
+Capture runs TurboQuant's per-request prefill loop on dummy metadata whose sequence
+length equals the query length, and the graph keeps that branch, "attention over the
+new tokens only", for every replay: wrong tokens and no error (0.21-0.33; on an H200
+with vLLM 0.22.0, ngram k=3 diverged at token 3-4 of every prompt and k=1 hit an
+illegal memory access), or a startup crash on 0.20 (``.tolist()`` during capture).
+
+What: under speculative decoding the builder, and any subclass, reports at most
+``UNIFORM_SINGLE_TOKEN_DECODE``. vLLM's own mode resolution then runs verify batches
+without a FULL graph (``resolve_cudagraph_mode_and_sizes``: FULL decode graphs with
+``uniform_decode_query_len > 1`` need ``UNIFORM_BATCH``, else PIECEWISE, 0.20-0.33).
+Without speculative decoding vLLM's own value is returned unchanged. The builder's
+support level is read while the KV cache is initialised, before ``kernel_warmup``,
+so this is installed when the backend module is imported, not in the worker.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from . import compat
+
+__all__ = ["capped_support", "install_spec_guard", "remove_spec_guard", "spec_guarded"]
+
+logger = logging.getLogger("vllm.tq_warmup_plugin")
+
+_GUARD_ATTR = "__tq_warmup_spec_guard__"
+_announced = False
+
+
+def capped_support(support: Any, speculative: bool, cap: Any) -> Any:
+    """The support level to report: ``support``, lowered to ``cap`` under speculative
+    decoding (enum members compare by ``value``, as vLLM compares them)."""
+    return cap if speculative and support.value > cap.value else support
+
+
+def _announce(builder: type, support: Any, cap: Any) -> None:
+    global _announced
+    if _announced:
+        return
+    _announced = True
+    logger.info(
+        "tq-warmup: speculative decoding with TurboQuant: verify batches run PIECEWISE "
+        "(%s reports %s instead of %s: a FULL graph of a verify batch ignores the cached "
+        "context); TQ_WARMUP_SPEC_GUARD=0 turns this off",
+        builder.__name__, cap.name, support.name,
+    )
+
+
+def _guard(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``get_cudagraph_support``'s function, capped under speculative decoding."""
+
+    @functools.wraps(original)
+    def get_cudagraph_support(cls: type, vllm_config: Any, kv_cache_spec: Any) -> Any:
+        support = original(cls, vllm_config, kv_cache_spec)
+        cap = compat.single_token_decode_support()
+        capped = capped_support(support, compat.speculative_decoding(vllm_config), cap)
+        if capped is not support:
+            _announce(cls, support, cap)
+        return capped
+
+    setattr(get_cudagraph_support, _GUARD_ATTR, True)
+    return get_cudagraph_support
+
+
+def _guard_class(cls: type) -> None:
+    """Cap ``cls.get_cudagraph_support`` (inherited or its own), once."""
+    current = cls.__dict__.get("get_cudagraph_support")
+    if current is not None and getattr(current.__func__, _GUARD_ATTR, False):
+        return
+    # A bound classmethod's ``__func__`` is the plain function, wherever it is defined.
+    original = cls.get_cudagraph_support.__func__  # type: ignore[attr-defined]
+    guarded = classmethod(_guard(original))
+    guarded.__tq_warmup_replaced__ = current  # type: ignore[attr-defined]
+    cls.get_cudagraph_support = guarded  # type: ignore[attr-defined]
+
+
+def _init_subclass_guarded(cls: Any, /, **kwargs: Any) -> None:
+    """A subclass (UltraQuant-style) that defines its own ``get_cudagraph_support``
+    is capped as soon as it is created; one that inherits ours already is."""
+    builder = next(c for c in cls.__mro__ if c.__dict__.get(_GUARD_ATTR))
+    super(builder, cls).__init_subclass__(**kwargs)
+    if "get_cudagraph_support" in cls.__dict__:
+        _guard_class(cls)
+
+
+def install_spec_guard(backend: ModuleType) -> bool:
+    """Guard the backend module's builder class when the installed release needs it.
+    Returns whether the guard is in place; never raises into vLLM's import."""
+    try:
+        feats = compat.release_features(compat.installed_vllm_version())
+        if not feats.spec_graphs_unsafe:
+            return False
+        builder: type = getattr(backend, compat.BUILDER_CLASS)
+        if builder.__dict__.get(_GUARD_ATTR):
+            return True
+        _guard_class(builder)
+        if "__init_subclass__" not in builder.__dict__:  # none in 0.20-0.33
+            builder.__init_subclass__ = classmethod(_init_subclass_guarded)  # type: ignore[method-assign, assignment]
+        setattr(builder, _GUARD_ATTR, True)
+        return True
+    except Exception as exc:  # an unknown release or layout: vLLM starts unguarded
+        logger.warning("tq-warmup: speculative-decoding guard not installed: %s", exc)
+        return False
+
+
+def spec_guarded(backend: ModuleType) -> bool:
+    """Whether the builder class of ``backend`` carries the guard."""
+    builder = getattr(backend, compat.BUILDER_CLASS, None)
+    return builder is not None and bool(builder.__dict__.get(_GUARD_ATTR))
+
+
+def remove_spec_guard(backend: ModuleType) -> None:
+    """Give the builder (and subclasses guarded since) vLLM's own methods back."""
+    builder = getattr(backend, compat.BUILDER_CLASS, None)
+    if builder is None or not builder.__dict__.get(_GUARD_ATTR):
+        return
+    for cls in (builder, *_subclasses(builder)):
+        guarded = cls.__dict__.get("get_cudagraph_support")
+        if guarded is None or not getattr(guarded.__func__, _GUARD_ATTR, False):
+            continue
+        replaced = guarded.__tq_warmup_replaced__
+        if replaced is None:
+            delattr(cls, "get_cudagraph_support")
+        else:
+            cls.get_cudagraph_support = replaced
+    init = builder.__dict__.get("__init_subclass__")
+    if init is not None and init.__func__ is _init_subclass_guarded:
+        del builder.__init_subclass__
+    delattr(builder, _GUARD_ATTR)
+
+
+def _subclasses(cls: type) -> list[type]:
+    direct: list[type] = cls.__subclasses__()
+    return [c for sub in direct for c in (sub, *_subclasses(sub))]
