@@ -4,7 +4,8 @@
 # modules vLLM needs to import its TurboQuant code, `vllm==VERSION --no-deps`, and the
 # test tools. Idempotent: skipped when DIR/.ok-VERSION exists and matches this recipe.
 # Uses pip's normal cache (set PIP_CACHE_DIR to move it).
-# See /work/shared/reference/cpu-ci-recipe.md. Never `pip install vllm` without --no-deps.
+# vLLM imports on a CPU host once its module-level imports are met; never `pip install vllm`
+# without --no-deps (it would pull CUDA torch and pin versions this venv does not want).
 set -euo pipefail
 if [[ $# -ne 3 ]]; then echo "usage: $0 VLLM_VERSION TRITON_VERSION DIR" >&2; exit 2; fi
 VERSION=$1 TRITON=$2 DIR=$3

@@ -35,27 +35,38 @@ def test_unknown_version_is_a_problem() -> None:
     assert compat.support_problem(None) == "cannot determine the installed vLLM version"
 
 
-# transposed, head_major, stage2 fp16, sliced seq_lens, workspace, builder reserves
+# Every gate of compat.Features, in field order: a new gate fails this test until
+# its column is added here.
+GATE_COLUMNS = (
+    "kv_view_transposed", "kv_head_major", "stage2_output_fp16",
+    "continuation_seq_lens_sliced", "uses_workspace", "builder_reserves_workspace",
+    "unrotate_fp16", "spec_graphs_unsafe", "prefill_buffers_cached",
+)
+T, F = True, False
 GATES = {
-    (0, 20): (False, False, False, False, False, False),
-    (0, 21): (False, False, True, True, True, False),
-    (0, 23): (False, False, True, True, True, False),
-    (0, 24): (False, False, True, True, True, True),
-    (0, 25): (False, False, True, True, True, True),
-    (0, 26): (True, True, True, True, True, True),
-    (0, 28): (True, True, True, True, True, True),
-    (0, 29): (True, False, True, True, True, True),
-    (0, 33): (True, False, True, True, True, True),
+    (0, 20): (F, F, F, F, F, F, F, T, F),
+    (0, 21): (F, F, T, T, T, F, T, T, T),
+    (0, 23): (F, F, T, T, T, F, T, T, T),
+    (0, 24): (F, F, T, T, T, T, T, T, T),
+    (0, 25): (F, F, T, T, T, T, T, T, T),
+    (0, 26): (T, T, T, T, T, T, T, T, T),
+    (0, 28): (T, T, T, T, T, T, T, T, T),
+    (0, 29): (T, F, T, T, T, T, T, T, T),
+    (0, 33): (T, F, T, T, T, T, T, T, T),
 }
+
+
+def test_gate_table_names_every_gate() -> None:
+    assert compat.Features._fields == ("version", *GATE_COLUMNS)
 
 
 @pytest.mark.parametrize(("version", "gates"), GATES.items())
 def test_feature_gates(version: compat.Version, gates: tuple[bool, ...]) -> None:
     f = compat.features(version)
     assert f.version == version
-    assert (f.kv_view_transposed, f.kv_head_major, f.stage2_output_fp16,
-            f.continuation_seq_lens_sliced, f.uses_workspace,
-            f.builder_reserves_workspace) == gates
+    assert dict(zip(GATE_COLUMNS, f[1:], strict=True)) == dict(
+        zip(GATE_COLUMNS, gates, strict=True)
+    )
 
 
 @pytest.mark.parametrize(
