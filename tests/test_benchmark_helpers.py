@@ -1,20 +1,13 @@
-"""The first-request benchmark's pure helpers (the script itself needs a GPU)."""
+"""The first-request benchmark's pure helpers (the benchmark itself needs a GPU)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "first_request.py"
-_spec = importlib.util.spec_from_file_location("first_request", _PATH)
-assert _spec is not None and _spec.loader is not None
-bench: Any = importlib.util.module_from_spec(_spec)
-sys.modules["first_request"] = bench
-_spec.loader.exec_module(bench)
+from benchmarks.tqbench import collect, logs, phases, recorder, records, run, summary, tables
 
 
 @pytest.mark.parametrize(
@@ -27,13 +20,13 @@ _spec.loader.exec_module(bench)
     ],
 )
 def test_jit_monitor_support(version: str, expected: tuple[str, bool]) -> None:
-    assert bench.jit_monitor_support(version) == expected
+    assert run.jit_monitor_support(version) == expected
 
 
 def test_first_request_extra_orders_by_growth() -> None:
     first = {"mm": 96000.0, "fa": 91000.0, "new": 300.0, "same": 50.0}
     steady = {"mm": 10000.0, "fa": 3800.0, "same": 50.0}
-    rows = bench.first_request_extra(first, steady, top=3)
+    rows = recorder.first_request_extra(first, steady, top=3)
     assert [r["op"] for r in rows] == ["fa", "mm", "new"]
     assert rows[0] == {"op": "fa", "first_us": 91000, "steady_us": 3800}
 
@@ -61,7 +54,7 @@ def test_slow_leaves_name_the_op_and_shapes_that_paid() -> None:
     mm = _Event("aten::mm", 90000.0, attn, [[4096, 128], [128, 128]])
     load = _Event("Runtime Triggered Module Loading", 87000.0, mm)
     quick = _Event("cudaLaunchKernel", 10.0, mm)
-    rows = bench.slow_leaves(_Prof([attn, mm, load, quick]))
+    rows = recorder.slow_leaves(_Prof([attn, mm, load, quick]))
     assert rows == [
         {
             "leaf": "Runtime Triggered Module Loading",
@@ -74,9 +67,9 @@ def test_slow_leaves_name_the_op_and_shapes_that_paid() -> None:
 
 def test_series_keep_records_of_concurrent_runs_apart() -> None:
     rec = {"run_id": "r", "config_id": "c", "plugin": "on", "triton_cache": "warm", "phase": "long"}
-    merged = bench.merge_records([{**rec, "series": "a"}], [{**rec, "series": "b"}])
+    merged = records.merge_records([{**rec, "series": "a"}], [{**rec, "series": "b"}])
     assert [r["series"] for r in merged] == ["a", "b"]
-    assert bench.merge_records(merged, [{**rec, "series": "b", "x": 1}])[-1]["x"] == 1
+    assert records.merge_records(merged, [{**rec, "series": "b", "x": 1}])[-1]["x"] == 1
 
 
 def test_apply_log_takes_tp_compiles_from_the_monitor_lines() -> None:
@@ -93,14 +86,127 @@ def test_apply_log_takes_tp_compiles_from_the_monitor_lines() -> None:
             "WARNING Triton kernel JIT compilation during inference: other_kernel.",
         ]
     )
-    records = [
+    recs: list[dict[str, Any]] = [
         {"phase": "long", "hooks_in_process": False},
         {"phase": "short_tail", "hooks_in_process": False},
         {"phase": "decode", "hooks_in_process": True, "tq_compiles_after_startup": ["kept"]},
     ]
-    bench.apply_log(records, log)
-    assert records[0]["tq_compiles_after_startup"] == ["_tq_full_dequant_kv"]
-    assert records[1]["tq_compiles_after_startup"] == ["_tq_decode_stage1"]
-    assert records[1]["other_jit_after_startup"] == ["other_kernel"]
-    assert records[2]["tq_compiles_after_startup"] == ["kept"]
-    assert records[0]["plugin_log"] == ["tq-warmup: 2 TurboQuant layers, 6 distinct kernel keys"]
+    logs.apply_log(recs, log)
+    assert recs[0]["tq_compiles_after_startup"] == ["_tq_full_dequant_kv"]
+    assert recs[1]["tq_compiles_after_startup"] == ["_tq_decode_stage1"]
+    assert recs[1]["other_jit_after_startup"] == ["other_kernel"]
+    assert recs[2]["tq_compiles_after_startup"] == ["kept"]
+    assert recs[0]["plugin_log"] == ["tq-warmup: 2 TurboQuant layers, 6 distinct kernel keys"]
+
+
+def test_phase_plan_exercises_the_paths_it_is_named_after() -> None:
+    plan = phases.plan_phases(512, block_size=32)
+    assert phases.describe_chunks(plan.expected_chunks("long")) == "512, 512+c, 512+c"
+    assert phases.describe_chunks(plan.expected_chunks("short_tail")) == "512, 100+c*"
+    assert phases.describe_chunks(plan.expected_chunks("prefix_hit")) == "40+c*"
+    assert plan.expected_cached("prefix_hit") == 1024
+    assert phases.auto_max_model_len(plan.required_max_model_len) == 2048
+    with pytest.raises(ValueError, match="budget"):
+        phases.plan_phases(128)
+
+
+def test_geometry_config_and_prompts() -> None:
+    geom = phases.parse_geometry("64x16x2")
+    assert geom == phases.Geometry(64, 16, 2)
+    cfg = phases.build_model_config(geom, 6, 4096)
+    assert (cfg["hidden_size"], cfg["num_key_value_heads"], cfg["vocab_size"]) == (1024, 2, 1024)
+    with pytest.raises(ValueError, match="multiple"):
+        phases.parse_geometry("128x16x3")
+    prompts = phases.make_prompts(2, 5, seed=1, vocab_size=50)
+    assert prompts == phases.make_prompts(2, 5, seed=1, vocab_size=50)
+    assert all(3 <= t < 50 for p in prompts for t in p)
+    assert "auto" in phases.PRESETS and "turboquant_k8v4" in phases.TQ_PRESETS
+
+
+def test_render_pads_columns() -> None:
+    text = tables.render(("a", "long header"), [("xyz", "1"), ("q", "22")])
+    assert text.splitlines() == ["a    long header", "---  -----------", "xyz  1", "q    22"]
+
+
+def test_write_run_stores_run_fields_once_and_reads_back(tmp_path: Path) -> None:
+    run_fields = {"run_id": "r1", "config_id": "c", "plugin": "on", "gpu": "NVIDIA H200"}
+    rows = [{"phase": "decode", "first_s": 0.1}, {"phase": "long", "first_s": 2.0}]
+    path = tmp_path / "raw" / "r1.jsonl"
+    records.write_run(path, run_fields, rows)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3 and lines[0].startswith('{"run": {')
+    assert "NVIDIA H200" not in "".join(lines[1:])
+    assert records.read_run(path) == (run_fields, rows)
+    flat = records.join_run(run_fields, rows)
+    assert records.split_records(flat) == (run_fields, rows)
+    assert [p.name for p in path.parent.iterdir()] == ["r1.jsonl"]  # no temporary left
+
+
+def _run_records(
+    series: str, preset: str, plugin: str, ratios: dict[str, tuple[float, float]], **extra: Any
+) -> list[dict[str, Any]]:
+    base = {
+        "series": series,
+        "run_id": f"{series}-{preset}-{plugin}",
+        "config_id": f"{preset}-eager",
+        "vllm_version": "0.26.0",
+        "gpu": "NVIDIA H200",
+        "kv_cache_dtype": preset,
+        "mode": "eager",
+        "head_size": 128,
+        "q_heads": 16,
+        "kv_heads": 8,
+        "tp": 1,
+        "plugin": plugin,
+        "triton_cache": "cold",
+        "startup_s": 30.0,
+        "warmup_s": 1.2 if plugin == "on" else None,
+        **extra,
+    }
+    return [
+        {**base, "phase": p, "status": "ok", "first_s": f, "steady_s": s}
+        for p, (f, s) in ratios.items()
+    ]
+
+
+def test_summary_puts_the_auto_ratio_beside_each_turboquant_row(tmp_path: Path) -> None:
+    raw = tmp_path / "raw"
+    off = _run_records(
+        "s1", "turboquant_4bit_nc", "off", {"long": (1.0, 0.1)}, tq_compiles_after_startup=[]
+    )
+    off[0]["tq_compiles_after_startup"] = ["_tq_full_dequant_kv"]
+    auto = _run_records("s1", "auto", "on", {"long": (0.3, 0.1)}, tq_compiles_after_startup=None)
+    collect.file_runs(raw, off + auto)
+    # a second run of the same group widens the range
+    again = _run_records("s1", "turboquant_4bit_nc", "off", {"long": (1.5, 0.1)})
+    again[0]["run_id"] = "second"
+    collect.file_runs(raw, again)
+    result = collect.regenerate(tmp_path)
+    long_off = next(r for r in result["phases"] if r["preset"] == "4bit_nc")
+    assert long_off["ratio"] == [10.0, 15.0]
+    assert long_off["first_s"] == [1.0, 1.5]
+    assert long_off["auto_ratio"] == [3.0]
+    assert long_off["tq_compiles_after_startup"] == ["_tq_full_dequant_kv"]
+    assert long_off["run_ids"] == ["s1-turboquant_4bit_nc-off", "second"]
+    auto_row = next(r for r in result["phases"] if r["preset"] == "auto")
+    assert auto_row["tq_compiles_after_startup"] is None and auto_row["auto_ratio"] is None
+    md = (tmp_path / "SUMMARY.md").read_text()
+    assert "## vLLM 0.26.0: s1" in md
+    assert (
+        "| 4bit_nc | eager | 128x16x8 | 1 | off-cold | long | 2 | ok | 1.000-1.500 | 0.100 |" in md
+    )
+    assert "| 10.0-15.0 | 3.0 | _tq_full_dequant_kv |" in md
+    startup = next(r for r in result["startup"] if r["preset"] == "4bit_nc")
+    assert startup["runs"] == 2 and startup["startup_s"] == [30.0, 30.0]
+
+
+def test_summary_keeps_series_that_have_no_raw_run_any_more(tmp_path: Path) -> None:
+    raw = tmp_path / "raw"
+    collect.file_runs(raw, _run_records("old", "turboquant_k8v4", "on", {"decode": (0.3, 0.1)}))
+    collect.regenerate(tmp_path)
+    for path in raw.rglob("*.jsonl"):
+        path.unlink()
+    collect.file_runs(raw, _run_records("new", "turboquant_k8v4", "on", {"decode": (0.2, 0.1)}))
+    rows = collect.regenerate(tmp_path)["phases"]
+    assert {(r["series"], tuple(r["ratio"])) for r in rows} == {("old", (3.0,)), ("new", (2.0,))}
+    assert summary.span([2.0], "{:.1f}") == "2.0"

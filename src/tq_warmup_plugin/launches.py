@@ -7,7 +7,7 @@ a GEMM in a dtype the model does not use (the MSE key un-rotation: fp16 from
 0.21, fp32 in 0.20) and FlashAttention-2 over more keys than queries. On an
 H200 (vLLM 0.26.0, eager, warm Triton cache) the first long request spent
 ~85 ms in the GEMM and ~87 ms in FlashAttention's module loading
-(``benchmarks/first_request.py run --profile-phases long``). Launching each
+(``python -m benchmarks.tqbench run --profile-phases long``). Launching each
 shape class once on zero tensors during warmup moves that cost to startup.
 
 TurboQuant also keeps the first and last layers in the model dtype on vLLM's

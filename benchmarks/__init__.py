@@ -1,0 +1,1 @@
+"""Benchmarks of tq-warmup (``python -m benchmarks.tqbench``); not part of the package."""

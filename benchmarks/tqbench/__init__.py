@@ -1,0 +1,18 @@
+"""First-request latency of vLLM with a TurboQuant KV cache, with and without tq-warmup.
+
+vLLM's TurboQuant attention backend runs Triton kernels that are not all compiled while
+the engine starts, so the first requests that reach a new kernel path pay a JIT compile.
+``python -m benchmarks.tqbench`` (from the repository root) measures that:
+
+* ``run``: one configuration in this process (needs a GPU and vLLM);
+* ``matrix``: one ``run`` subprocess per preset, mode, geometry and variant, plus the
+  ``auto`` baseline; raw runs to ``benchmarks/results/raw/``, logs to ``.../logs/``;
+* ``collect``: raw runs -> ``benchmarks/results/SUMMARY.md`` and ``summary.json``;
+* ``register-cost``: what the plugin's ``register()`` costs a process.
+
+Modules, one job each: ``phases`` (what is requested), ``recorder`` (Triton compiles,
+profiler), ``records`` (raw run files), ``logs`` (log parsing), ``tables`` (text
+tables), ``summary`` (summary rows), and one module per command. The plugin has to be
+installed with its entry point (``pip install --no-deps .``) for vLLM to load it;
+``plugin_entry_point_found`` in each record says whether it could.
+"""

@@ -1,0 +1,9 @@
+"""Entry point of ``python -m benchmarks.tqbench``."""
+
+from __future__ import annotations
+
+import sys
+
+from benchmarks.tqbench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,447 @@
+"""The ``matrix`` command: one ``run`` subprocess per configuration and variant.
+
+The parent imports neither vLLM nor torch. Every configuration runs three times, each
+in a fresh process (Triton's in-memory kernel cache would otherwise hide compiles):
+plugin on with a cold Triton disk cache, plugin off (``TQ_WARMUP=0``) with a cold
+cache, and plugin on with the warm disk cache the first run left. With the plugin on,
+vLLM's JIT monitor runs in ``error`` mode, so a kernel the plugin missed raises (a
+failed phase with the message); with it off, in ``warn`` mode. Every mode and geometry
+also runs once with vLLM's own KV cache (preset ``auto``, plugin on, cold): the
+first-request ratio vLLM has without TurboQuant, beside each TurboQuant ratio.
+
+Each child gets a spec file (its ``run`` options as JSON) and writes a raw run; the
+parent adds what the child's log shows and stores it as
+``<results-dir>/raw/<run id>/<config>.<variant>.jsonl`` as soon as the child ends, so a
+matrix killed part-way keeps what it measured. Logs go to ``<results-dir>/logs/<run
+id>/``. ``collect`` turns raw runs into ``SUMMARY.md``.
+
+``--jobs N`` runs N children on the same GPU at once, each with
+``gpu_memory_utilization`` about 0.9/N and a fixed KV cache size (``--kv-cache-gib``);
+timings are then noisier (use ``--jobs 1`` for numbers you quote), and the first run
+is made alone first so one-time costs (the CUDA driver compiling FlashAttention PTX
+into ``CUDA_CACHE_PATH``) are not paid N times at once. "cold" means a fresh Triton
+cache and, unless ``--share-compile-cache``, fresh vLLM / Inductor caches; "warm"
+reuses the plugin-on cold run's directories. ``--deadline-s`` stops starting runs, and
+kills running ones, after that many seconds (the rest are recorded as skipped/failed),
+so a matrix can be split over several device calls with a time limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.tqbench import logs, phases, records, tables
+from benchmarks.tqbench.cli import Option, add_options, new_parser
+from benchmarks.tqbench.phases import AUTO, PHASES, Geometry
+from benchmarks.tqbench.run import add_common_options
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+# ``run`` options every child takes from the matrix's own options, unchanged.
+SHARED_OPTIONS = (
+    "layers",
+    "budget",
+    "tp",
+    "max_model_len",
+    "max_num_seqs",
+    "max_tokens",
+    "kv_cache_gib",
+    "jobs",
+    "cudagraph_mode",
+    "runner",
+    "share_compile_cache",
+)
+
+
+@dataclass
+class RunSpec:
+    """One subprocess: a configuration in one variant."""
+
+    preset: str
+    mode: str
+    geometry: Geometry
+    variant: str  # on-cold | off-cold | on-warm
+    cache_root: Path
+    out: Path
+    log: Path
+    work_dir: Path
+    config_id: str
+
+    @property
+    def plugin(self) -> str:
+        return self.variant.split("-")[0]
+
+    @property
+    def triton_cache(self) -> str:
+        return self.variant.split("-")[1]
+
+    @property
+    def spec_file(self) -> Path:
+        return self.out.with_suffix(".spec.json")
+
+
+class Matrix:
+    """Runs the subprocesses, collects and saves their records."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.run_id = dt.datetime.now().strftime("%Y%m%dT%H%M%S")
+        self.series = args.series or f"matrix {self.run_id}"
+        self.t0 = time.monotonic()
+        self.lock = threading.Lock()
+        self.records: list[dict[str, Any]] = []
+        results = Path(args.results_dir).resolve()
+        self.log_dir = (
+            Path(args.log_dir).resolve() if args.log_dir else results / "logs" / self.run_id
+        )
+        self.raw_dir = results / "raw" / self.run_id
+        self.own_work_root = not args.work_dir
+        self.work_root = Path(
+            args.work_dir or tempfile.mkdtemp(prefix="tq-bench-matrix-")
+        ).resolve()
+        self.fallback_gpu = _nvidia_smi_name()
+        self.fallback_vllm = _installed_vllm_version()
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.stopping = False
+
+    def remaining(self) -> float | None:
+        if not self.args.deadline_s:
+            return None
+        return float(self.args.deadline_s) - (time.monotonic() - self.t0)
+
+    def _spec(self, preset: str, mode: str, geom: Geometry, variant: str) -> RunSpec:
+        a = self.args
+        cid = phases.config_id(preset, mode, geom, a.layers, a.budget, a.tp)
+        cache = "cache-on" if variant.startswith("on") else "cache-off"
+        return RunSpec(
+            preset=preset,
+            mode=mode,
+            geometry=geom,
+            variant=variant,
+            cache_root=self.work_root / cid / cache,
+            out=self.work_root / cid / f"{variant}{records.RAW_SUFFIX}",
+            log=self.log_dir / f"{cid}.{variant}.log",
+            work_dir=self.work_root / cid / f"work-{variant}",
+            config_id=cid,
+        )
+
+    def specs(self) -> list[list[RunSpec]]:
+        """Units of work: [on-cold, on-warm] chains (in order), then single runs
+        (off-cold, and the ``auto`` baseline of every mode and geometry)."""
+        a = self.args
+        chains: list[list[RunSpec]] = []
+        singles: list[list[RunSpec]] = []
+        variants = phases.parse_list(a.variants, phases.VARIANTS)
+        modes = phases.parse_list(a.modes, phases.MODES)
+        geometries = [phases.parse_geometry(g) for g in phases.parse_list(a.geometries)]
+        for preset in phases.parse_list(a.presets, phases.TQ_PRESETS):
+            for mode in modes:
+                for geom in geometries:
+                    chain = [self._spec(preset, mode, geom, v) for v in variants]
+                    singles.extend([s] for s in chain if s.variant == "off-cold")
+                    chain = [s for s in chain if s.variant != "off-cold"]
+                    if chain:
+                        chains.append(chain)
+        if not a.no_auto:
+            singles.extend([self._spec(AUTO, m, g, "on-cold")] for m in modes for g in geometries)
+        # Longer chains first so they are not the stragglers.
+        return chains + singles
+
+    def child_options(self, spec: RunSpec) -> dict[str, Any]:
+        """The child's ``run`` options (written to its spec file)."""
+        a = self.args
+        opts: dict[str, Any] = {k: getattr(a, k) for k in SHARED_OPTIONS}
+        opts.update(
+            preset=spec.preset,
+            mode=spec.mode,
+            head_size=spec.geometry.head_size,
+            q_heads=spec.geometry.q_heads,
+            kv_heads=spec.geometry.kv_heads,
+            gpu_mem_util=a.gpu_mem_util or phases.default_gpu_mem_util(a.jobs),
+            plugin=spec.plugin,
+            triton_cache=spec.triton_cache,
+            cache_root=str(spec.cache_root),
+            work_dir=str(spec.work_dir),
+            out=str(spec.out),
+            run_id=self.run_id,
+            config_id=spec.config_id,
+            series=self.series,
+        )
+        if spec.plugin == "on" and spec.preset != AUTO and a.jit_monitor_mode_on:
+            opts["jit_monitor_mode"] = a.jit_monitor_mode_on
+        return opts
+
+    def argv(self, spec: RunSpec) -> list[str]:
+        records.write_json_atomic(spec.spec_file, self.child_options(spec))
+        return [sys.executable, "-m", "benchmarks.tqbench", "run", "--spec", str(spec.spec_file)]
+
+    def base_record(self, spec: RunSpec) -> dict[str, Any]:
+        a = self.args
+        return {
+            "series": self.series,
+            "run_id": self.run_id,
+            "config_id": spec.config_id,
+            "date": dt.date.today().isoformat(),
+            "vllm_version": self.fallback_vllm,
+            "gpu": self.fallback_gpu,
+            "kv_cache_dtype": spec.preset,
+            "mode": spec.mode,
+            "plugin": spec.plugin,
+            "triton_cache": spec.triton_cache,
+            "head_size": spec.geometry.head_size,
+            "q_heads": spec.geometry.q_heads,
+            "kv_heads": spec.geometry.kv_heads,
+            "layers": a.layers,
+            "budget": a.budget,
+            "tp": a.tp,
+            "jobs": a.jobs,
+            "first_s": None,
+            "steady_s": None,
+            "tq_compiles_after_startup": [],
+            "warmup_s": None,
+            "startup_s": None,
+            "log_file": str(spec.log),
+        }
+
+    def child_env(self, spec: RunSpec) -> dict[str, str]:
+        env = dict(os.environ)
+        path = [str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])]
+        env.update(
+            PYTHONPATH=os.pathsep.join(path),
+            PYTHONUNBUFFERED="1",
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+            TRITON_CACHE_DIR=str(spec.cache_root / "triton"),
+        )
+        if not self.args.share_compile_cache:
+            env["VLLM_CACHE_ROOT"] = str(spec.cache_root / "vllm")
+            env["TORCHINDUCTOR_CACHE_DIR"] = str(spec.cache_root / "inductor")
+        return env
+
+    def spawn(self, spec: RunSpec, timeout: float) -> tuple[int, bool, float]:
+        """Run the child with its log; (exit code, timed out, wall seconds)."""
+        argv = self.argv(spec)
+        print(f"[matrix] start {spec.config_id} {spec.variant} (log {spec.log})", flush=True)
+        t = time.monotonic()
+        timed_out = False
+        with spec.log.open("wb") as logf:
+            logf.write(("$ " + " ".join(argv) + "\n").encode())
+            logf.flush()
+            proc = subprocess.Popen(
+                argv,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=self.child_env(spec),
+                start_new_session=True,
+            )
+            with self.lock:
+                self.procs[proc.pid] = proc
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                _kill_group(proc)
+                rc = proc.wait()
+            finally:
+                with self.lock:
+                    self.procs.pop(proc.pid, None)
+        return rc, timed_out, time.monotonic() - t
+
+    def run_one(self, spec: RunSpec) -> list[dict[str, Any]]:
+        base = self.base_record(spec)
+        left = self.remaining()
+        if self.stopping or (left is not None and left < 30):
+            why = "matrix stopped" if self.stopping else "deadline reached"
+            skipped = [{**base, "phase": p, "status": "skipped", "error": why} for p in PHASES]
+            with self.lock:  # shown in the table, not written as a raw run
+                self.records.extend(skipped)
+            return skipped
+        if spec.triton_cache == "cold":
+            shutil.rmtree(spec.cache_root, ignore_errors=True)
+        elif not (spec.cache_root / "triton").is_dir():
+            base["cache_warning"] = "warm run but the cold run left no Triton cache"
+        spec.cache_root.mkdir(parents=True, exist_ok=True)
+        spec.out.unlink(missing_ok=True)
+        spec.log.parent.mkdir(parents=True, exist_ok=True)
+        timeout = float(self.args.timeout)
+        if left is not None:
+            timeout = max(1.0, min(timeout, left - 10))
+        rc, timed_out, wall = self.spawn(spec, timeout)
+        log_text = spec.log.read_text(errors="replace")
+        recs = records.read_records(spec.out)
+        if rc != 0 or timed_out or len(recs) < len(PHASES):
+            why = "timed out" if timed_out else f"exit code {rc}"
+            error = f"{why}; last log lines:\n{logs.tail_lines(log_text)}"
+            seed = {**base, **records.run_level_fields(recs[0])} if recs else base
+            recs = records.fill_missing_phases(recs, seed, error)
+        logs.apply_log(recs, log_text)
+        for r in recs:
+            r.setdefault("log_file", str(spec.log))
+            r.setdefault("series", self.series)
+            r["rc"] = rc
+            r["timed_out"] = timed_out
+            r["process_wall_s"] = round(wall, 2)
+            if "cache_warning" in base:
+                r["cache_warning"] = base["cache_warning"]
+        status = sorted(str(s) for s in {r.get("status") for r in recs})
+        print(
+            f"[matrix] done  {spec.config_id} {spec.variant} in {wall:.0f}s rc={rc} "
+            f"status={status}",
+            flush=True,
+        )
+        self.save(recs)
+        return recs
+
+    def run_unit(self, unit: list[RunSpec]) -> None:
+        for spec in unit:
+            try:
+                self.run_one(spec)
+            except Exception as e:  # a bug here must not stop the other runs
+                traceback.print_exc()
+                error = f"matrix error: {type(e).__name__}: {e}"
+                self.save(records.fill_missing_phases([], self.base_record(spec), error))
+
+    def save(self, new: list[dict[str, Any]]) -> None:
+        """Keep the run's records for the tables and write them as one raw run file."""
+        with self.lock:
+            self.records.extend(new)
+        records.write_records(self.raw_dir / records.run_file_name(new[0]), new)
+
+    def kill_all(self) -> None:
+        self.stopping = True
+        with self.lock:
+            procs = list(self.procs.values())
+        for p in procs:
+            _kill_group(p)
+
+    def _on_sigterm(self, signum: int, _frame: Any) -> None:
+        """Killed from outside (e.g. a device-call time limit): take the children along."""
+        self.kill_all()
+        raise SystemExit(128 + signum)
+
+    def run(self) -> int:
+        with contextlib.suppress(ValueError):  # only possible in the main thread
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+        units = self.specs()
+        if not units:
+            print("nothing to run", file=sys.stderr)
+            return 2
+        n_runs = sum(len(u) for u in units)
+        print(
+            f"[matrix] run id {self.run_id} ({self.series!r}): {n_runs} runs in {len(units)} "
+            f"units, jobs={self.args.jobs}, logs in {self.log_dir}",
+            flush=True,
+        )
+        try:
+            if self.args.jobs > 1 and not self.args.no_prime:
+                first, rest = units[0][0], units[0][1:]
+                self.run_one(first)  # alone: pays one-time driver/PTX costs once
+                units = ([rest] if rest else []) + units[1:]
+            if self.args.jobs <= 1:
+                for unit in units:
+                    self.run_unit(unit)
+            else:
+                with ThreadPoolExecutor(max_workers=self.args.jobs) as pool:
+                    for fut in [pool.submit(self.run_unit, u) for u in units]:
+                        fut.result()
+        except KeyboardInterrupt:
+            self.kill_all()
+            raise
+        finally:
+            if self.own_work_root and not self.args.keep_caches:
+                shutil.rmtree(self.work_root, ignore_errors=True)
+        print()
+        tables.print_tables(self.records)
+        print(f"\n[matrix] raw runs: {self.raw_dir} (then: python -m benchmarks.tqbench collect)")
+        return 0 if all(r.get("status") == "ok" for r in self.records) else 1
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """Kill the process group of a subprocess we started (it and its workers)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _nvidia_smi_name() -> str | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    names = [n.strip() for n in out.splitlines() if n.strip()]
+    return names[0] if names else None
+
+
+def _installed_vllm_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
+        return None
+
+
+def cmd_matrix(args: argparse.Namespace) -> int:
+    """Validate the lists, then run the matrix."""
+    phases.parse_list(args.presets, phases.TQ_PRESETS)
+    phases.parse_list(args.modes, phases.MODES)
+    phases.parse_list(args.variants, phases.VARIANTS)
+    for g in phases.parse_list(args.geometries):
+        geom = phases.parse_geometry(g)
+        if geom.q_heads % args.tp or geom.kv_heads % args.tp:
+            raise SystemExit(f"geometry {g}: heads must be divisible by --tp {args.tp}")
+    phases.plan_phases(args.budget, 16, args.max_tokens)  # validates the budget
+    return Matrix(args).run()
+
+
+MATRIX_OPTIONS: tuple[Option, ...] = (
+    ("--presets", "all", f"comma list of {phases.TQ_PRESETS} or 'all'"),
+    ("--modes", "eager,cudagraph", f"comma list of {phases.MODES} or 'all'"),
+    ("--geometries", "128x16x8,64x16x2", "comma list of HEADSIZExQHEADSxKVHEADS"),
+    ("--variants", "all", f"comma list of {phases.VARIANTS} or 'all'"),
+    ("--no-auto", False, "skip the baseline runs with vLLM's own KV cache (preset auto)"),
+    ("--timeout", 600.0, "seconds per subprocess"),
+    ("--deadline-s", 0.0, "stop starting runs / kill running ones after this many seconds"),
+    ("--no-prime", False, "with --jobs > 1, do not run the first run alone first"),
+    ("--log-dir", "", "default: <results-dir>/logs/<run id>"),
+    ("--results-dir", str(DEFAULT_RESULTS_DIR), "raw runs go to <results-dir>/raw/<run id>/"),
+    (
+        "--work-dir",
+        "",
+        "caches and model configs (default: a tmp dir, removed afterwards; a given dir is kept)",
+    ),
+    ("--keep-caches", False, "keep the default tmp work dir"),
+)
+
+
+def add_parser(subparsers: Any) -> None:
+    """The ``matrix`` subcommand."""
+    m = new_parser(subparsers, "matrix", "one subprocess per configuration and variant", __doc__)
+    add_options(m, MATRIX_OPTIONS)
+    m.add_argument(
+        "--jit-monitor-mode-on",
+        choices=("warn", "error"),
+        default="",
+        help="JIT monitor mode for plugin-on TurboQuant runs (default error)",
+    )
+    add_common_options(m)
+    m.set_defaults(func=cmd_matrix)

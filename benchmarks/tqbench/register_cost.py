@@ -1,0 +1,89 @@
+"""The ``register-cost`` command: what ``register()`` costs a vLLM process, in fresh interpreters.
+
+vLLM calls every general plugin's entry function in each process it starts, so the
+function must stay cheap. Each sample is a new interpreter that first imports
+``vllm.plugins`` (what is loaded when vLLM calls plugins), then times
+``import tq_warmup_plugin; register()`` and a second ``register()`` call.
+
+    CUDA_VISIBLE_DEVICES="" python -m benchmarks.tqbench register-cost [--samples 15]
+
+Prints a table and writes JSON (default ``benchmarks/results/register-cost.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks.tqbench.cli import new_parser
+from benchmarks.tqbench.matrix import DEFAULT_RESULTS_DIR
+
+_PROBE = """
+import json, sys, time
+import vllm.plugins
+before = set(sys.modules)
+t0 = time.perf_counter()
+import tq_warmup_plugin
+tq_warmup_plugin.register()
+t1 = time.perf_counter()
+tq_warmup_plugin.register()
+t2 = time.perf_counter()
+heavy = sorted(m for m in set(sys.modules) - before if m.split(".")[0] in ("torch", "triton"))
+print(json.dumps({"first_ms": 1e3 * (t1 - t0), "again_us": 1e6 * (t2 - t1), "heavy": heavy,
+                  "module": tq_warmup_plugin.__file__}))
+"""
+
+
+def sample() -> dict[str, Any]:
+    """One fresh interpreter's measurement."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, check=True
+    )
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def cmd_register_cost(args: argparse.Namespace) -> int:
+    """Take the samples, print the table, write the JSON summary."""
+    runs = [sample() for _ in range(args.samples)]
+    first = [float(r["first_ms"]) for r in runs]
+    again = [float(r["again_us"]) for r in runs]
+    from importlib.metadata import version
+
+    heavy = sorted({str(m) for r in runs for m in r["heavy"]})
+    summary = {
+        "vllm": version("vllm"),
+        "python": sys.version.split()[0],
+        "samples": args.samples,
+        # An editable install resolves through setuptools' finder and costs ~2 ms more.
+        "module": runs[0]["module"],
+        "first_call_ms_median": statistics.median(first),
+        "first_call_ms_max": max(first),
+        "repeat_call_us_median": statistics.median(again),
+        "heavy_modules_imported": heavy,
+    }
+    print(f"{'measure':<28}{'value':>12}")
+    print(f"{'first register(), median':<28}{statistics.median(first):>10.2f} ms")
+    print(f"{'first register(), max':<28}{max(first):>10.2f} ms")
+    print(f"{'repeat register(), median':<28}{statistics.median(again):>10.1f} us")
+    print(f"{'torch/triton imported':<28}{len(heavy):>12}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+def add_parser(subparsers: Any) -> None:
+    """The ``register-cost`` subcommand."""
+    summary_line = "what register() costs a process that imported vllm.plugins (CPU is enough)"
+    p = new_parser(subparsers, "register-cost", summary_line, __doc__)
+    p.add_argument("--samples", type=int, default=15)
+    p.add_argument("--out", default=str(DEFAULT_RESULTS_DIR / "register-cost.json"))
+    p.set_defaults(func=cmd_register_cost)

@@ -1,0 +1,614 @@
+"""The ``run`` command: one configuration in this process (imports vLLM lazily).
+
+It starts vLLM in-process with a dummy-weight Llama whose ``config.json`` it writes
+itself, then times the first and a repeated request of every phase
+(:mod:`benchmarks.tqbench.phases`) and records every Triton compilation after
+startup, by kernel name (:mod:`benchmarks.tqbench.recorder`). Its records go to
+``--out`` as a raw run file, rewritten after every phase.
+
+What is measured: ``startup_s`` (the ``LLM(...)`` constructor), ``warmup_s`` /
+``launch_s`` (what the plugin says it spent, from its ``TQ_WARMUP_REPORT``, kept
+under ``plugin_report``), ``first_s`` / ``steady_s`` (``LLM.generate`` of the first
+and the repeated request), ``tq_compiles_after_startup`` / ``tq_loads_after_startup``
+(TurboQuant kernels Triton compiled / loaded from its disk cache during the phase),
+``other_jit_after_startup`` and ``jit_events`` (every event, with compile times).
+With the preset ``auto`` (vLLM's own KV cache) the TurboQuant-only fields are blank.
+
+``--tp 1`` runs the engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so
+the hooks see every compile; with ``--tp`` > 1 the kernel lists come from the log
+(:mod:`benchmarks.tqbench.logs`, ``hooks_in_process`` false).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import importlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.tqbench import logs, phases, recorder, records, tables
+from benchmarks.tqbench.cli import Option, add_options, new_parser
+from benchmarks.tqbench.phases import AUTO, PHASES, Geometry, PhasePlan
+
+REPORT_GLOB = "tq-warmup-report-*.json"
+REPORT_TEMPLATE = "tq-warmup-report-{rank}.json"
+# Blank (None) in the records of the ``auto`` preset, which has no TurboQuant layer.
+TQ_ONLY_FIELDS: tuple[str, ...] = (
+    *("tq_compiles_after_startup", "tq_loads_after_startup", "first_tq_jit", "steady_tq_jit"),
+)
+
+
+def jit_monitor_support(vllm_version: str) -> tuple[str, bool]:
+    """Where vLLM's JIT monitor lives and whether ``jit_monitor_mode`` exists.
+
+    0.25+: ``vllm.utils.jit_monitor`` and ``observability_config.jit_monitor_mode``
+    (``warn``/``error``). 0.22 (and the releases around it) has a warn-only monitor in
+    ``vllm.triton_utils.jit_monitor``; 0.20 has none, which ``run`` tolerates.
+    """
+    from tq_warmup_plugin.compat import parse_version
+
+    if (parse_version(vllm_version) or (0, 0)) >= (0, 25):
+        return "vllm.utils.jit_monitor", True
+    return "vllm.triton_utils.jit_monitor", False
+
+
+def default_monitor_mode(preset: str, plugin_on: bool) -> str:
+    """``error`` with the plugin on a TurboQuant cache (a missed kernel raises), else ``warn``."""
+    return "error" if plugin_on and preset != AUTO else "warn"
+
+
+# --------------------------------------------------------------------------------------
+# Environment
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunContext:
+    """What ``run`` prepared before importing anything heavy."""
+
+    args: argparse.Namespace
+    geometry: Geometry
+    work: Path
+    report_dir: Path
+    plan: PhasePlan
+    max_model_len: int
+    base: dict[str, Any]
+    out: Path | None
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def plugin_on(self) -> bool:
+        return bool(self.args.plugin == "on")
+
+    def flush(self) -> None:
+        """Rewrite ``--out`` with the records so far (a killed run keeps them)."""
+        if self.out is not None:
+            records.write_records(self.out, self.records)
+
+
+def apply_spec(args: argparse.Namespace) -> None:
+    """Take the arguments of ``--spec FILE`` (a JSON object of option names and values)."""
+    if not args.spec:
+        return
+    spec = json.loads(Path(args.spec).read_text())
+    unknown = sorted(set(spec) - set(vars(args)))
+    if unknown:
+        raise SystemExit(f"{args.spec}: unknown run options {unknown}")
+    for k, v in spec.items():
+        setattr(args, k, v)
+
+
+def set_environment(args: argparse.Namespace, work: Path, report_dir: Path) -> None:
+    """Set what Triton, vLLM and the plugin read at import time (caches, plugin switch)."""
+    if not args.cache_root and not args.triton_cache_dir:
+        args.cache_root = str(work / "cache")  # a fresh one, so "cold" is true
+        shutil.rmtree(args.cache_root, ignore_errors=True)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["TQ_WARMUP"] = "1" if args.plugin == "on" else "0"
+    os.environ["TQ_WARMUP_REPORT"] = str(report_dir / REPORT_TEMPLATE)
+    if args.runner != "default":
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
+    if args.cache_root:
+        root = Path(args.cache_root)
+        os.environ["TRITON_CACHE_DIR"] = str(root / "triton")
+        if not args.share_compile_cache:
+            os.environ["VLLM_CACHE_ROOT"] = str(root / "vllm")
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
+    if args.triton_cache_dir:
+        os.environ["TRITON_CACHE_DIR"] = args.triton_cache_dir
+
+
+def prepare(args: argparse.Namespace) -> RunContext:
+    """Work directories, environment, phase plan and the run-level fields of the records."""
+    geometry = Geometry(args.head_size, args.q_heads, args.kv_heads)
+    cfg_id = args.config_id or phases.config_id(
+        args.preset, args.mode, geometry, args.layers, args.budget, args.tp
+    )
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="tq-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    report_dir = work / "report"
+    shutil.rmtree(report_dir, ignore_errors=True)
+    report_dir.mkdir(parents=True)
+    set_environment(args, work, report_dir)
+    monitor_mode = args.jit_monitor_mode or default_monitor_mode(args.preset, args.plugin == "on")
+    jobs = int(args.jobs)
+    gpu_mem = args.gpu_mem_util or phases.default_gpu_mem_util(jobs)
+    plan = phases.plan_phases(args.budget, 16, args.max_tokens)
+    max_model_len = args.max_model_len or phases.auto_max_model_len(plan.required_max_model_len)
+    base: dict[str, Any] = {
+        "run_id": args.run_id or f"{dt.datetime.now():%Y%m%dT%H%M%S}-{os.getpid()}",
+        "config_id": cfg_id,
+        "date": dt.date.today().isoformat(),
+        "kv_cache_dtype": args.preset,
+        "mode": args.mode,
+        "plugin": args.plugin,
+        "triton_cache": args.triton_cache,
+        "head_size": geometry.head_size,
+        "q_heads": geometry.q_heads,
+        "kv_heads": geometry.kv_heads,
+        "layers": args.layers,
+        "max_model_len": max_model_len,
+        "budget": args.budget,
+        "tp": args.tp,
+        "max_num_seqs": args.max_num_seqs,
+        "max_tokens": args.max_tokens,
+        "jobs": jobs,
+        "gpu_memory_utilization": gpu_mem,
+        "kv_cache_gib": args.kv_cache_gib,
+        "jit_monitor_mode": monitor_mode,
+        "runner": args.runner,
+        "cuda_module_loading": os.environ.get("CUDA_MODULE_LOADING", "default (LAZY)"),
+        "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
+        "hooks_in_process": args.tp == 1,
+        "vllm_version": None,
+        "gpu": None,
+        "startup_s": None,
+        "warmup_s": None,
+        "plugin_report": None,
+        "status": "ok",
+    }
+    if args.series:
+        base["series"] = args.series
+    out = Path(args.out) if args.out else None
+    return RunContext(args, geometry, work, report_dir, plan, max_model_len, base, out)
+
+
+# --------------------------------------------------------------------------------------
+# Engine arguments and startup
+# --------------------------------------------------------------------------------------
+
+
+def engine_kwargs(ctx: RunContext, model_dir: Path, monitor_has_mode: bool) -> dict[str, Any]:
+    """The ``LLM(...)`` keyword arguments of the configuration."""
+    a = ctx.args
+    kwargs: dict[str, Any] = {
+        "model": str(model_dir),
+        "skip_tokenizer_init": True,
+        "load_format": "dummy",
+        "dtype": "bfloat16",
+        "kv_cache_dtype": a.preset,
+        "max_model_len": ctx.max_model_len,
+        "max_num_batched_tokens": a.budget,
+        "max_num_seqs": a.max_num_seqs,
+        "enable_chunked_prefill": True,
+        "enable_prefix_caching": True,
+        "enforce_eager": a.mode == "eager",
+        "tensor_parallel_size": a.tp,
+        "gpu_memory_utilization": ctx.base["gpu_memory_utilization"],
+        "seed": 0,
+    }
+    if monitor_has_mode:
+        kwargs["jit_monitor_mode"] = ctx.base["jit_monitor_mode"]
+    if a.kv_cache_gib > 0:
+        kwargs["kv_cache_memory_bytes"] = int(a.kv_cache_gib * (1 << 30))
+    if a.mode == "cudagraph" and a.cudagraph_mode:
+        kwargs["compilation_config"] = {"cudagraph_mode": a.cudagraph_mode}
+    return kwargs
+
+
+def _read_plugin_reports(report_dir: Path) -> dict[str, Any]:
+    reports: dict[str, Any] = {}
+    for p in sorted(report_dir.glob(REPORT_GLOB)):
+        try:
+            reports[p.name] = json.loads(p.read_text())
+        except (OSError, ValueError) as e:
+            reports[p.name] = {"status": "unreadable", "reason": str(e)}
+    return reports
+
+
+def _pick_rank0(reports: dict[str, Any]) -> dict[str, Any] | None:
+    if not reports:
+        return None
+    names = sorted(reports)
+    rep = reports[next((n for n in names if n.endswith("-0.json")), names[0])]
+    return rep if isinstance(rep, dict) else None
+
+
+def _plugin_entry_point_found() -> bool:
+    from importlib.metadata import entry_points
+
+    try:
+        return any(ep.name == "tq_warmup" for ep in entry_points(group="vllm.general_plugins"))
+    except Exception:
+        return False
+
+
+def _gpu_name() -> str:
+    with contextlib.suppress(Exception):
+        from vllm.platforms import current_platform
+
+        return str(current_platform.get_device_name(0))
+    with contextlib.suppress(Exception):
+        import torch
+
+        return str(torch.cuda.get_device_name(0))
+    return "unknown-gpu"
+
+
+def _config_warnings(ctx: RunContext, vcfg: Any, rep0: dict[str, Any] | None) -> list[str]:
+    """Where the engine's settings differ from what the phases assume."""
+    sched = vcfg.scheduler_config
+    warnings = []
+    if int(sched.max_num_batched_tokens) != ctx.args.budget:
+        warnings.append(f"max_num_batched_tokens is {sched.max_num_batched_tokens}")
+    if not sched.enable_chunked_prefill:
+        warnings.append("chunked prefill is off")
+    if not vcfg.cache_config.enable_prefix_caching:
+        warnings.append("prefix caching is off")
+    if ctx.plugin_on and ctx.args.preset != AUTO and rep0 is None:
+        warnings.append("plugin on but it wrote no report (is the entry point installed?)")
+    return warnings
+
+
+def start_engine(ctx: RunContext, rec: recorder.JitRecorder) -> Any | None:
+    """Start ``LLM(...)``; fill the run-level fields. None (and a failed record) if it fails."""
+    import triton
+    import vllm
+    from vllm import LLM
+
+    base = ctx.base
+    base["vllm_version"] = vllm.__version__
+    base["triton_version"] = triton.__version__
+    with contextlib.suppress(Exception):
+        import torch
+
+        base["torch_version"] = torch.__version__
+    base["plugin_entry_point_found"] = _plugin_entry_point_found()
+    monitor_module, monitor_has_mode = jit_monitor_support(vllm.__version__)
+    if not monitor_has_mode:
+        base["jit_monitor_mode"] = "warn (no jit_monitor_mode before 0.25)"
+
+    model_dir = ctx.work / "model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    a = ctx.args
+    model_cfg = phases.build_model_config(
+        ctx.geometry, a.layers, ctx.max_model_len, a.vocab_size, a.intermediate_size
+    )
+    (model_dir / "config.json").write_text(json.dumps(model_cfg, indent=1))
+    kwargs = engine_kwargs(ctx, model_dir, monitor_has_mode)
+    logs.marker(
+        f"config={base['config_id']} plugin={a.plugin} cache={a.triton_cache} starting engine"
+    )
+    t0 = time.perf_counter()
+    try:
+        llm = LLM(**kwargs)
+    except Exception as e:
+        traceback.print_exc()
+        base.update(
+            phase="startup",
+            status="failed",
+            startup_s=round(time.perf_counter() - t0, 3),
+            error=f"{type(e).__name__}: {e}"[-4000:],
+            gpu=_gpu_name(),
+        )
+        base["plugin_report"] = _pick_rank0(_read_plugin_reports(ctx.report_dir))
+        ctx.records.append(base)
+        ctx.flush()
+        return None
+    startup_s = time.perf_counter() - t0
+    rewrapped = rec.ensure_outermost()
+    rec.set_phase("after_startup", "")
+    logs.marker("startup done")
+
+    try:
+        jit_monitor_active: bool | None = importlib.import_module(monitor_module).is_active()
+    except ImportError:  # 0.20: no monitor at all
+        jit_monitor_active = None
+
+    vcfg = llm.llm_engine.vllm_config
+    block_size = int(vcfg.cache_config.block_size or 16)
+    ctx.plan = phases.plan_phases(a.budget, block_size, a.max_tokens)
+    reports = _read_plugin_reports(ctx.report_dir)
+    rep0 = _pick_rank0(reports)
+    warnings = _config_warnings(ctx, vcfg, rep0)
+    base.update(
+        gpu=_gpu_name(),
+        startup_s=round(startup_s, 3),
+        warmup_s=rep0.get("warmup_s") if rep0 else None,
+        launch_s=rep0.get("launch_s") if rep0 else None,
+        plugin_report=rep0,
+        plugin_reports=reports if len(reports) > 1 else None,
+        block_size=block_size,
+        cudagraph_mode=str(vcfg.compilation_config.cudagraph_mode),
+        jit_monitor_active=jit_monitor_active,
+        model_runner="v2" if vcfg.use_v2_model_runner else "v1",
+        monitor_rewrapped=rewrapped,
+        config_warnings=warnings,
+        startup_jit=recorder.startup_summary(rec.phase_events("startup")),
+    )
+    for w in warnings:
+        logs.marker(f"WARNING {w}")
+    return llm
+
+
+# --------------------------------------------------------------------------------------
+# Phases
+# --------------------------------------------------------------------------------------
+
+
+def _abort_unfinished(llm: Any) -> None:
+    """After a failed ``generate``, drop its requests so later phases start clean."""
+    eng = llm.llm_engine
+    with contextlib.suppress(Exception):
+        ids = list(eng.output_processor.request_states.keys())
+        if ids:
+            eng.abort_request(ids, internal=True)
+
+
+class PhaseRunner:
+    """Times each phase's first and steady request and turns them into records."""
+
+    def __init__(self, ctx: RunContext, llm: Any, rec: recorder.JitRecorder) -> None:
+        from vllm import SamplingParams
+
+        a = ctx.args
+        self.ctx, self.llm, self.rec = ctx, llm, rec
+        self.sp = SamplingParams(
+            max_tokens=a.max_tokens, ignore_eos=True, temperature=0.0, detokenize=False
+        )
+        self.prompts = phases.PromptSource(ctx.plan, a.vocab_size)
+        self.profiled = (
+            set(phases.parse_list(a.profile_phases, PHASES)) if a.profile_phases else set()
+        )
+        self.profiles: dict[tuple[str, str], dict[str, float]] = {}
+        self.leaves: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        if self.profiled:
+            with recorder.profiler():  # Kineto's one-time setup, outside the timed requests
+                pass
+
+    def timed(self, phase: str, part: str) -> dict[str, Any]:
+        """One request of the phase: seconds, error, cached and generated tokens."""
+        prompts = self.prompts.prompts(phase, part)
+        self.rec.set_phase(phase, part)
+        logs.marker(f"phase={phase} part={part} begin")
+        prof = recorder.profiler() if phase in self.profiled else contextlib.nullcontext()
+        t = time.perf_counter()
+        res: dict[str, Any] = {"s": None, "error": None, "cached": None, "out_tokens": None}
+        try:
+            with prof as session:
+                outs = self.llm.generate(
+                    [{"prompt_token_ids": p} for p in prompts], self.sp, use_tqdm=False
+                )
+            if session is not None:
+                self.profiles[phase, part] = recorder.op_cpu_times(session)
+                self.leaves[phase, part] = recorder.slow_leaves(session)
+            res["s"] = round(time.perf_counter() - t, 4)
+            res["cached"] = sum(int(o.num_cached_tokens or 0) for o in outs)
+            res["out_tokens"] = sum(len(o.outputs[0].token_ids) for o in outs if o.outputs)
+        except Exception as e:
+            res["s"] = round(time.perf_counter() - t, 4)
+            res["error"] = f"{type(e).__name__}: {e}"[-2000:]
+            traceback.print_exc()
+            _abort_unfinished(self.llm)
+        self.rec.set_phase("between", "")
+        return res
+
+    def record(self, phase: str) -> dict[str, Any]:
+        """Run the phase (first, then steady) and build its record."""
+        plan = self.ctx.plan
+        first = self.timed(phase, "first")
+        steady = self.timed(phase, "steady")
+        failed = bool(first["error"] or steady["error"])
+        rec: dict[str, Any] = {
+            **self.ctx.base,
+            "phase": phase,
+            "status": "failed" if failed else "ok",
+            "first_s": first["s"],
+            "steady_s": steady["s"],
+            "ratio": round(first["s"] / steady["s"], 2)
+            if first["s"] and steady["s"] and not failed
+            else None,
+            "first_error": first["error"],
+            "steady_error": steady["error"],
+            "prompt_lens": plan.prompt_lens(phase),
+            "expected_chunks": phases.describe_chunks(plan.expected_chunks(phase)),
+            "expected_cached_tokens": plan.expected_cached(phase),
+            "first_cached_tokens": first["cached"],
+            "steady_cached_tokens": steady["cached"],
+            "out_tokens": [first["out_tokens"], steady["out_tokens"]],
+        }
+        events = self.rec.phase_events(phase)
+        rec.update(recorder.JitRecorder.summarize(events), jit_events=events)
+        if phase in self.profiled:
+            rec["profile_top_extra"] = recorder.first_request_extra(
+                self.profiles.get((phase, "first"), {}), self.profiles.get((phase, "steady"), {})
+            )
+            rec["profile_slow_leaves"] = {
+                part: self.leaves.get((phase, part), []) for part in ("first", "steady")
+            }
+        if plan.expected_cached(phase) == 0 and (first["cached"] or steady["cached"]):
+            rec["phase_warning"] = "unexpected prefix-cache hit"
+        prefix_missed = any(
+            not part["error"] and (part["cached"] or 0) < plan.prefix_len
+            for part in (first, steady)
+        )
+        if phase == "prefix_hit" and prefix_missed:
+            rec["phase_warning"] = "prefix was not (fully) served from the cache"
+        if self.ctx.args.preset == AUTO:
+            rec.update(dict.fromkeys(TQ_ONLY_FIELDS))
+        return rec
+
+
+def run_phases(ctx: RunContext, llm: Any, rec: recorder.JitRecorder) -> None:
+    """Every phase of ``--phases``, in the order given; records flushed after each."""
+    runner = PhaseRunner(ctx, llm, rec)
+    a = ctx.args
+    order = phases.parse_list(a.phases, PHASES) if a.phases != "all" else PHASES
+    for phase in order:
+        ctx.records.append(runner.record(phase))
+        ctx.flush()
+    stray = rec.phase_events("between") + rec.phase_events("after_startup")
+    if stray:
+        for r in ctx.records:
+            r["jit_outside_phases"] = [e["kernel"] for e in stray]
+        ctx.flush()
+
+
+# --------------------------------------------------------------------------------------
+# Command
+# --------------------------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run one configuration in this process and write its records to ``--out``."""
+    apply_spec(args)
+    if args.plugin not in ("on", "off"):
+        print("run needs --plugin on|off (or a --spec that sets plugin)", file=sys.stderr)
+        return 2
+    if args.triton_cache == "warm" and not args.cache_root and not args.triton_cache_dir:
+        print("--triton-cache warm needs --cache-root or --triton-cache-dir", file=sys.stderr)
+        return 2
+    ctx = prepare(args)
+    if ctx.max_model_len < ctx.plan.required_max_model_len:
+        needed = ctx.plan.required_max_model_len
+        ctx.base.update(
+            phase="startup",
+            status="failed",
+            error=f"max_model_len {ctx.max_model_len} < {needed} needed",
+        )
+        ctx.records.append(ctx.base)
+        ctx.flush()
+        print(ctx.base["error"], file=sys.stderr)
+        return 2
+
+    import triton
+
+    rec = recorder.JitRecorder(triton.knobs)
+    rec.install()
+    llm = start_engine(ctx, rec)
+    if llm is None:
+        return 1
+    run_phases(ctx, llm, rec)
+    tables.print_tables(ctx.records)
+    sys.stdout.flush()
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
+    return 0 if all(r["status"] == "ok" for r in ctx.records) else 3
+
+
+COMMON_OPTIONS: tuple[Option, ...] = (
+    ("--layers", 6, "hidden layers (>= 6)"),
+    ("--budget", 512, "chunked-prefill token budget (max_num_batched_tokens), > 128"),
+    ("--tp", 1, "tensor-parallel size"),
+    ("--max-model-len", 0, "0: the smallest multiple of 1024 the phases need"),
+    ("--max-num-seqs", 32, "scheduler max_num_seqs"),
+    ("--max-tokens", 8, "tokens generated per request"),
+    (
+        "--kv-cache-gib",
+        2.0,
+        "fixed KV cache size instead of a share of the measured free memory "
+        "(vLLM still runs its profiling forward); 0: from --gpu-mem-util",
+    ),
+    ("--gpu-mem-util", 0.0, "gpu_memory_utilization; 0: min(0.85, 0.9/jobs - 0.03)"),
+    ("--jobs", 1, "concurrent subprocesses on the GPU"),
+    (
+        "--cudagraph-mode",
+        "",
+        "cudagraph mode for --mode cudagraph (e.g. FULL_AND_PIECEWISE, "
+        "PIECEWISE, FULL_DECODE_ONLY); empty: vLLM's default",
+    ),
+    (
+        "--share-compile-cache",
+        False,
+        "do not isolate VLLM_CACHE_ROOT / TORCHINDUCTOR_CACHE_DIR per run",
+    ),
+    (
+        "--series",
+        "",
+        "label stored with every record (which code, which machine); the summary "
+        "groups by it (matrix default: 'matrix <run id>')",
+    ),
+)
+
+RUN_OPTIONS: tuple[Option, ...] = (
+    ("--spec", "", "JSON object of run options (names with '_'); what matrix gives each child"),
+    ("--head-size", 128, "attention head size"),
+    ("--q-heads", 16, "query heads"),
+    ("--kv-heads", 8, "KV heads"),
+    ("--triton-cache-dir", "", "sets TRITON_CACHE_DIR"),
+    ("--cache-root", "", "sets TRITON_CACHE_DIR=<root>/triton (and vLLM/Inductor caches)"),
+    (
+        "--phases",
+        "all",
+        f"comma list of {PHASES}, run in the order given (default: all, in that order)",
+    ),
+    (
+        "--profile-phases",
+        "",
+        "comma list of phases whose first and steady request run under torch.profiler; "
+        "the records get the ops whose CPU time differs most (where a first request's "
+        "extra time goes)",
+    ),
+    ("--vocab-size", 1024, "dummy model vocabulary"),
+    ("--intermediate-size", 1024, "dummy model MLP size"),
+    ("--work-dir", "", "model config and plugin report go here"),
+    ("--out", "", "write the records here (a raw run, JSON Lines)"),
+    ("--run-id", "", "default: time and process id"),
+    ("--config-id", "", "default: from preset, mode, geometry, layers, budget, tp"),
+)
+
+
+def add_common_options(p: argparse.ArgumentParser) -> None:
+    """Options ``run`` and ``matrix`` share (model, scheduler, GPU sharing, caches)."""
+    add_options(p, COMMON_OPTIONS)
+    p.add_argument(
+        "--runner",
+        choices=phases.RUNNERS,
+        default="default",
+        help="model runner: v1/v2 set VLLM_USE_V2_MODEL_RUNNER=0/1; default: vLLM's choice",
+    )
+
+
+def add_parser(subparsers: Any) -> None:
+    """The ``run`` subcommand."""
+    r = new_parser(
+        subparsers, "run", "run one configuration in this process (imports vLLM)", __doc__
+    )
+    r.add_argument("--preset", choices=phases.PRESETS, default="turboquant_4bit_nc")
+    r.add_argument("--mode", choices=phases.MODES, default="eager")
+    r.add_argument("--plugin", choices=("on", "off"), default=None, help="required")
+    r.add_argument(
+        "--triton-cache",
+        choices=("cold", "warm"),
+        default="cold",
+        help="label only: whether the Triton cache dir is fresh",
+    )
+    r.add_argument(
+        "--jit-monitor-mode",
+        choices=("warn", "error"),
+        default="",
+        help="default: error with the plugin on a TurboQuant cache, else warn",
+    )
+    add_options(r, RUN_OPTIONS)
+    add_common_options(r)
+    r.set_defaults(func=cmd_run)
