@@ -19,7 +19,8 @@ import pytest
 from conftest import Log
 
 import tq_warmup_plugin
-from tq_warmup_plugin import compat, guards, install
+from tq_warmup_plugin import compat, install
+from tq_warmup_plugin.guards import spec_graphs as guard
 from tq_warmup_plugin.settings import Settings
 
 SPEC = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=3))
@@ -48,7 +49,7 @@ class Support(enum.Enum):
 )
 def test_capped_support(support: Support, speculative: bool, expected: Support) -> None:
     cap = Support.UNIFORM_SINGLE_TOKEN_DECODE
-    assert guards.capped_support(support, speculative, cap) is expected
+    assert guard.capped_support(support, speculative, cap) is expected
 
 
 def fake_backend() -> types.ModuleType:
@@ -75,16 +76,16 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
     monkeypatch.setattr(compat, "single_token_decode_support",
                         lambda: Support.UNIFORM_SINGLE_TOKEN_DECODE)
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.22.0")
-    monkeypatch.setattr(guards, "_announced", False)
+    monkeypatch.setattr(guard, "_announced", False)
     module = fake_backend()
     yield module
-    guards.remove_spec_guard(module)
+    guard.remove(module)
 
 
 def test_guard_caps_only_under_speculative_decoding(fake: types.ModuleType, log: Log) -> None:
     builder = fake.TurboQuantMetadataBuilder
     assert builder.get_cudagraph_support(SPEC, None) is Support.UNIFORM_BATCH  # the bug
-    assert guards.install_spec_guard(fake) and guards.spec_guarded(fake)
+    assert guard.install(fake) and guard.installed(fake)
     assert builder.get_cudagraph_support(PLAIN, None) is Support.UNIFORM_BATCH
     assert builder.get_cudagraph_support(SPEC, None) is Support.UNIFORM_SINGLE_TOKEN_DECODE
     assert builder.get_cudagraph_support(SPEC, None) is Support.UNIFORM_SINGLE_TOKEN_DECODE
@@ -98,8 +99,8 @@ def test_guard_caps_only_under_speculative_decoding(fake: types.ModuleType, log:
 
 def test_subclasses_are_capped_and_everything_comes_back(fake: types.ModuleType) -> None:
     builder = fake.TurboQuantMetadataBuilder
-    guards.install_spec_guard(fake)
-    guards.install_spec_guard(fake)  # idempotent
+    guard.install(fake)
+    guard.install(fake)  # idempotent
 
     class Inherits(builder):  # type: ignore[misc, valid-type]
         _cudagraph_support = Support.ALWAYS
@@ -117,8 +118,8 @@ def test_subclasses_are_capped_and_everything_comes_back(fake: types.ModuleType)
         assert cls.get_cudagraph_support(PLAIN, None) is Support.ALWAYS
     assert Never.get_cudagraph_support(SPEC, None) is Support.NEVER
 
-    guards.remove_spec_guard(fake)
-    assert not guards.spec_guarded(fake)
+    guard.remove(fake)
+    assert not guard.installed(fake)
     assert "get_cudagraph_support" not in builder.__dict__
     assert "__init_subclass__" not in builder.__dict__
     assert builder.get_cudagraph_support(SPEC, None) is Support.UNIFORM_BATCH
@@ -129,7 +130,7 @@ def test_unsupported_release_leaves_the_builder_alone(
     fake: types.ModuleType, monkeypatch: pytest.MonkeyPatch, log: Log
 ) -> None:
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.34.0")
-    assert not guards.install_spec_guard(fake)
+    assert not guard.install(fake)
     assert fake.TurboQuantMetadataBuilder.get_cudagraph_support(SPEC, None) is Support.UNIFORM_BATCH
     assert log() == [
         (logging.WARNING, "tq-warmup: speculative-decoding guard not installed: "
@@ -152,17 +153,17 @@ def test_import_hook_guards_the_backend_when_it_is_imported(
         "    def get_cudagraph_support(cls, vllm_config, kv_cache_spec):\n"
         "        return cls._cudagraph_support\n"
     )
-    monkeypatch.setattr(compat, "BACKEND_MODULE", name)
+    monkeypatch.setattr(guard, "MODULE", name)
     monkeypatch.syspath_prepend(str(tmp_path))
     install.install(Settings(spec_guard=enabled))
     try:
         module = importlib.import_module(name)
-        assert guards.spec_guarded(module) is enabled
+        assert guard.installed(module) is enabled
     finally:
         install.uninstall()
         sys.modules.pop(name, None)
         sys.modules.pop("tqfake_backend_pkg", None)
-    assert not guards.spec_guarded(module)
+    assert not guard.installed(module)
 
 
 # ------------------------------------------------------------------ real vLLM
@@ -172,9 +173,9 @@ def test_import_hook_guards_the_backend_when_it_is_imported(
 def real_backend(vllm_env: compat.Features) -> Iterator[Any]:
     from vllm.v1.attention.backends import turboquant_attn
 
-    assert not guards.spec_guarded(turboquant_attn)
+    assert not guard.installed(turboquant_attn)
     yield turboquant_attn
-    guards.remove_spec_guard(turboquant_attn)
+    guard.remove(turboquant_attn)
 
 
 def resolve(support: Any, query_len: int) -> str:
@@ -203,7 +204,7 @@ def test_real_builder_and_vllms_mode_resolution(real_backend: Any, k: int) -> No
     assert own is AttentionCGSupport.UNIFORM_BATCH
     assert resolve(own, 1 + k) == "FULL_AND_PIECEWISE"  # verify batches get FULL graphs
 
-    assert guards.install_spec_guard(real_backend)
+    assert guard.install(real_backend)
     guarded = builder.get_cudagraph_support(spec, None)
     assert guarded is AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     assert resolve(guarded, 1 + k) == "PIECEWISE"
@@ -219,7 +220,7 @@ def test_vllms_plugin_loader_guards_the_real_backend(env: dict[str, str], guarde
     code = (
         "from vllm.plugins import load_general_plugins; load_general_plugins()\n"
         "from vllm.v1.attention.backends import turboquant_attn as m\n"
-        "from tq_warmup_plugin import guards; print(guards.spec_guarded(m))\n"
+        "from tq_warmup_plugin.guards import spec_graphs; print(spec_graphs.installed(m))\n"
     )
     base = {k: v for k, v in os.environ.items() if not k.startswith("TQ_WARMUP")}
     src = str(Path(tq_warmup_plugin.__file__).parents[1])

@@ -6,7 +6,7 @@ each module we adjust is patched right after it is first imported (one meta-path
 hook), or at once if it already is: the ``kernel_warmup`` module, whose name every
 call-site module that already bound it gets rebound to (``gpu_worker`` imports it by
 name at module level, 0.20-0.33, elastic EP too, 0.27+), and TurboQuant's backend
-module for the speculative-decoding guard (``guards.py``).
+module for the speculative-decoding guard (``guards/``).
 """
 
 from __future__ import annotations
@@ -83,11 +83,11 @@ def _hook_warmup(source: ModuleType, settings: Settings) -> None:
             setattr(module, "kernel_warmup", wrapped)  # noqa: B010 (a module, not a class)
 
 
-def patches(settings: Settings) -> dict[str, Patch]:
-    """What to do to which vLLM module once it has executed."""
-    todo: dict[str, Patch] = {compat.WARMUP_MODULE: lambda m: _hook_warmup(m, settings)}
-    if settings.spec_guard:
-        todo[compat.BACKEND_MODULE] = guards.install_spec_guard
+def patches(settings: Settings) -> dict[str, list[Patch]]:
+    """What to do to which vLLM module once it has executed, in order."""
+    todo: dict[str, list[Patch]] = {compat.WARMUP_MODULE: [lambda m: _hook_warmup(m, settings)]}
+    for guard in guards.active(settings):
+        todo.setdefault(guard.MODULE, []).append(guard.install)
     return todo
 
 
@@ -96,14 +96,14 @@ class _PatchOnImport:
     before anyone imports a name from it. (Duck-typed: subclassing
     ``importlib.abc.MetaPathFinder`` would cost register() ~20 ms of imports.)"""
 
-    def __init__(self, todo: dict[str, Patch]) -> None:
+    def __init__(self, todo: dict[str, list[Patch]]) -> None:
         self.todo = todo
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        patch = self.todo.get(fullname)
-        if patch is None:
+        todo = self.todo.get(fullname)
+        if not todo:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
@@ -112,7 +112,8 @@ class _PatchOnImport:
 
         def exec_and_patch(module: ModuleType) -> None:
             exec_module(module)
-            patch(module)
+            for patch in todo:
+                patch(module)
 
         spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
         return spec
@@ -123,19 +124,21 @@ def install(settings: Settings) -> None:
     todo = patches(settings)
     if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _PatchOnImport(todo))
-    for name, patch in todo.items():
-        module = sys.modules.get(name)
-        if module is not None:
-            patch(module)
+    for name, module_patches in todo.items():
+        loaded = sys.modules.get(name)
+        if loaded is not None:
+            for patch in module_patches:
+                patch(loaded)
 
 
 def uninstall() -> None:
     """Remove the import hook, give every call site vLLM's own function back and
     take the guards off."""
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PatchOnImport)]
-    backend = sys.modules.get(compat.BACKEND_MODULE)
-    if backend is not None:
-        guards.remove_spec_guard(backend)
+    for guard in guards.every():
+        module = sys.modules.get(guard.MODULE)
+        if module is not None:
+            guard.remove(module)
     for name in compat.CALL_SITE_MODULES:
         module = sys.modules.get(name)
         current = getattr(module, "kernel_warmup", None) if module is not None else None

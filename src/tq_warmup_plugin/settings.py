@@ -32,7 +32,7 @@ class Settings(NamedTuple):
         loads their modules at startup instead of in the first long request.
     spec_guard: ``TQ_WARMUP_SPEC_GUARD`` (default on): under speculative decoding,
         TurboQuant's metadata builder reports ``UNIFORM_SINGLE_TOKEN_DECODE``, so vLLM
-        captures no FULL CUDA graph of a verify batch (``guards.py`` says why).
+        captures no FULL CUDA graph of a verify batch (``guards/spec_graphs.py`` says why).
     """
 
     enabled: bool = True

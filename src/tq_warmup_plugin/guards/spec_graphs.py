@@ -25,11 +25,14 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from . import compat
+from .. import compat
 
-__all__ = ["capped_support", "install_spec_guard", "remove_spec_guard", "spec_guarded"]
+__all__ = ["MODULE", "capped_support", "install", "installed", "remove"]
 
 logger = logging.getLogger("vllm.tq_warmup_plugin")
+
+MODULE = compat.BACKEND_MODULE
+"""The vLLM module this guard adjusts once it has executed."""
 
 _GUARD_ATTR = "__tq_warmup_spec_guard__"
 _announced = False
@@ -91,7 +94,7 @@ def _init_subclass_guarded(cls: Any, /, **kwargs: Any) -> None:
         _guard_class(cls)
 
 
-def install_spec_guard(backend: ModuleType) -> bool:
+def install(backend: ModuleType) -> bool:
     """Guard the backend module's builder class when the installed release needs it.
     Returns whether the guard is in place; never raises into vLLM's import."""
     try:
@@ -111,13 +114,13 @@ def install_spec_guard(backend: ModuleType) -> bool:
         return False
 
 
-def spec_guarded(backend: ModuleType) -> bool:
+def installed(backend: ModuleType) -> bool:
     """Whether the builder class of ``backend`` carries the guard."""
     builder = getattr(backend, compat.BUILDER_CLASS, None)
     return builder is not None and bool(builder.__dict__.get(_GUARD_ATTR))
 
 
-def remove_spec_guard(backend: ModuleType) -> None:
+def remove(backend: ModuleType) -> None:
     """Give the builder (and subclasses guarded since) vLLM's own methods back."""
     builder = getattr(backend, compat.BUILDER_CLASS, None)
     if builder is None or not builder.__dict__.get(_GUARD_ATTR):
