@@ -99,10 +99,28 @@ class Features(NamedTuple):
     cached context ignored (upstream #40831, #52475, #53180), 0.20 calls ``.tolist()``
     on GPU tensors during capture and fails at startup (#40807). The fixes (#43747,
     #53406) are unmerged in every release up to 0.33."""
+    v1_tq_cache_dtype_lost: bool
+    """0.25-0.26: ``TQFullAttentionSpec`` is built without ``kv_quant_mode``
+    (``attention.py`` 0.25:672-679, 0.26:677-684), so the V1 runner passes
+    ``cache_dtype_str="auto"`` to TurboQuant's ``get_kv_cache_shape``
+    (``gpu_model_runner.py`` 0.25:7192-7208, 0.26:7349-7365), which raises "Unknown
+    TurboQuant cache dtype: 'auto'" (upstream #50709). 0.20-0.24 pass the cache
+    config's dtype; 0.27.1+ have ``KVQuantMode.TURBOQUANT``; V2 special-cases it."""
     prefill_buffers_cached: bool
     """0.21+: ``_prefill_attention`` caches ``_cu_2`` and ``_arange_cache`` on the impl
     the first time it runs (``_continuation_prefill`` ``_cu_2_q``/``_cu_2_k``), growing
     the arange when a longer sequence comes; 0.20 allocates them on every call."""
+    draft_cpu_seq_lens_stale: bool
+    """0.21-0.33: TurboQuant's prefill loop takes each request's length from
+    ``seq_lens_cpu_upper_bound`` (``turboquant_attn.py`` 0.22:238, 0.33:297; 0.20 reads
+    the GPU ``seq_lens``, :571), and ``extend_all_queries_by_N``, which lengthens every
+    query of a V1 draft pass by N (draft_model: N=1, ``llm_base_proposer.py`` 0.22:98-101,
+    823), raises the GPU ``seq_lens`` but not that bound nor ``_seq_lens_cpu``
+    (``spec_decode/utils.py`` 0.22:293-303, 0.33:413-423): a fresh prompt gets
+    ``cached_len = -1``, a crash over 128 tokens ("expanded size ... (0)"). draft_model
+    runs on V1 up to 0.30 (V2 refuses it, ``config/vllm.py`` 0.23:2011, 0.30:2844), on
+    request (``VLLM_USE_V2_MODEL_RUNNER=0``) in 0.31-0.33; async by default from 0.28, where
+    the bound's prefill rows are still exact (``backend.py`` 0.22:405-409): all need it."""
 
 
 def features(version: Version) -> Features:
@@ -117,7 +135,9 @@ def features(version: Version) -> Features:
         builder_reserves_workspace=version >= (0, 24),
         unrotate_fp16=version >= (0, 21),
         spec_graphs_unsafe=OLDEST <= version <= (0, 33),
+        v1_tq_cache_dtype_lost=(0, 25) <= version <= (0, 26),
         prefill_buffers_cached=version >= (0, 21),
+        draft_cpu_seq_lens_stale=(0, 21) <= version <= (0, 33),
     )
 
 
@@ -184,6 +204,59 @@ def fp8_e4b15(capability: tuple[int, int] | None) -> int:
     return 1 if capability is not None and capability < (8, 9) else 0
 
 
+def spec_decode_problem(
+    feats: Features,
+    method: str | None,
+    async_scheduling: bool,
+    runner_v2: bool,
+    draft_guarded: bool = True,
+) -> str | None:
+    """The one-line warning for a speculative-decoding setup whose TurboQuant sequence
+    lengths the plugin does not fix, else None. ``method`` is
+    ``speculative_config.method`` (None without speculative decoding).
+
+    All causes need ``draft_cpu_seq_lens_stale`` (TurboQuant reading the CPU bound):
+    * async scheduling: the bound "assumes every draft was accepted" (``backend.py``
+      0.22:405-409; V1 ``gpu_model_runner.py`` 0.22:1985-1993, V2 takes the scheduler's
+      optimistic ``num_computed_tokens``, ``model_runner.py`` 0.33:1534-1542), so after
+      a rejected draft a verify batch's ``cached_len`` is too large;
+    * draft_model on V2 (0.31+): the first draft pass gets the target's bound
+      (``step=0``, ``standalone_ar/speculator.py`` 0.33:230, ``speculator.py``
+      0.33:362-368) for queries one token longer, the same -1 as on V1;
+    * draft_model on V1 without the guard (``TQ_WARMUP_SPEC_GUARD=0``).
+    """
+    if method is None or not feats.draft_cpu_seq_lens_stale:
+        return None
+    causes = []
+    if method == "draft_model" and runner_v2:
+        causes.append(
+            "the V2 runner's first draft pass reads a CPU sequence length one short of "
+            "its query (step=0), so a fresh prompt over 128 tokens crashes "
+            '("expanded size ... (0)") and shorter ones attend wrong lengths'
+        )
+    elif method == "draft_model" and not draft_guarded:
+        causes.append(
+            "extend_all_queries_by_N leaves the CPU sequence lengths one short, so a fresh "
+            'prompt over 128 tokens crashes ("expanded size ... (0)"); '
+            "TQ_WARMUP_SPEC_GUARD=0 turned the plugin's fix off"
+        )
+    if async_scheduling:
+        causes.append(
+            "TurboQuant reads seq_lens_cpu_upper_bound, which assumes every draft was "
+            "accepted, as the exact length: after a rejected draft it attends past the "
+            "context (--no-async-scheduling avoids it)"
+        )
+    if not causes:
+        return None
+    setup = " with async scheduling" if async_scheduling else ""
+    runner = "V2" if runner_v2 else "V1"
+    return (
+        f"tq-warmup: speculative decoding {method!r}{setup} on the {runner} runner with "
+        f"TurboQuant on vLLM {feats.version[0]}.{feats.version[1]}: {'; '.join(causes)}; "
+        "the plugin does not fix this"
+    )
+
+
 def installed_vllm_version() -> str | None:
     """The installed vLLM distribution's version, without importing vLLM."""
     from importlib import metadata  # not at module level: register() must stay cheap
@@ -214,6 +287,19 @@ def speculative_decoding(vllm_config: Any) -> bool:
     """``VllmConfig.speculative_config`` is set (ngram, EAGLE, MTP, draft model) in
     0.20-0.33; None without speculative decoding."""
     return getattr(vllm_config, "speculative_config", None) is not None
+
+
+def speculative_setup(vllm_config: Any) -> tuple[str | None, bool]:
+    """``(speculative_config.method or None, scheduler_config.async_scheduling)``; the
+    same names in 0.20-0.33 (``async_scheduling`` is resolved to a bool by
+    ``VllmConfig.__post_init__`` before the workers start)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    method = getattr(spec, "method", None) if spec is not None else None
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    return (
+        None if method is None else str(method),
+        bool(getattr(scheduler, "async_scheduling", False)),
+    )
 
 
 def single_token_decode_support() -> Any:

@@ -6,6 +6,7 @@ captured and the workspace is not yet locked, in every release 0.20-0.33.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +16,7 @@ import pluggy
 
 from . import compat, keys, launches, workspace
 from .discovery import discover
+from .guards import draft_seq_lens
 from .report import CompileCounter, Report, error_line
 from .settings import Settings
 
@@ -84,6 +86,12 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
         if found.refused:
             report.reason += f" ({len(found.refused)} refused: {report.errors[0]})"
         return report
+    method, async_scheduling = compat.speculative_setup(getattr(worker, "vllm_config", None))
+    problem = method and compat.spec_decode_problem(
+        feats, method, async_scheduling, compat.worker_uses_v2(worker), draft_seq_lens.in_place()
+    )
+    if problem:  # a warning, not an error: strict mode must not refuse it
+        logging.getLogger("vllm.tq_warmup_plugin").warning(problem)
 
     if pm is None:
         from .hookspecs import plugin_manager

@@ -30,14 +30,14 @@ class Guard(Protocol):
 
 def every() -> list[Guard]:
     """Every guard there is, in the order they are applied."""
-    from . import spec_graphs
+    from . import draft_seq_lens, spec_graphs, v1_cache_dtype
 
-    return [spec_graphs]
+    return [spec_graphs, v1_cache_dtype, draft_seq_lens]
 
 
 def active(settings: Settings) -> list[Guard]:
     """The guards these settings turn on."""
-    from . import spec_graphs
+    from . import draft_seq_lens, spec_graphs
 
-    off = set() if settings.spec_guard else {spec_graphs}
+    off = set() if settings.spec_guard else {spec_graphs, draft_seq_lens}
     return [guard for guard in every() if guard not in off]

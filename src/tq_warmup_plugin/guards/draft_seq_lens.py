@@ -1,0 +1,119 @@
+"""The draft-pass guard: a V1 draft pass's CPU sequence lengths follow its queries.
+
+Why: a draft pass that lengthens every query by N (draft_model: N=1,
+``llm_base_proposer.py`` 0.22:98-101, 823; parallel-drafting EAGLE: N=k-1) calls
+``extend_all_queries_by_N``, which raises ``query_start_loc``, the GPU ``seq_lens`` and
+``max_seq_len`` by N but leaves ``seq_lens_cpu_upper_bound`` and ``_seq_lens_cpu``
+as they were (``spec_decode/utils.py`` 0.22:293-303, 0.33:413-423). TurboQuant's
+prefill loop takes each request's length from that bound (``turboquant_attn.py``
+0.22:238, 607-608), so a fresh prompt gets ``cached_len = seq_len - q_len = -1``: over
+128 tokens ``_continuation_prefill`` allocates 0 cached rows and raises "The expanded
+size of the tensor (191) must match the existing size (0)" (seen on an H200 with vLLM
+0.22.0, draft_model); at 128 or fewer it attends with every length one short.
+
+What: ``extend_all_queries_by_N`` of the defining module is wrapped so that, after
+vLLM's own function, the CPU lengths of the metadata it returns are raised by N too,
+as new tensors (vLLM's own are views of the runner's buffers); two fields that shared
+one tensor share the new one. The only call site, ``llm_base_proposer`` (0.20-0.33),
+imports the name at module level after the defining module executed, so it binds the
+wrapper; a call site loaded before the guard is rebound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from .. import compat
+
+__all__ = ["CALL_SITES", "MODULE", "bumped", "in_place", "install", "installed", "remove"]
+
+logger = logging.getLogger("vllm.tq_warmup_plugin")
+
+MODULE = "vllm.v1.spec_decode.utils"
+"""Defines ``extend_all_queries_by_N`` in 0.20-0.33."""
+
+CALL_SITES = ("vllm.v1.spec_decode.llm_base_proposer",)
+"""Modules that import ``extend_all_queries_by_N`` by name (0.20-0.33: only this one)."""
+
+NAME = "extend_all_queries_by_N"
+# ``_seq_lens_cpu`` is gone from 0.30 (``backend.py`` 0.30:393-473); absent fields are skipped.
+CPU_FIELDS = ("seq_lens_cpu_upper_bound", "_seq_lens_cpu")
+
+_ORIGINAL_ATTR = "__tq_warmup_original__"
+
+
+def bumped(metadata: Any, n: int) -> Any:
+    """``metadata`` with every CPU length field that exists and is set raised by ``n``
+    (new tensors; fields that shared one tensor share the new one)."""
+    names = {f.name for f in dataclasses.fields(metadata)}
+    changes: dict[str, Any] = {}
+    done: dict[int, Any] = {}
+    for name in CPU_FIELDS:
+        value = getattr(metadata, name, None) if name in names else None
+        if value is not None:
+            changes[name] = done.setdefault(id(value), value + n)
+    return dataclasses.replace(metadata, **changes) if changes else metadata
+
+
+def _guard(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def extend_all_queries_by_N(
+        common_attn_metadata: Any, N: int, *args: Any, **kwargs: Any
+    ) -> Any:
+        return bumped(original(common_attn_metadata, N, *args, **kwargs), N)
+
+    setattr(extend_all_queries_by_N, _ORIGINAL_ATTR, original)
+    return extend_all_queries_by_N
+
+
+def _rebind(old: Any, new: Any) -> None:
+    for name in CALL_SITES:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, NAME, None) is old:
+            setattr(module, NAME, new)
+
+
+def install(utils: ModuleType) -> bool:
+    """Wrap ``utils.extend_all_queries_by_N`` when the installed release needs it.
+    Returns whether the guard is in place; never raises into vLLM's import."""
+    try:
+        feats = compat.release_features(compat.installed_vllm_version())
+        if not feats.draft_cpu_seq_lens_stale:
+            return False
+        current = getattr(utils, NAME)
+        if hasattr(current, _ORIGINAL_ATTR):
+            return True
+        guarded = _guard(current)
+        setattr(utils, NAME, guarded)
+        _rebind(current, guarded)
+        return True
+    except Exception as exc:  # an unknown release or layout: vLLM starts unguarded
+        logger.warning("tq-warmup: draft-pass sequence-length guard not installed: %s", exc)
+        return False
+
+
+def installed(utils: ModuleType) -> bool:
+    """Whether ``utils.extend_all_queries_by_N`` is the guard."""
+    return hasattr(getattr(utils, NAME, None), _ORIGINAL_ATTR)
+
+
+def in_place() -> bool:
+    """Whether this process's ``extend_all_queries_by_N`` is the guard."""
+    utils = sys.modules.get(MODULE)
+    return utils is not None and installed(utils)
+
+
+def remove(utils: ModuleType) -> None:
+    """Give the defining module and every call site vLLM's own function back."""
+    current = getattr(utils, NAME, None)
+    original = getattr(current, _ORIGINAL_ATTR, None)
+    if original is None:
+        return
+    setattr(utils, NAME, original)
+    _rebind(current, original)
