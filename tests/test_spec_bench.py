@@ -99,6 +99,7 @@ def test_identical_sequences_compare_as_zero() -> None:
         "tokens_compared": 5,
         "max_lp_delta": 0.0,
         "ref_margin_at_divergence": None,
+        "divergence_margins": [],
     }
 
 
@@ -114,6 +115,7 @@ def test_divergent_sequence_reports_index_count_and_prefix_logprob_delta() -> No
     assert (cmp["tokens_differing"], cmp["tokens_compared"]) == (2, 8)
     assert cmp["max_lp_delta"] == pytest.approx(0.25)
     assert cmp["ref_margin_at_divergence"] == pytest.approx(0.001)
+    assert cmp["divergence_margins"] == [pytest.approx(0.001)]
 
 
 def test_shorter_output_and_missing_prompt_count_as_divergent() -> None:
@@ -159,10 +161,41 @@ def test_comparisons_verdicts_and_speedup() -> None:
     assert [r["verdict"] for r in rows] == ["equal", "equal", "WRONG", "crashed (rc -6)"]
     assert rows[2]["cmp"]["first_divergence"] == [3] and rows[3]["cmp"] is None
     assert [r["speedup_vs_ref"] for r in rows] == [1.0, 2.0, 2.5, None]
-    spec.add_comparisons(rows, lp_tol=1e-4)
-    assert rows[1]["verdict"] == "logprobs-differ"
+    spec.add_comparisons(rows, lp_tol=1e-4)  # equal tokens, logprobs off, no floor
+    assert rows[1]["verdict"] == "WRONG"
     spec.add_comparisons(rows[1:], lp_tol=1e-3)  # no reference: nothing is compared
     assert rows[1]["verdict"] == "no-reference" and rows[1]["speedup_vs_ref"] is None
+
+
+def test_noise_floor_from_the_nospec_graph_engine() -> None:
+    """Divergences at exact ties within the no-spec graph engine's own distance from the
+    reference are noise; a decided token, or logprobs further off, are WRONG."""
+    ref = _row([[1, 2, 3, 4]], [[-1.0] * 4], name="ref-eager", status="ok")
+    ref["margins"][0][2] = 0.0078  # one bf16 ulp: a near-tie the floor explains
+    tie = [[1, 2, 9, 9]]
+    nospec = _row(tie, [[-1.0, -1.02, -1.0, -1.0]], name="nospec-full", status="ok")
+    guard = _row(tie, [[-1.0, -1.0205, -1.0, -1.0]], name="ngram1-full-guard", status="ok")
+    off = _row(tie, [[-1.0, -1.3, -1.0, -1.0]], name="ngram1-full-noguard", status="ok")
+    decided = _row([[1, 9, 9, 9]], name="ngram2-full-noguard", status="ok")
+    ref["margins"][0][1] = 0.05  # the reference was sure of token 2
+    rows = [ref, nospec, guard, off, decided]
+    spec.add_comparisons(rows, lp_tol=1e-3)
+    assert [r["verdict"] for r in rows] == [
+        "equal", "within-noise", "within-noise", "WRONG", "WRONG"
+    ]
+    assert guard["noise_floor"] == pytest.approx(0.02)
+    summary = spec.summarize({}, rows)
+    assert (summary["guard_on_right"], summary["guard_off_wrong_or_crashed"]) == (True, True)
+    # Without a no-spec graph engine there is no floor: any difference is WRONG.
+    spec.add_comparisons([ref, guard], lp_tol=1e-3)
+    assert guard["verdict"] == "WRONG"
+
+
+def test_report_from_a_raw_run(tmp_path: Path) -> None:
+    rows = _finished_rows()
+    records.write_run(tmp_path / "r.jsonl", {"kind": "spec", "lp_tol": 1e-3}, rows)
+    table, summary = spec.report(tmp_path / "r.jsonl")
+    assert "ngram3-full-noguard" in table and summary["guard_off_wrong_or_crashed"] is True
 
 
 def test_table_rows_and_summary() -> None:
@@ -179,7 +212,7 @@ def test_table_rows_and_summary() -> None:
     assert "ngram3-full-noguard" in tables.render(spec.TABLE_HEADER, table)
     summary = spec.summarize({"vllm_version": "0.22.0"}, rows)
     assert summary["guard_off_wrong_or_crashed"] is True
-    assert summary["guard_on_equal"] is True
+    assert summary["guard_on_right"] is True
     assert summary["tq_compiles_after_startup"] == 0
     assert summary["configs"]["ngram3-full-noguard"]["first_divergence"] == [3]
 

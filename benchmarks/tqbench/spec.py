@@ -69,6 +69,7 @@ FULL, PIECEWISE = "FULL_AND_PIECEWISE", "PIECEWISE"
 PERIOD = 24  # tokens in the pattern every prompt repeats
 # A child's own statuses; anything else it left behind means it died on the way.
 CHILD_FINAL = ("ok", "startup-failed", "generate-failed")
+OK_VERDICTS = ("equal", "within-noise")
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
     "vllm:spec_decode_num_draft_tokens": "draft_tokens",
@@ -186,6 +187,7 @@ def compare(ref: Mapping[str, Any], got: Mapping[str, Any]) -> dict[str, Any]:
     differing = compared = 0
     max_lp: float | None = None
     margins: list[float] = []
+    at_divergence: list[float | None] = []
     for i, want in enumerate(ref_t):
         have = got_t[i] if i < len(got_t) else []
         length = max(len(want), len(have))
@@ -200,6 +202,8 @@ def compare(ref: Mapping[str, Any], got: Mapping[str, Any]) -> dict[str, Any]:
                 max_lp = max(max_lp or 0.0, abs(a - b))
         margin = _nth(ref, "margins", i)[prefix : prefix + 1] if diff else []
         margins.extend(m for m in margin if m is not None)
+        if diff:  # how sure the reference was of the token this engine did not pick
+            at_divergence.append(margin[0] if margin else None)
     return {
         "exact": differing == 0 and len(got_t) == len(ref_t),
         "prompts_divergent": sum(d is not None for d in first) + max(0, len(got_t) - len(ref_t)),
@@ -207,7 +211,8 @@ def compare(ref: Mapping[str, Any], got: Mapping[str, Any]) -> dict[str, Any]:
         "tokens_differing": differing,
         "tokens_compared": compared,
         "max_lp_delta": max_lp,
-        "ref_margin_at_divergence": min(margins) if margins else None,
+        "ref_margin_at_divergence": max(margins) if margins else None,
+        "divergence_margins": at_divergence,
     }
 
 
@@ -216,17 +221,29 @@ def _nth(row: Mapping[str, Any], key: str, i: int) -> list[Any]:
     return list(values[i] or []) if i < len(values) else []
 
 
-def verdict(row: Mapping[str, Any], lp_tol: float) -> str:
-    """``equal``, ``logprobs-differ`` (tokens equal), ``WRONG``, or the failure status."""
+def verdict(row: Mapping[str, Any], lp_tol: float, floor: float | None) -> str:
+    """``equal``; ``within-noise``; ``WRONG``; or the failure status.
+
+    ``floor`` is how far the no-spec FULL_AND_PIECEWISE engine of the same run is from
+    the eager reference: the same attention through other kernels. bf16 logits put
+    near-ties one ulp apart, so that engine already picks other tokens than eager where
+    the reference's top-1/top-2 margin is that small (seen on the H200, 0.22 and 0.26).
+    ``within-noise``: every divergence where the reference's margin is within the floor,
+    and no logprob of the common prefix further off than the floor (each + ``lp_tol``).
+    """
     cmp = row.get("cmp")
     if row.get("status") != "ok":
         return str(row.get("status"))
     if not cmp:
         return "no-reference"
-    if not cmp["exact"]:
+    delta = cmp.get("max_lp_delta") or 0.0
+    if cmp["exact"] and delta <= lp_tol:
+        return "equal"
+    if floor is None:
         return "WRONG"
-    delta = cmp.get("max_lp_delta")
-    return "logprobs-differ" if delta is not None and delta > lp_tol else "equal"
+    bound = floor + lp_tol
+    decided = [m for m in cmp.get("divergence_margins") or [] if m is None or m > bound]
+    return "WRONG" if decided or delta > bound else "within-noise"
 
 
 def add_comparisons(rows: Sequence[dict[str, Any]], lp_tol: float) -> None:
@@ -238,9 +255,13 @@ def add_comparisons(rows: Sequence[dict[str, Any]], lp_tol: float) -> None:
         r["cmp"] = compare(ref, r) if ok and ref is not None else None
         timed = {"tokens": r.get("timed_tokens"), "logprobs": r.get("timed_logprobs")}
         r["timed_cmp"] = compare(ref, timed) if ok and ref is not None else None
-        r["verdict"] = verdict(r, lp_tol)
         base = ref.get("tok_s") if ref else None
         r["speedup_vs_ref"] = round(r["tok_s"] / base, 3) if base and r.get("tok_s") else None
+    floor_row = next((r for r in rows if r["name"] == NOSPEC_FULL and r.get("cmp")), None)
+    floor = (floor_row["cmp"].get("max_lp_delta") or 0.0) if floor_row else None
+    for r in rows:
+        r["noise_floor"] = floor
+        r["verdict"] = verdict(r, lp_tol, floor)
 
 
 def _num(x: Any, fmt: str) -> str:
@@ -281,7 +302,7 @@ TABLE_HEADER = (
     "diverged @index",
     "tokens differing",
     "max |dlogprob|",
-    "ref margin there",
+    "ref max margin there",
     "tq jit after startup",
     "accept",
     "error",
@@ -331,6 +352,9 @@ def summarize(run: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> dict
             "first_divergence": cmp.get("first_divergence"),
             "tokens_differing": cmp.get("tokens_differing"),
             "max_lp_delta": cmp.get("max_lp_delta"),
+            "divergence_margins": cmp.get("divergence_margins"),
+            "cudagraph_mode": r.get("cudagraph_mode"),
+            "acceptance": _acceptance(r.get("spec_counters")),
             "tq_compiles_after_startup": r.get("tq_compiles_after_startup"),
             "error_line": r.get("error_line"),
         }
@@ -345,8 +369,9 @@ def summarize(run: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> dict
     return {
         "run": {k: run.get(k) for k in keep},
         "configs": configs,
-        "guard_off_wrong_or_crashed": all(v != "equal" for v in off) if off else None,
-        "guard_on_equal": all(v == "equal" for v in on) if on else None,
+        "guard_off_wrong_or_crashed": all(v not in OK_VERDICTS for v in off) if off else None,
+        "guard_on_right": all(v in OK_VERDICTS for v in on) if on else None,
+        "noise_floor": next((r.get("noise_floor") for r in rows), None),
         "tq_compiles_after_startup": sum(
             len(r.get("tq_compiles_after_startup") or []) for r in ok_rows
         ),
@@ -789,8 +814,22 @@ def _ints(text: str) -> list[int]:
     return [int(t) for t in text.split(",") if t.strip()]
 
 
+def report(raw: Path, lp_tol: float | None = None) -> tuple[str, dict[str, Any]]:
+    """The table and summary of a raw run, compared afresh (no GPU needed)."""
+    run, rows = records.read_run(raw)
+    add_comparisons(rows, run.get("lp_tol", 1e-3) if lp_tol is None else lp_tol)
+    return tables.render(TABLE_HEADER, table_rows(rows)), summarize(run, rows)
+
+
 def cmd_spec(args: argparse.Namespace) -> int:
-    """``spec --child FILE`` runs one configuration; otherwise the whole comparison."""
+    """``spec --child FILE`` runs one configuration; ``--from-raw FILE`` reports a raw run
+    again; otherwise the whole comparison."""
+    if args.from_raw:
+        for name in args.from_raw.split(","):
+            table, summary = report(Path(name))
+            print(f"{name} ({summary['run'].get('vllm_version')}):\n{table}\n")
+            records.write_json_atomic(Path(name).with_suffix(".summary.json"), summary)
+        return 0
     if args.child:  # exit at once: a broken CUDA context can hang the interpreter's exit
         rc = run_child(Path(args.child))
         sys.stdout.flush()
@@ -818,7 +857,7 @@ OPTIONS: tuple[Option, ...] = (
     ("--prompts", 8, "prompts (150-430 tokens, a 24-token pattern repeated)"),
     ("--prompt-seed", 0, "seed of the prompts' patterns"),
     ("--logprobs", 2, "logprobs per position (2: also the top-1/top-2 margin)"),
-    ("--lp-tol", 1e-3, "equal tokens with a larger max |dlogprob| are 'logprobs-differ'"),
+    ("--lp-tol", 1e-3, "logprob tolerance of 'equal', and over the no-spec graph engine's floor"),
     ("--max-model-len", 0, "0: a multiple of 1024 that fits"),
     ("--max-num-seqs", 16, "max_num_seqs"),
     ("--kv-cache-gib", 2.0, "fixed KV cache per engine (kv_cache_memory_bytes); 0: vLLM sizes it"),
@@ -846,4 +885,6 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--jit-monitor-mode", choices=("warn", "error"), default="error",
                    help="vLLM >= 0.25 only (older releases have no such option)")  # fmt: skip
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
+    p.add_argument("--from-raw", default="", help="comma list of raw runs to report again "
+                   "(table, and each one's .summary.json rewritten); runs nothing")
     p.set_defaults(func=cmd_spec)
