@@ -1,5 +1,5 @@
 """Smoke check of a CI venv: the vLLM TurboQuant modules import on CPU and Triton
-compiles one real vLLM kernel for sm90 (compile-only driver, recipe approach 3a).
+compiles one real vLLM kernel for sm90 (a compile-only driver: nothing launches).
 Run: CUDA_VISIBLE_DEVICES= TRITON_CACHE_DIR=$(mktemp -d) VENV/bin/python .ci/check-vllm.py
 """
 import os

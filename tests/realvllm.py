@@ -17,8 +17,10 @@ MAX_NUM_SEQS = 8
 # offsets; 130 tokens exceed the 128-token fast-path threshold.
 PREFILL_BATCHES = [[(5, 3), (6, 4), (130, 20), (3, 3), (4, 4)], [(130, 16)]]
 
+
 def activate_compile_only_driver() -> None:
-    """Make Triton target sm90 on a host without a GPU (cpu-ci-recipe.md, 3a)."""
+    """Make Triton target sm90 on a host without a GPU (a compile-only driver: Triton
+    compiles for the target, nothing launches)."""
     from tq_warmup_plugin.warmers.triton_jit import use_compile_only_target
 
     use_compile_only_target(90)
@@ -107,7 +109,10 @@ def metadata(requests: list[tuple[int, int]], num_decodes: int, table: Any, seq_
 
 
 def run_backend(
-    impl: Any, kv: Any, width: int, dtype: Any,
+    impl: Any,
+    kv: Any,
+    width: int,
+    dtype: Any,
     batches: list[tuple[list[tuple[int, int]], int]] | None = None,
 ) -> None:
     """Drive the real backend over ``(requests, num_decodes)`` batches; by default
@@ -142,8 +147,13 @@ def make_flash_impl(hq: int, hk: int, d: int, version: int = 2, **kwargs: Any) -
 
     from vllm.v1.attention.backends import flash_attn
 
-    args: dict[str, Any] = {"alibi_slopes": None, "sliding_window": None,
-                            "kv_cache_dtype": "auto", "logits_soft_cap": None, **kwargs}
+    args: dict[str, Any] = {
+        "alibi_slopes": None,
+        "sliding_window": None,
+        "kv_cache_dtype": "auto",
+        "logits_soft_cap": None,
+        **kwargs,
+    }
     with mock.patch.object(flash_attn, "get_flash_attn_version", return_value=version):
         return flash_attn.FlashAttentionImpl(
             num_heads=hq, head_size=d, scale=d**-0.5, num_kv_heads=hk, **args

@@ -16,9 +16,24 @@ DATA = Path(__file__).parent / "data"
 # The geometry vLLM 0.26.0 discovered on an H200 for this benchmark model (TQ_WARMUP_REPORT).
 H200_REPORT = DATA / "h200-vllm0.26.0-4bit-report.json"
 H200_FLAGS = [
-    "--kv-cache-dtype", "turboquant_4bit_nc", "--head-size", "128", "--num-heads", "16",
-    "--num-kv-heads", "8", "--max-model-len", "4096", "--max-num-seqs", "32",
-    "--max-num-batched-tokens", "512", "--dtype", "bfloat16", "--vllm-version", "0.26.0",
+    "--kv-cache-dtype",
+    "turboquant_4bit_nc",
+    "--head-size",
+    "128",
+    "--num-heads",
+    "16",
+    "--num-kv-heads",
+    "8",
+    "--max-model-len",
+    "4096",
+    "--max-num-seqs",
+    "32",
+    "--max-num-batched-tokens",
+    "512",
+    "--dtype",
+    "bfloat16",
+    "--vllm-version",
+    "0.26.0",
 ]
 
 
@@ -37,15 +52,30 @@ def test_inspect_plans_what_the_h200_startup_discovered(capsys: pytest.CaptureFi
     assert from_report["paths"] == planned["paths"]
 
 
-def test_inspect_reads_a_model_config(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({
-        "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
-        "num_hidden_layers": 32, "max_position_embeddings": 8192, "torch_dtype": "float16",
-    }))
-    out = inspect_json(capsys, "--model", str(tmp_path), "--kv-cache-dtype", "turboquant_k8v4",
-                       "-tp", "2", "--vllm-version", "0.33.0")
+def test_inspect_reads_a_model_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+                "hidden_size": 4096,
+                "num_hidden_layers": 32,
+                "max_position_embeddings": 8192,
+                "torch_dtype": "float16",
+            }
+        )
+    )
+    out = inspect_json(
+        capsys,
+        "--model",
+        str(tmp_path),
+        "--kv-cache-dtype",
+        "turboquant_k8v4",
+        "-tp",
+        "2",
+        "--vllm-version",
+        "0.33.0",
+    )
     geometry = out["geometry"]
     assert isinstance(geometry, dict)
     assert (geometry["head_size"], geometry["num_heads"], geometry["num_kv_heads"]) == (128, 16, 4)
@@ -89,21 +119,30 @@ def test_effective_block_size_rule() -> None:
 
 
 @pytest.mark.real_vllm
-def test_precompile_builds_sm90_cubins(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_precompile_builds_sm90_cubins(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # As many keys as inspect plans for the installed release (6 from 0.21 on, 4 in 0.20).
     n = inspect_json(capsys, *H200_FLAGS[:-2])["distinct"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "tq_warmup_plugin.cli", "precompile", *H200_FLAGS[:-2],
-           "--cache-dir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tq_warmup_plugin.cli",
+        "precompile",
+        *H200_FLAGS[:-2],
+        "--cache-dir",
+        str(tmp_path),
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"{n} keys for sm90" in done.stdout
     assert f"{n} built, 0 already there, 0 failed" in done.stdout
     cubins = {p.stem for p in tmp_path.rglob("*.cubin")}
-    assert cubins == {"_tq_decode_stage1", "_fwd_kernel_stage2", "_tq_full_dequant_kv",
-                      "_tq_fused_store_mse"}
+    assert cubins == {
+        "_tq_decode_stage1",
+        "_fwd_kernel_stage2",
+        "_tq_full_dequant_kv",
+        "_tq_fused_store_mse",
+    }
     again = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert f"0 built, {n} already there" in again.stdout
     manifest = json.loads((tmp_path / "tq-warmup-manifest-turboquant_4bit_nc.json").read_text())
@@ -112,8 +151,17 @@ def test_precompile_builds_sm90_cubins(
 
 @pytest.mark.real_vllm
 def test_precompile_refuses_another_release(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "tq_warmup_plugin.cli", "precompile", *H200_FLAGS[:-2],
-           "--cache-dir", str(tmp_path), "--image-vllm", "0.19.0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tq_warmup_plugin.cli",
+        "precompile",
+        *H200_FLAGS[:-2],
+        "--cache-dir",
+        str(tmp_path),
+        "--image-vllm",
+        "0.19.0",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 2 and "refusing: the image runs vllm 0.19.0" in done.stderr
 

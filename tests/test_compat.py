@@ -9,8 +9,16 @@ from tq_warmup_plugin import compat
 
 @pytest.mark.parametrize(
     ("text", "version"),
-    [("0.26.0", (0, 26)), ("0.26.1rc1.dev3+gabc", (0, 26)), (" 0.33.2", (0, 33)),
-     ("1.0", (1, 0)), ("", None), (None, None), ("garbage", None), ("v0.26.0", None)],
+    [
+        ("0.26.0", (0, 26)),
+        ("0.26.1rc1.dev3+gabc", (0, 26)),
+        (" 0.33.2", (0, 33)),
+        ("1.0", (1, 0)),
+        ("", None),
+        (None, None),
+        ("garbage", None),
+        ("v0.26.0", None),
+    ],
 )
 def test_parse_version(text: str | None, version: compat.Version | None) -> None:
     assert compat.parse_version(text) == version
@@ -21,8 +29,9 @@ def test_supported_releases(version: compat.Version) -> None:
     assert compat.support_problem(version) is None
 
 
-@pytest.mark.parametrize(("version", "shown"), [((0, 19), "0.19"), ((0, 34), "0.34"),
-                                                ((1, 0), "1.0")])
+@pytest.mark.parametrize(
+    ("version", "shown"), [((0, 19), "0.19"), ((0, 34), "0.34"), ((1, 0), "1.0")]
+)
 def test_unsupported_release_is_one_line_naming_the_range(
     version: compat.Version, shown: str
 ) -> None:
@@ -38,9 +47,16 @@ def test_unknown_version_is_a_problem() -> None:
 # Every gate of compat.Features, in field order: a new gate fails this test until
 # its column is added here.
 GATE_COLUMNS = (
-    "kv_view_transposed", "kv_head_major", "stage2_output_fp16",
-    "continuation_seq_lens_sliced", "uses_workspace", "builder_reserves_workspace",
-    "unrotate_fp16", "spec_graphs_unsafe", "v1_tq_cache_dtype_lost", "prefill_buffers_cached",
+    "kv_view_transposed",
+    "kv_head_major",
+    "stage2_output_fp16",
+    "continuation_seq_lens_sliced",
+    "uses_workspace",
+    "builder_reserves_workspace",
+    "unrotate_fp16",
+    "spec_graphs_unsafe",
+    "v1_tq_cache_dtype_lost",
+    "prefill_buffers_cached",
     "draft_cpu_seq_lens_stale",
 )
 T, F = True, False
@@ -73,15 +89,21 @@ def test_feature_gates(version: compat.Version, gates: tuple[bool, ...]) -> None
 @pytest.mark.parametrize(
     ("version", "strides"),
     # 16 tokens per block, 2 KV heads, 134-byte slots (turboquant_4bit_nc, d=128)
-    [((0, 25), (4288, 268, 134)), ((0, 26), (4288, 134, 2144)), ((0, 28), (4288, 134, 2144)),
-     ((0, 29), (4288, 268, 134))],
+    [
+        ((0, 25), (4288, 268, 134)),
+        ((0, 26), (4288, 134, 2144)),
+        ((0, 28), (4288, 134, 2144)),
+        ((0, 29), (4288, 268, 134)),
+    ],
 )
 def test_kv_view_strides(version: compat.Version, strides: tuple[int, int, int]) -> None:
     assert compat.kv_view_strides(compat.features(version), 16, 2, 134) == strides
 
 
-@pytest.mark.parametrize(("capability", "flag"), [(None, 0), ((8, 0), 1), ((8, 6), 1),
-                                                  ((8, 9), 0), ((9, 0), 0), ((10, 0), 0)])
+@pytest.mark.parametrize(
+    ("capability", "flag"),
+    [(None, 0), ((8, 0), 1), ((8, 6), 1), ((8, 9), 0), ((9, 0), 0), ((10, 0), 0)],
+)
 def test_fp8_e4b15(capability: tuple[int, int] | None, flag: int) -> None:
     assert compat.fp8_e4b15(capability) == flag
 
@@ -98,8 +120,14 @@ def test_every_kernel_module_is_a_known_vllm_module() -> None:
 
 @pytest.mark.parametrize(
     ("version", "bs", "v2", "width"),
-    [((0, 26), 16, True, 64), ((0, 26), 16, False, 63), ((0, 27), 16, False, 64),
-     ((0, 33), 48, False, 24), ((0, 33), 256, True, 4), ((0, 20), 128, True, 8)],
+    [
+        ((0, 26), 16, True, 64),
+        ((0, 26), 16, False, 63),
+        ((0, 27), 16, False, 64),
+        ((0, 33), 48, False, 24),
+        ((0, 33), 256, True, 4),
+        ((0, 20), 128, True, 8),
+    ],
 )
 def test_block_table_width_for_1000_tokens(
     version: compat.Version, bs: int, v2: bool, width: int

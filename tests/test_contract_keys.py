@@ -57,7 +57,13 @@ CASES = [
 
 
 def check_case(
-    feats: compat.Features, preset: str, d: int, hq: int, hk: int, bs: int, dtype: str,
+    feats: compat.Features,
+    preset: str,
+    d: int,
+    hq: int,
+    hk: int,
+    bs: int,
+    dtype: str,
     splits: int = 32,
 ) -> None:
     import torch
@@ -109,8 +115,23 @@ def test_keys_match_single_query_head_and_custom_splits(
 
 def test_long_continuation_path_is_covered(vllm_env: compat.Features) -> None:
     g_keys = keys.long_continuation_keys(
-        keys.Geometry("turboquant_4bit_nc", 128, 8, 2, 16, 128**-0.5, (4288, 268, 134),
-                      "bfloat16", 63, 8, 1008, BATCHED_TOKENS, 32, 0, vllm_env)
+        keys.Geometry(
+            "turboquant_4bit_nc",
+            128,
+            8,
+            2,
+            16,
+            128**-0.5,
+            (4288, 268, 134),
+            "bfloat16",
+            63,
+            8,
+            1008,
+            BATCHED_TOKENS,
+            32,
+            0,
+            vllm_env,
+        )
     )
     assert {k.kernel for k in g_keys} == {"_tq_full_dequant_kv"}
     assert math.isclose(dict(g_keys[0].args)["HEAD_DIM"].value, 128)  # type: ignore[union-attr]

@@ -42,11 +42,17 @@ def test_pooling_models_have_nothing_to_warm(monkeypatch: pytest.MonkeyPatch) ->
 
 @pytest.mark.parametrize(
     ("bad", "reason"),
-    [(fakes.layer(FEATS, heads=3), "ValueError: KV cache view of shape (4, 16, 3, 134)"),
-     (fakes.layer(FEATS, fakes.TurboQuantAttentionImpl(num_heads=6, num_kv_heads=4), heads=4),
-      "ValueError: 6 query heads vs 4 KV heads"),
-     (fakes.layer(FEATS, fakes.TurboQuantAttentionImpl(cache_dtype="fp8")),
-      "ValueError: not a TurboQuant cache dtype")],
+    [
+        (fakes.layer(FEATS, heads=3), "ValueError: KV cache view of shape (4, 16, 3, 134)"),
+        (
+            fakes.layer(FEATS, fakes.TurboQuantAttentionImpl(num_heads=6, num_kv_heads=4), heads=4),
+            "ValueError: 6 query heads vs 4 KV heads",
+        ),
+        (
+            fakes.layer(FEATS, fakes.TurboQuantAttentionImpl(cache_dtype="fp8")),
+            "ValueError: not a TurboQuant cache dtype",
+        ),
+    ],
 )
 def test_a_mismatched_layer_is_refused_and_the_others_found(bad: object, reason: str) -> None:
     worker = fakes.worker({"good": fakes.layer(FEATS), "bad": bad}, [fakes.table(64)])
@@ -62,13 +68,18 @@ def test_a_missing_block_table_is_refused() -> None:
 
 
 @pytest.mark.parametrize(
-    ("use_v2", "kernel_width", "width"), [(False, None, 48), (True, None, 80), (False, 96, 96),
-                                          (True, 96, 96)],
+    ("use_v2", "kernel_width", "width"),
+    [(False, None, 48), (True, None, 80), (False, 96, 96), (True, 96, 96)],
 )
 def test_block_table_source(use_v2: bool, kernel_width: int | None, width: int) -> None:
     kernel_table = None if kernel_width is None else torch.zeros(2, 8, kernel_width)
-    worker = fakes.worker({"tq": fakes.layer(FEATS)}, [fakes.table(48)],
-                          v2_tables=[fakes.table(80)], use_v2=use_v2, kernel_table=kernel_table)
+    worker = fakes.worker(
+        {"tq": fakes.layer(FEATS)},
+        [fakes.table(48)],
+        v2_tables=[fakes.table(80)],
+        use_v2=use_v2,
+        kernel_table=kernel_table,
+    )
     assert discover(worker, FEATS).geometries["tq"].block_table_width == width
 
 
@@ -80,16 +91,22 @@ def test_block_table_width_is_the_row_stride() -> None:
 
 def test_each_group_reads_its_own_block_table() -> None:
     layers = {"a": fakes.layer(FEATS), "b": fakes.layer(FEATS)}
-    worker = fakes.worker(layers, [fakes.table(48), fakes.table(33)],
-                          groups=[(["a"], 0), (["b"], 1)])
+    worker = fakes.worker(
+        layers, [fakes.table(48), fakes.table(33)], groups=[(["a"], 0), (["b"], 1)]
+    )
     found = discover(worker, FEATS).geometries
     assert (found["a"].block_table_width, found["b"].block_table_width) == (48, 33)
 
 
 @pytest.mark.parametrize(
     ("version", "strides"),
-    [((0, 25), (4288, 268, 134)), ((0, 26), (4288, 134, 2144)), ((0, 28), (4288, 134, 2144)),
-     ((0, 29), (4288, 268, 134)), ((0, 33), (4288, 268, 134))],
+    [
+        ((0, 25), (4288, 268, 134)),
+        ((0, 26), (4288, 134, 2144)),
+        ((0, 28), (4288, 134, 2144)),
+        ((0, 29), (4288, 268, 134)),
+        ((0, 33), (4288, 268, 134)),
+    ],
 )
 def test_kv_view_as_the_kernels_get_it(version: compat.Version, strides: tuple) -> None:
     feats = compat.features(version)
@@ -102,11 +119,27 @@ def test_kv_view_as_the_kernels_get_it(version: compat.Version, strides: tuple) 
 def test_config_values_and_alignment_are_read() -> None:
     impl = fakes.TurboQuantAttentionImpl(4, 1, 64, splits=16, cache_dtype="turboquant_k8v4")
     layer = fakes.layer(FEATS, impl, aligned=False, block_size=32)
-    worker = fakes.worker({"tq": layer}, [fakes.table(17)], dtype=torch.float16,
-                          max_num_seqs=4, max_model_len=333, max_num_batched_tokens=100)
+    worker = fakes.worker(
+        {"tq": layer},
+        [fakes.table(17)],
+        dtype=torch.float16,
+        max_num_seqs=4,
+        max_model_len=333,
+        max_num_batched_tokens=100,
+    )
     g = discover(worker, FEATS).geometries["tq"]
-    expected = fakes.geometry(cache_dtype="turboquant_k8v4", head_size=64, num_heads=4,
-                              num_kv_heads=1, block_size=32, model_dtype="float16", width=17,
-                              max_num_seqs=4, max_model_len=333, batched=100, splits=16)
+    expected = fakes.geometry(
+        cache_dtype="turboquant_k8v4",
+        head_size=64,
+        num_heads=4,
+        num_kv_heads=1,
+        block_size=32,
+        model_dtype="float16",
+        width=17,
+        max_num_seqs=4,
+        max_model_len=333,
+        batched=100,
+        splits=16,
+    )
     assert g.kv_aligned is False
     assert g == dataclasses.replace(expected, kv_aligned=False)

@@ -73,8 +73,9 @@ def fake_backend() -> types.ModuleType:
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
-    monkeypatch.setattr(compat, "single_token_decode_support",
-                        lambda: Support.UNIFORM_SINGLE_TOKEN_DECODE)
+    monkeypatch.setattr(
+        compat, "single_token_decode_support", lambda: Support.UNIFORM_SINGLE_TOKEN_DECODE
+    )
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.22.0")
     monkeypatch.setattr(guard, "_announced", False)
     module = fake_backend()
@@ -133,8 +134,11 @@ def test_unsupported_release_leaves_the_builder_alone(
     assert not guard.install(fake)
     assert fake.TurboQuantMetadataBuilder.get_cudagraph_support(SPEC, None) is Support.UNIFORM_BATCH
     assert log() == [
-        (logging.WARNING, "tq-warmup: speculative-decoding guard not installed: "
-         "vLLM 0.34 is outside the supported releases 0.20-0.33")
+        (
+            logging.WARNING,
+            "tq-warmup: speculative-decoding guard not installed: "
+            "vLLM 0.34 is outside the supported releases 0.20-0.33",
+        )
     ]
 
 
@@ -183,11 +187,13 @@ def resolve(support: Any, query_len: int) -> str:
     from vllm.config import CompilationConfig
     from vllm.config.compilation import CompilationMode
 
-    config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
-                               cudagraph_mode="FULL_AND_PIECEWISE")
+    config = CompilationConfig(
+        mode=CompilationMode.VLLM_COMPILE, cudagraph_mode="FULL_AND_PIECEWISE"
+    )
     config.set_splitting_ops_for_v1(all2all_backend="naive")  # as VllmConfig does (0.20-0.33)
     mode = config.resolve_cudagraph_mode_and_sizes(
-        min_cg_support=support, min_cg_attn_backend="TURBOQUANT",
+        min_cg_support=support,
+        min_cg_attn_backend="TURBOQUANT",
         uniform_decode_query_len=query_len,
     )
     return str(mode.name)
@@ -214,8 +220,10 @@ def test_real_builder_and_vllms_mode_resolution(real_backend: Any, k: int) -> No
 
 
 @pytest.mark.real_vllm
-@pytest.mark.parametrize(("env", "guarded"), [({}, True), ({"TQ_WARMUP_SPEC_GUARD": "0"}, False),
-                                              ({"TQ_WARMUP": "0"}, False)])
+@pytest.mark.parametrize(
+    ("env", "guarded"),
+    [({}, True), ({"TQ_WARMUP_SPEC_GUARD": "0"}, False), ({"TQ_WARMUP": "0"}, False)],
+)
 def test_vllms_plugin_loader_guards_the_real_backend(env: dict[str, str], guarded: bool) -> None:
     code = (
         "from vllm.plugins import load_general_plugins; load_general_plugins()\n"
@@ -226,7 +234,8 @@ def test_vllms_plugin_loader_guards_the_real_backend(env: dict[str, str], guarde
     src = str(Path(tq_warmup_plugin.__file__).parents[1])
     base["PYTHONPATH"] = os.pathsep.join(filter(None, [src, base.get("PYTHONPATH")]))
     env = {**base, **env, "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == str(guarded)

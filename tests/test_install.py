@@ -138,7 +138,9 @@ def installs(monkeypatch: pytest.MonkeyPatch) -> list[Settings]:
 
 
 def test_register_disabled_installs_nothing(
-    installs: list[Settings], monkeypatch: pytest.MonkeyPatch, log: Log,
+    installs: list[Settings],
+    monkeypatch: pytest.MonkeyPatch,
+    log: Log,
 ) -> None:
     monkeypatch.setenv("TQ_WARMUP", "OFF")
     tq_warmup_plugin.register()
@@ -162,8 +164,9 @@ def test_register_imports_nothing_heavy() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TQ_WARMUP")}
     src = str(Path(tq_warmup_plugin.__file__).parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
     assert done.stdout.split("\n")[:2] == ["[]", "1"]
 
 
@@ -172,7 +175,8 @@ def boom(worker: Any, settings: Settings) -> Report:
 
 
 def test_warmup_failure_is_one_warning_and_vllm_still_warms(
-    monkeypatch: pytest.MonkeyPatch, log: Log,
+    monkeypatch: pytest.MonkeyPatch,
+    log: Log,
 ) -> None:
     monkeypatch.setattr(warmup, "run", boom)
     original = []
@@ -190,8 +194,10 @@ def test_strict_mode_raises_the_failure(monkeypatch: pytest.MonkeyPatch) -> None
 
 @pytest.mark.parametrize(("strict", "raises"), [(False, False), (True, True)])
 def test_errors_warn_and_fail_only_strict_mode(
-    monkeypatch: pytest.MonkeyPatch, log: Log,
-    strict: bool, raises: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    log: Log,
+    strict: bool,
+    raises: bool,
 ) -> None:
     report = Report(layers=1, distinct=2, compiled=1, failed=1, errors=["_k: E: x"])
     monkeypatch.setattr(warmup, "run", lambda w, s: report)
@@ -212,8 +218,9 @@ def test_report_json_per_rank(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, l
     assert log() == [(logging.INFO, report.line())]
 
 
-def test_unwritable_report_only_warns(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                      log: Log) -> None:
+def test_unwritable_report_only_warns(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, log: Log
+) -> None:
     monkeypatch.setattr(warmup, "run", lambda w, s: Report())
     settings = Settings(report_path=str(tmp_path / "missing" / "r.json"))
     install.warm_worker(SimpleNamespace(rank=0), settings)
@@ -222,8 +229,9 @@ def test_unwritable_report_only_warns(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert "cannot write the JSON report" in log()[1][1]
 
 
-@pytest.mark.parametrize(("status", "level"), [("unsupported", logging.WARNING),
-                                               ("skipped", logging.INFO)])
+@pytest.mark.parametrize(
+    ("status", "level"), [("unsupported", logging.WARNING), ("skipped", logging.INFO)]
+)
 def test_declined_release_warns_but_no_layers_informs(
     monkeypatch: pytest.MonkeyPatch, log: Log, status: str, level: int
 ) -> None:

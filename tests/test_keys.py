@@ -77,8 +77,9 @@ def test_continuation_variants(g: keys.Geometry) -> None:
     stage1 = by_kernel(ks, "_tq_decode_stage1")
     stage2 = by_kernel(ks, "_fwd_kernel_stage2")
     assert len(ks) == len(set(ks)) == len(stage1) + len(stage2)
-    assert {(args(k)["Block_table_ptr"].aligned, args(k)["Seq_lens_ptr"].aligned)
-            for k in stage1} == {(r, s) for r in rows for s in seqs}
+    assert {
+        (args(k)["Block_table_ptr"].aligned, args(k)["Seq_lens_ptr"].aligned) for k in stage1
+    } == {(r, s) for r in rows for s in seqs}
     assert {args(k)["B_Seqlen"].aligned for k in stage2} == set(seqs)
     assert len(stage2) == len(seqs)
     assert {args(k)["NUM_KV_SPLITS"] for k in ks} == {Const(32)}
@@ -106,7 +107,10 @@ def test_store_key_has_exact_constexpr_strides(g: keys.Geometry) -> None:
     strides = (a["stride_cache_block"], a["stride_cache_pos"], a["stride_cache_head"])
     assert strides == tuple(Const(s) for s in g.kv_strides)
     assert (a["D"], a["H"], a["BLOCK_SIZE"]) == (
-        Const(g.head_size), Const(g.num_kv_heads), Const(g.block_size))
+        Const(g.head_size),
+        Const(g.num_kv_heads),
+        Const(g.block_size),
+    )
 
 
 @given(geometries())
@@ -139,8 +143,11 @@ def test_identical_layers_share_every_key(g: keys.Geometry) -> None:
 @pytest.mark.parametrize(("w1", "w2"), [(32, 48), (64, 4096), (63, 127), (18, 34)])
 def test_layers_differing_in_a_same_class_stride_dedupe(w1: int, w2: int) -> None:
     one = keys.plan(keys.turboquant_contributions({"a": fakes.geometry(width=w1)}))
-    two = keys.plan(keys.turboquant_contributions(
-        {"a": fakes.geometry(width=w1), "b": fakes.geometry(width=w2)}))
+    two = keys.plan(
+        keys.turboquant_contributions(
+            {"a": fakes.geometry(width=w1), "b": fakes.geometry(width=w2)}
+        )
+    )
     assert two.keys == one.keys
 
 
@@ -152,13 +159,16 @@ def test_layers_differing_in_scale_do_not_share_stage1() -> None:
     stage1 = [k for k in one.keys if k.kernel == "_tq_decode_stage1"]  # type: ignore[attr-defined]
     assert stage1 and len(two.keys) == len(one.keys) + len(stage1)
     assert sorted(map(tuple, two.layers.values())) == sorted(
-        [("a",)] * len(stage1) + [("b",)] * len(stage1)
-        + [("a", "b")] * (len(one.keys) - len(stage1)))
+        [("a",)] * len(stage1)
+        + [("b",)] * len(stage1)
+        + [("a", "b")] * (len(one.keys) - len(stage1))
+    )
 
 
 def test_plan_dedupes_and_keeps_first_seen_order() -> None:
-    p = keys.plan([("a", "p", "k2"), ("b", "p", "k2"), ("a", "q", "k2"), ("a", "q", "k1"),
-                   ("a", "q", "k1")])
+    p = keys.plan(
+        [("a", "p", "k2"), ("b", "p", "k2"), ("a", "q", "k2"), ("a", "q", "k1"), ("a", "q", "k1")]
+    )
     assert p.keys == ["k2", "k1"]
     assert p.layers == {"k2": ["a", "b"], "k1": ["a"]}
     assert p.paths == {"k2": ["p", "q"], "k1": ["q"]}
@@ -198,8 +208,13 @@ def test_preset_layout() -> None:
 
 @pytest.mark.parametrize(
     "overrides",
-    [{"num_heads": 6, "num_kv_heads": 4}, {"num_kv_heads": 0}, {"model_dtype": "float32"},
-     {"cache_dtype": "auto"}, {"block_size": 0}],
+    [
+        {"num_heads": 6, "num_kv_heads": 4},
+        {"num_kv_heads": 0},
+        {"model_dtype": "float32"},
+        {"cache_dtype": "auto"},
+        {"block_size": 0},
+    ],
 )
 def test_check_rejects_impossible_geometry(overrides: dict[str, Any]) -> None:
     g = dataclasses.replace(fakes.geometry(), **overrides)
@@ -209,8 +224,9 @@ def test_check_rejects_impossible_geometry(overrides: dict[str, Any]) -> None:
 
 def test_describe_renders_pointers_int_classes_and_constexprs() -> None:
     g = fakes.geometry(width=63)
-    text = next(k for k in keys.short_continuation_keys(g)
-                if not args(k)["Block_table_ptr"].aligned).describe()
+    text = next(
+        k for k in keys.short_continuation_keys(g) if not args(k)["Block_table_ptr"].aligned
+    ).describe()
     assert text.startswith("_tq_decode_stage1[warps=1,stages=1](Q_rot_ptr=*fp32, ")
     assert "Block_table_ptr=*i32~" in text and "Seq_lens_ptr=*i32," in text
     assert "stride_bt_b=%16" in text and "stride_mid_s=i32" in text

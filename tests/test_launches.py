@@ -16,13 +16,20 @@ def kinds(g: Any) -> list[tuple[str, str]]:
     return [(x.kind, x.dtype) for x in launches.launches(g)]
 
 
-@pytest.mark.parametrize(("version", "unrotate"), [((0, 20), "float32"), ((0, 21), "float16"),
-                                                   ((0, 33), "float16")])
+@pytest.mark.parametrize(
+    ("version", "unrotate"), [((0, 20), "float32"), ((0, 21), "float16"), ((0, 33), "float16")]
+)
 def test_mse_keys_add_the_query_rotation_and_the_key_unrotation(
     version: compat.Version, unrotate: str
 ) -> None:
-    g = fakes.geometry(version=version, num_heads=8, num_kv_heads=2, max_num_seqs=4,
-                       batched=512, max_model_len=4096)
+    g = fakes.geometry(
+        version=version,
+        num_heads=8,
+        num_kv_heads=2,
+        max_num_seqs=4,
+        batched=512,
+        max_model_len=4096,
+    )
     assert launches.launches(g) == [
         Launch("gemm", "float32", 8, 128),
         Launch("gemm", "float32", 32, 128),
@@ -67,12 +74,14 @@ class FakeImpl:
         self.calls: list[tuple[Any, ...]] = []
         self.fail = fail
 
-    def _flash_attn_varlen(self, q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any,
-                           max_q: int, max_k: int) -> Any:
+    def _flash_attn_varlen(
+        self, q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int
+    ) -> Any:
         if self.fail:
             raise RuntimeError("no kernel image\nsecond line")
-        self.calls.append((tuple(q.shape), tuple(k.shape), cu_q.tolist(), cu_k.tolist(),
-                           max_q, max_k, q.dtype))
+        self.calls.append(
+            (tuple(q.shape), tuple(k.shape), cu_q.tolist(), cu_k.tolist(), max_q, max_k, q.dtype)
+        )
         return q
 
 
@@ -143,8 +152,19 @@ def test_paged_decode_runs_on_a_scratch_paged_cache(monkeypatch: pytest.MonkeyPa
 
     def decode(impl: Any) -> Any:
         def call(q: Any, cache: Any, cu_q: Any, used: Any, table: Any, max_k: int) -> None:
-            seen.append((impl, tuple(q.shape), tuple(cache.shape), cu_q.tolist(), used.tolist(),
-                         tuple(table.shape), table[0, -1].item(), max_k))
+            seen.append(
+                (
+                    impl,
+                    tuple(q.shape),
+                    tuple(cache.shape),
+                    cu_q.tolist(),
+                    used.tolist(),
+                    tuple(table.shape),
+                    table[0, -1].item(),
+                    max_k,
+                )
+            )
+
         return call
 
     monkeypatch.setattr(compat, "flash_attn_paged_decode", decode)

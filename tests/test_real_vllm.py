@@ -73,8 +73,14 @@ def test_objects_the_plugin_reads_exist(vllm_env: compat.Features) -> None:
     from vllm.v1.worker.utils import AttentionGroup
 
     impl = make_impl("turboquant_k3v4_nc", 128, 8, 2, 32, 1024)
-    for attr in ("num_heads", "num_kv_heads", "head_size", "scale", "max_num_kv_splits",
-                 "kv_cache_dtype"):
+    for attr in (
+        "num_heads",
+        "num_kv_heads",
+        "head_size",
+        "scale",
+        "max_num_kv_splits",
+        "kv_cache_dtype",
+    ):
         assert hasattr(impl, attr), attr
     fields = {f.name for f in dataclasses.fields(AttentionGroup)}
     assert {"layer_names", "kv_cache_group_id"} <= fields
@@ -103,13 +109,15 @@ def fake_worker(impls: dict[str, Any], feats: compat.Features, width: int) -> An
         attn_groups=[[group]], block_tables=SimpleNamespace(input_block_tables=[table])
     )
     config = SimpleNamespace(
-        model_config=SimpleNamespace(runner_type="generate", dtype=torch.bfloat16,
-                                     max_model_len=width * 16),
+        model_config=SimpleNamespace(
+            runner_type="generate", dtype=torch.bfloat16, max_model_len=width * 16
+        ),
         scheduler_config=SimpleNamespace(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=2048),
         compilation_config=SimpleNamespace(static_forward_context=layers),
     )
-    return SimpleNamespace(vllm_config=config, model_runner=runner, use_v2_model_runner=True,
-                           rank=0)
+    return SimpleNamespace(
+        vllm_config=config, model_runner=runner, use_v2_model_runner=True, rank=0
+    )
 
 
 def test_end_to_end_warmup_builds_sm90_cubins(
@@ -118,8 +126,10 @@ def test_end_to_end_warmup_builds_sm90_cubins(
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     for name in compat.KERNEL_MODULES:
         compat.kernel_function(name).device_caches.clear()
-    impls = {f"layers.{i}.attn": make_impl(p, 128, 8, 2, 32, 1024)
-             for i, p in enumerate(["turboquant_4bit_nc", "turboquant_4bit_nc", "turboquant_k8v4"])}
+    impls = {
+        f"layers.{i}.attn": make_impl(p, 128, 8, 2, 32, 1024)
+        for i, p in enumerate(["turboquant_4bit_nc", "turboquant_4bit_nc", "turboquant_k8v4"])
+    }
     report = run(fake_worker(impls, vllm_env, 64), Settings(threads=2))
     assert report.status == "ok", report.line()
     assert report.layers == 3 and report.failed == 0, report.line()
@@ -127,8 +137,13 @@ def test_end_to_end_warmup_builds_sm90_cubins(
     assert report.distinct == report.compiled + report.loaded
     assert report.compiled == report.distinct  # fresh cache dir: everything compiled
     cubins = {p.stem for p in tmp_path.rglob("*.cubin")}
-    assert cubins == {"_tq_decode_stage1", "_fwd_kernel_stage2", "_tq_full_dequant_kv",
-                      "_tq_fused_store_mse", "_tq_fused_store_fp8"}
+    assert cubins == {
+        "_tq_decode_stage1",
+        "_fwd_kernel_stage2",
+        "_tq_full_dequant_kv",
+        "_tq_fused_store_mse",
+        "_tq_fused_store_fp8",
+    }
     again = run(fake_worker(impls, vllm_env, 64), Settings())
     assert again.compiled == 0 and again.loaded == 0  # all in Triton's in-memory cache
 
@@ -147,8 +162,23 @@ def test_reservation_survives_the_workspace_lock(vllm_env: compat.Features, rese
     ws.reset_workspace_manager()
     ws.init_workspace_manager(torch.device("cpu"))
     try:
-        g = keys.Geometry("turboquant_4bit_nc", 128, 8, 2, bs, impl.scale, (0, 0, 0), "bfloat16",
-                          width, MAX_NUM_SEQS, width * bs, 2048, 32, 0, vllm_env)
+        g = keys.Geometry(
+            "turboquant_4bit_nc",
+            128,
+            8,
+            2,
+            bs,
+            impl.scale,
+            (0, 0, 0),
+            "bfloat16",
+            width,
+            MAX_NUM_SEQS,
+            width * bs,
+            2048,
+            32,
+            0,
+            vllm_env,
+        )
         if reserve:
             assert workspace.reserve(workspace.plan_reservation([g]), vllm_env) > 0
         ws.lock_workspace()
@@ -193,8 +223,23 @@ def test_planned_gemms_are_the_backends_gemms(vllm_env: compat.Features, cache_d
     kv = layer_kv_cache(vllm_env, width, bs, 2, impl.tq_config.slot_size_aligned)
     with recorded_keys(), Gemms():
         run_backend(impl, kv, width, torch.bfloat16)
-    g = keys.Geometry(cache_dtype, d, 8, 2, bs, impl.scale, (0, 0, 0), "bfloat16", width,
-                      MAX_NUM_SEQS, width * bs, 2048, 32, 0, vllm_env)
+    g = keys.Geometry(
+        cache_dtype,
+        d,
+        8,
+        2,
+        bs,
+        impl.scale,
+        (0, 0, 0),
+        "bfloat16",
+        width,
+        MAX_NUM_SEQS,
+        width * bs,
+        2048,
+        32,
+        0,
+        vllm_env,
+    )
     planned = {(x.dtype, x.cols) for x in launches.launches(g) if x.kind == "gemm"}
     assert seen == planned
 
@@ -203,8 +248,16 @@ def test_the_impls_flash_attention_call(vllm_env: compat.Features) -> None:
     from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionImpl
 
     params = list(inspect.signature(TurboQuantAttentionImpl._flash_attn_varlen).parameters)
-    assert params == ["self", "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
-                      "max_seqlen_k"]
+    assert params == [
+        "self",
+        "q",
+        "k",
+        "v",
+        "cu_seqlens_q",
+        "cu_seqlens_k",
+        "max_seqlen_q",
+        "max_seqlen_k",
+    ]
     impl = make_impl("turboquant_k8v4", 128, 8, 2, 32, 1024)
     assert compat.flash_attn_varlen(impl).__func__ is TurboQuantAttentionImpl._flash_attn_varlen
     assert isinstance(compat.flash_attn_available(), bool)
@@ -223,8 +276,7 @@ def _paged_call_keywords() -> set[str]:
     calls = [
         {k.arg for k in node.keywords if k.arg}
         for node in ast.walk(tree)
-        if isinstance(node, ast.Call)
-        and getattr(node.func, "id", "") in callees
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") in callees
     ]
     paged = [kw for kw in calls if "block_table" in kw]
     assert len(paged) == 1, calls
@@ -242,29 +294,49 @@ def test_boundary_decode_is_the_backends_paged_call(
     from vllm.v1.attention.backends import flash_attn
 
     calls: list[dict[str, Any]] = []
-    monkeypatch.setattr(flash_attn, "flash_attn_varlen_func",
-                        lambda **kw: calls.append(kw), raising=False)
+    monkeypatch.setattr(
+        flash_attn, "flash_attn_varlen_func", lambda **kw: calls.append(kw), raising=False
+    )
     impl = make_flash_impl(16, 8, 128)
     assert compat.plain_fa2_heads(impl) == (16, 8, 128)
     for refused in ({"sliding_window": 64}, {"logits_soft_cap": 30.0}, {"version": 3}):
         assert compat.plain_fa2_heads(make_flash_impl(16, 8, 128, **refused)) is None, refused
     todo = launches.plan({"l0": fakes.geometry(max_model_len=4096)}, {"boundary": (16, 8, 128)})
     paged = [x for x in todo if x.kind == "paged_decode"]
-    done, _, errors = launches.launch_all({paged[0]: "boundary"}, {"boundary": impl},
-                                          torch.device("cpu"))
+    done, _, errors = launches.launch_all(
+        {paged[0]: "boundary"}, {"boundary": impl}, torch.device("cpu")
+    )
     assert (done, errors) == (1, [])
     (kw,) = calls
     assert set(kw) <= _paged_call_keywords()
     left_to_the_runtime = {
-        "out", "alibi_slopes", "window_size", "softcap", "s_aux", "num_splits",
-        "scheduler_metadata", "q_descale", "k_descale", "v_descale", "dynamic_causal",
-        "mask_mod", "aux_tensors",
+        "out",
+        "alibi_slopes",
+        "window_size",
+        "softcap",
+        "s_aux",
+        "num_splits",
+        "scheduler_metadata",
+        "q_descale",
+        "k_descale",
+        "v_descale",
+        "dynamic_causal",
+        "mask_mod",
+        "aux_tensors",
     }
     assert _paged_call_keywords() - set(kw) <= left_to_the_runtime
     assert (kw["causal"], kw["fa_version"], kw["max_seqlen_q"], kw["max_seqlen_k"]) == (
-        True, 2, 1, launches.ATTENTION_TOKENS)
-    assert tuple(kw["k"].shape) == (launches.ATTENTION_TOKENS // launches.PAGE_TOKENS,
-                                    launches.PAGE_TOKENS, 8, 128)
+        True,
+        2,
+        1,
+        launches.ATTENTION_TOKENS,
+    )
+    assert tuple(kw["k"].shape) == (
+        launches.ATTENTION_TOKENS // launches.PAGE_TOKENS,
+        launches.PAGE_TOKENS,
+        8,
+        128,
+    )
     assert kw["q"].dtype == torch.bfloat16 and kw["softmax_scale"] == impl.scale
 
 

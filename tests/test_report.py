@@ -10,11 +10,20 @@ from tq_warmup_plugin.report import CompileCounter, Report
 
 
 def test_ok_line_has_every_count() -> None:
-    report = Report(layers=32, keys={"decode": 2, "store": 1}, distinct=3, compiled=2,
-                    loaded=1, failed=0, warmup_s=1.2345, workspace_bytes=3 * 2**20)
+    report = Report(
+        layers=32,
+        keys={"decode": 2, "store": 1},
+        distinct=3,
+        compiled=2,
+        loaded=1,
+        failed=0,
+        warmup_s=1.2345,
+        workspace_bytes=3 * 2**20,
+    )
     assert report.line() == (
         "tq-warmup: 32 TurboQuant layers, 3 distinct kernel keys (decode 2, store 1): "
-        "2 compiled, 1 from Triton's disk cache, 0 failed; workspace 3.0 MiB; 1234 ms")
+        "2 compiled, 1 from Triton's disk cache, 0 failed; workspace 3.0 MiB; 1234 ms"
+    )
     report.launches, report.launch_s = 6, 0.1714
     assert report.line().endswith("workspace 3.0 MiB; 1234 ms; 6 first launches 171 ms")
 
@@ -31,8 +40,17 @@ def test_other_statuses_give_the_reason(status: str) -> None:
 
 
 def test_json_round_trips() -> None:
-    report = Report(vllm_version="0.26.0", layers=2, keys={"decode": 4}, distinct=4,
-                    compiled=3, loaded=1, warmup_s=0.5, workspace_bytes=1024, errors=["x"])
+    report = Report(
+        vllm_version="0.26.0",
+        layers=2,
+        keys={"decode": 4},
+        distinct=4,
+        compiled=3,
+        loaded=1,
+        warmup_s=0.5,
+        workspace_bytes=1024,
+        errors=["x"],
+    )
     assert Report(**json.loads(report.to_json())) == report
 
 
@@ -41,8 +59,9 @@ def test_compile_counter_counts_and_chains_the_listener(monkeypatch: pytest.Monk
     from triton import knobs
 
     previous: list[bool] = []
-    monkeypatch.setattr(knobs.compilation, "listener",
-                        lambda *, cache_hit, **kw: previous.append(cache_hit))
+    monkeypatch.setattr(
+        knobs.compilation, "listener", lambda *, cache_hit, **kw: previous.append(cache_hit)
+    )
     chained = knobs.compilation.listener
     with CompileCounter() as counter:
         for hit in (False, True, False):

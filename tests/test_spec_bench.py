@@ -181,7 +181,11 @@ def test_noise_floor_from_the_nospec_graph_engine() -> None:
     rows = [ref, nospec, guard, off, decided]
     spec.add_comparisons(rows, lp_tol=1e-3)
     assert [r["verdict"] for r in rows] == [
-        "equal", "within-noise", "within-noise", "WRONG", "WRONG"
+        "equal",
+        "within-noise",
+        "within-noise",
+        "WRONG",
+        "WRONG",
     ]
     assert guard["noise_floor"] == pytest.approx(0.02)
     summary = spec.summarize({}, rows)

@@ -137,8 +137,9 @@ def test_each_distinct_key_compiles_once_and_failures_are_counted(found: Discove
     failing = [k for k in expected.keys if k.kernel == FAILING]  # type: ignore[attr-defined]
     assert report.status == "ok" and report.layers == 3
     assert Counter(warmer.seen) == Counter(expected.keys)
-    assert report.distinct == len(expected.keys) < len(list(
-        keys.turboquant_contributions(GEOMETRIES)))
+    assert (
+        report.distinct == len(expected.keys) < len(list(keys.turboquant_contributions(GEOMETRIES)))
+    )
     assert report.keys == expected.count_by_path()
     assert failing and report.failed == len(failing) == len(report.errors)
     assert set(report.errors) == {f"{FAILING}: RuntimeError: ptxas died"}
@@ -200,7 +201,8 @@ def test_refused_layers_are_errors_not_failures(found: Discovery) -> None:
 def test_no_turboquant_layers_is_skipped(found: Discovery) -> None:
     found.geometries.clear()
     assert warmup.run(object(), Settings(), manager()).reason == (
-        "no TurboQuant attention layers in this worker")
+        "no TurboQuant attention layers in this worker"
+    )
     found.refused["l"] = "ValueError: bad"
     report = warmup.run(object(), Settings(), manager())
     assert report.status == "skipped"
@@ -221,8 +223,9 @@ def test_triton_warmer_passes_the_key_through(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(triton_jit, "_gpu_driver_active", lambda: True)
     key = KernelKey("_tq_decode_stage1", (("n", Int.of(48)), ("C", Const(0.5))), 4, 2)
     assert triton_jit.tq_warmup_compile(key) is True
-    assert calls == [("_tq_decode_stage1",
-                      {"grid": (1,), "n": 16, "C": 0.5, "num_warps": 4, "num_stages": 2})]
+    assert calls == [
+        ("_tq_decode_stage1", {"grid": (1,), "n": 16, "C": 0.5, "num_warps": 4, "num_stages": 2})
+    ]
     assert triton_jit.tq_warmup_compile(("extra", 1)) is None
 
 
@@ -270,7 +273,10 @@ def test_compile_threads_run_on_the_callers_device(monkeypatch: pytest.MonkeyPat
     [("cuda", True, True), ("cuda", False, False), ("cpu", True, False), (None, True, False)],
 )
 def test_first_launches_only_on_cuda_and_when_enabled(
-    monkeypatch: pytest.MonkeyPatch, found: Discovery, device: str | None, enabled: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    found: Discovery,
+    device: str | None,
+    enabled: bool,
     called: bool,
 ) -> None:
     from types import SimpleNamespace
@@ -298,8 +304,9 @@ def test_first_launches_only_on_cuda_and_when_enabled(
 
 
 @pytest.mark.parametrize("gpu", [True, False])
-def test_compiled_kernels_are_loaded_only_on_a_gpu(monkeypatch: pytest.MonkeyPatch,
-                                                   gpu: bool) -> None:
+def test_compiled_kernels_are_loaded_only_on_a_gpu(
+    monkeypatch: pytest.MonkeyPatch, gpu: bool
+) -> None:
     loaded: list[str] = []
 
     class Compiled:

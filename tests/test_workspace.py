@@ -9,8 +9,16 @@ from tq_warmup_plugin import compat, workspace
 
 
 def test_decode_and_continuation_requests() -> None:
-    g = fakes.geometry(max_num_seqs=8, num_heads=8, num_kv_heads=2, head_size=128, splits=16,
-                       block_size=16, max_model_len=1000, model_dtype="float16")
+    g = fakes.geometry(
+        max_num_seqs=8,
+        num_heads=8,
+        num_kv_heads=2,
+        head_size=128,
+        splits=16,
+        block_size=16,
+        max_model_len=1000,
+        model_dtype="float16",
+    )
     decode, continuation = workspace.runtime_requests(g)
     assert decode == (((8, 8, 16, 129), "float32"), ((8, 8, 128), "float16"), ((8, 8), "float32"))
     # 999 cached tokens round up to 63 blocks of 16
@@ -28,8 +36,14 @@ def test_continuation_only_past_the_fast_path(batched: int, groups: int) -> None
 
 @pytest.mark.parametrize(
     ("group", "size"),
-    [([((1,), "float32")], 256), ([((64,), "float32")], 256), ([((65,), "float32")], 512),
-     ([((1,), "float32"), ((1,), "bfloat16")], 512), ([((2, 3, 64), "float16")], 768), ([], 0)],
+    [
+        ([((1,), "float32")], 256),
+        ([((64,), "float32")], 256),
+        ([((65,), "float32")], 512),
+        ([((1,), "float32"), ((1,), "bfloat16")], 512),
+        ([((2, 3, 64), "float16")], 768),
+        ([], 0),
+    ],
 )
 def test_request_bytes_rounds_each_view(group: list[workspace.Request], size: int) -> None:
     assert workspace.request_bytes(group) == size
@@ -62,8 +76,9 @@ def test_reserve_requests_the_largest_group_once(monkeypatch: pytest.MonkeyPatch
     assert manager.calls == [tuple((shape, getattr(torch, dt)) for shape, dt in groups[0])]
 
 
-@pytest.mark.parametrize(("manager", "groups"), [(None, [(((1,), "float32"),)]),
-                                                 (FakeManager(), [])])
+@pytest.mark.parametrize(
+    ("manager", "groups"), [(None, [(((1,), "float32"),)]), (FakeManager(), [])]
+)
 def test_reserve_without_manager_or_requests(
     monkeypatch: pytest.MonkeyPatch, manager: FakeManager | None, groups: list
 ) -> None:

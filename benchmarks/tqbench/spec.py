@@ -885,6 +885,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--jit-monitor-mode", choices=("warn", "error"), default="error",
                    help="vLLM >= 0.25 only (older releases have no such option)")  # fmt: skip
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
-    p.add_argument("--from-raw", default="", help="comma list of raw runs to report again "
-                   "(table, and each one's .summary.json rewritten); runs nothing")
+    p.add_argument(
+        "--from-raw",
+        default="",
+        help="comma list of raw runs to report again "
+        "(table, and each one's .summary.json rewritten); runs nothing",
+    )
     p.set_defaults(func=cmd_spec)

@@ -157,14 +157,20 @@ def inspect(args: argparse.Namespace) -> int:
     boundary = {"boundary": (geometry.num_heads, geometry.num_kv_heads, geometry.head_size)}
     first_launches = launches.describe(launches.plan(named, boundary))
     if args.json:
-        out = {"distinct": len(the_plan.keys), "turboquant_layers": layers, "paths": per_path,
-               "launches": first_launches,
-               "geometry": {k: v for k, v in vars(geometry).items() if k != "features"}}
+        out = {
+            "distinct": len(the_plan.keys),
+            "turboquant_layers": layers,
+            "paths": per_path,
+            "launches": first_launches,
+            "geometry": {k: v for k, v in vars(geometry).items() if k != "features"},
+        }
         print(json.dumps(out, indent=2))
         return 0
-    print(f"{len(the_plan.keys)} distinct kernel keys for {layers} TurboQuant layers "
-          f"({geometry.cache_dtype}, vLLM {'.'.join(map(str, geometry.features.version))}, "
-          f"sm{args.arch})")
+    print(
+        f"{len(the_plan.keys)} distinct kernel keys for {layers} TurboQuant layers "
+        f"({geometry.cache_dtype}, vLLM {'.'.join(map(str, geometry.features.version))}, "
+        f"sm{args.arch})"
+    )
     for path, described in per_path.items():
         print(f"\n{path}: {len(described)}")
         for text in described:
@@ -195,9 +201,12 @@ def precompile(args: argparse.Namespace) -> int:
     wanted = {"vllm": args.image_vllm, "triton": image_triton}
     for name, want in wanted.items():
         if want is not None and want != installed[name]:
-            print(f"tq-warmup: refusing: the image runs {name} {want} but {installed[name]} is "
-                  f"installed here; Triton's cache is only valid for the same Triton and "
-                  f"kernel sources", file=sys.stderr)
+            print(
+                f"tq-warmup: refusing: the image runs {name} {want} but {installed[name]} is "
+                f"installed here; Triton's cache is only valid for the same Triton and "
+                f"kernel sources",
+                file=sys.stderr,
+            )
             return 2
     if args.geometry_json is None:
         args.vllm_version = None  # compile with, and for, what is installed
@@ -228,16 +237,20 @@ def precompile(args: argparse.Namespace) -> int:
                 failures.append(f"{getattr(key, 'kernel', key)}: {type(exc).__name__}: {exc}")
             _progress(i, len(the_plan.keys))
     manifest = {
-        "vllm": installed["vllm"], "triton": installed["triton"], "arch": args.arch,
+        "vllm": installed["vllm"],
+        "triton": installed["triton"],
+        "arch": args.arch,
         "kv_cache_dtype": geometry.cache_dtype,
         "keys": [k.describe() for k in the_plan.keys],  # type: ignore[attr-defined]
     }
     manifest_file = cache_dir / f"tq-warmup-manifest-{geometry.cache_dtype}.json"
     manifest_file.write_text(json.dumps(manifest, indent=2))
-    print(f"tq-warmup: {len(the_plan.keys)} keys for sm{args.arch} in {cache_dir}: "
-          f"{counter.compiled} built, {counter.loaded} already there, {len(failures)} failed "
-          f"({time.perf_counter() - start:.1f} s; vLLM {installed['vllm']}, "
-          f"Triton {installed['triton']})")
+    print(
+        f"tq-warmup: {len(the_plan.keys)} keys for sm{args.arch} in {cache_dir}: "
+        f"{counter.compiled} built, {counter.loaded} already there, {len(failures)} failed "
+        f"({time.perf_counter() - start:.1f} s; vLLM {installed['vllm']}, "
+        f"Triton {installed['triton']})"
+    )
     for line in failures:
         print(f"  failed: {line.splitlines()[0]}", file=sys.stderr)
     return 1 if failures else 0
@@ -245,20 +258,28 @@ def precompile(args: argparse.Namespace) -> int:
 
 def _geometry_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="config.json, or a directory holding one")
-    p.add_argument("--geometry-json", help="plan from the geometries in a plugin JSON report "
-                   "(TQ_WARMUP_REPORT) of a real startup instead of the flags below")
+    p.add_argument(
+        "--geometry-json",
+        help="plan from the geometries in a plugin JSON report "
+        "(TQ_WARMUP_REPORT) of a real startup instead of the flags below",
+    )
     p.add_argument("--kv-cache-dtype", choices=sorted(keys.PRESETS))
     p.add_argument("--head-size", type=int)
     p.add_argument("--num-heads", type=int, help="query heads (whole model)")
     p.add_argument("--num-kv-heads", type=int, help="KV heads (whole model)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--block-size", type=int, default=16,
-                   help="vLLM's --block-size; the effective TurboQuant block is derived")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help="vLLM's --block-size; the effective TurboQuant block is derived",
+    )
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--kv-splits", type=int, default=32,
-                   help="attention_config.tq_max_kv_splits_for_cuda_graph")
+    p.add_argument(
+        "--kv-splits", type=int, default=32, help="attention_config.tq_max_kv_splits_for_cuda_graph"
+    )
     p.add_argument("--dtype", choices=["bfloat16", "float16"])
     p.add_argument("--scale", type=float, help="attention scale if not head_size**-0.5")
     p.add_argument("--arch", type=int, default=90, help="target SM, e.g. 90 for H100/H200")
@@ -278,10 +299,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_pre.add_argument("--cache-dir", required=True)
     p_pre.add_argument("--image-vllm", help="vLLM version the image will run")
     p_pre.add_argument("--image-triton", help="Triton version the image will run")
-    p_pre.add_argument("--image-triton-wheel",
-                       help="the image's Triton wheel, when the image runs another Python: "
-                            "Triton's cache keys hash its own build, so they are computed "
-                            "from this wheel (same Triton release only)")
+    p_pre.add_argument(
+        "--image-triton-wheel",
+        help="the image's Triton wheel, when the image runs another Python: "
+        "Triton's cache keys hash its own build, so they are computed "
+        "from this wheel (same Triton release only)",
+    )
     args = parser.parse_args(argv)
     handler = {"doctor": doctor, "inspect": inspect, "precompile": precompile}[args.command]
     return handler(args)

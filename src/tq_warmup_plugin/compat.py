@@ -370,12 +370,21 @@ def flash_attn_paged_decode(impl: Any) -> Any:
 
     varlen = importlib.import_module(FLASH_ATTN_MODULE).flash_attn_varlen_func
 
-    def decode(q: Any, cache: Any, cu_seqlens_q: Any, seqused_k: Any, block_table: Any,
-               max_seqlen_k: int) -> Any:
+    def decode(
+        q: Any, cache: Any, cu_seqlens_q: Any, seqused_k: Any, block_table: Any, max_seqlen_k: int
+    ) -> Any:
         return varlen(
-            q=q, k=cache, v=cache, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=1,
-            seqused_k=seqused_k, max_seqlen_k=max_seqlen_k, softmax_scale=impl.scale,
-            causal=True, block_table=block_table, fa_version=impl.vllm_flash_attn_version,
+            q=q,
+            k=cache,
+            v=cache,
+            cu_seqlens_q=cu_seqlens_q,
+            max_seqlen_q=1,
+            seqused_k=seqused_k,
+            max_seqlen_k=max_seqlen_k,
+            softmax_scale=impl.scale,
+            causal=True,
+            block_table=block_table,
+            fa_version=impl.vllm_flash_attn_version,
         )
 
     return decode

@@ -28,9 +28,7 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def layer_geometry(
-    layer: Any, block_table: Any, vllm_config: Any, feats: Features
-) -> Geometry:
+def layer_geometry(layer: Any, block_table: Any, vllm_config: Any, feats: Features) -> Geometry:
     """The geometry of one live TurboQuant ``Attention`` layer.
 
     Reads the real KV tensor (its strides and base pointer are what the kernels

@@ -53,7 +53,9 @@ def _announce(builder: type, support: Any, cap: Any) -> None:
         "tq-warmup: speculative decoding with TurboQuant: verify batches run PIECEWISE "
         "(%s reports %s instead of %s: a FULL graph of a verify batch ignores the cached "
         "context); TQ_WARMUP_SPEC_GUARD=0 turns this off",
-        builder.__name__, cap.name, support.name,
+        builder.__name__,
+        cap.name,
+        support.name,
     )
 
 

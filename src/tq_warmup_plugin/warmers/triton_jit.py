@@ -164,4 +164,3 @@ def cache_keys_for(key: str) -> Iterator[None]:
         yield
     finally:
         triton_cache.triton_key = original
-
