@@ -25,6 +25,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _without_the_callers_tq_warmup() -> Iterator[None]:
+    """No test sees a ``TQ_WARMUP*`` variable the caller exported (``TQ_WARMUP=0`` would
+    turn the plugin off in every subprocess); each test sets its own. Session scope, so
+    module fixtures and subprocesses started by any test see the cleaned environment."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in [name for name in os.environ if name.startswith("TQ_WARMUP")]:
+            mp.delenv(name)
+        yield
+
+
 @pytest.fixture(scope="module")
 def vllm_env() -> Any:
     from realvllm import activate_compile_only_driver

@@ -128,9 +128,8 @@ def test_import_hook_patches_a_module_imported_later(
 
 @pytest.fixture
 def installs(monkeypatch: pytest.MonkeyPatch) -> list[Settings]:
-    """A fresh ``register()`` whose ``install`` only records its settings."""
-    for var in ("TQ_WARMUP", "TQ_WARMUP_STRICT", "TQ_WARMUP_REPORT", "TQ_WARMUP_THREADS"):
-        monkeypatch.delenv(var, raising=False)
+    """A fresh ``register()`` whose ``install`` only records its settings (conftest
+    clears the caller's ``TQ_WARMUP*``)."""
     monkeypatch.setattr(tq_warmup_plugin, "_registered", False)
     calls: list[Settings] = []
     monkeypatch.setattr(install, "install", calls.append)
