@@ -18,7 +18,7 @@ import pytest
 from conftest import Log
 
 import tq_warmup_plugin
-from tq_warmup_plugin import compat, install, warmup
+from tq_warmup_plugin import compat, install, settings, warmup
 from tq_warmup_plugin.report import Report
 from tq_warmup_plugin.settings import Settings
 
@@ -151,6 +151,58 @@ def test_register_is_idempotent(installs: list[Settings]) -> None:
     tq_warmup_plugin.register()
     tq_warmup_plugin.register()
     assert installs == [Settings()]
+
+
+def test_register_warns_once_per_odd_variable_and_uses_the_default(
+    installs: list[Settings], monkeypatch: pytest.MonkeyPatch, log: Log
+) -> None:
+    monkeypatch.setattr(settings, "cpu_count", lambda: 2)
+    monkeypatch.setenv("TQ_WARMUP_STRICT", "y")
+    monkeypatch.setenv("TQ_WARMUP_THREADS", "99999999999999999999")
+    tq_warmup_plugin.register()
+    tq_warmup_plugin.register()
+    assert installs == [Settings(strict=False, threads=2)]
+    assert log() == [
+        (
+            logging.WARNING,
+            "tq-warmup: TQ_WARMUP_STRICT='y' is not one of 1, true, on, yes / 0, false, off, no "
+            "(any case): using the default (off)",
+        ),
+        (
+            logging.WARNING,
+            "tq-warmup: TQ_WARMUP_THREADS='99999999999999999999' is more than this machine's "
+            "2 CPUs: capped at 2 (accepted: a whole number from 1 to 2 (this machine's CPUs))",
+        ),
+    ]
+
+
+def test_register_warns_about_an_odd_variable_when_disabled_too(
+    installs: list[Settings], monkeypatch: pytest.MonkeyPatch, log: Log
+) -> None:
+    monkeypatch.setenv("TQ_WARMUP", "0")
+    monkeypatch.setenv("TQ_WARMUP_REPORT", " ")
+    tq_warmup_plugin.register()
+    assert installs == []
+    assert log() == [
+        (
+            logging.WARNING,
+            "tq-warmup: TQ_WARMUP_REPORT=' ' is blank: no JSON report is written "
+            "(accepted: a file path, '{rank}' replaced by the worker's rank)",
+        ),
+        (logging.INFO, "tq-warmup: disabled by TQ_WARMUP"),
+    ]
+
+
+@pytest.mark.parametrize("raw", ["disable", "nope"])
+def test_an_odd_tq_warmup_leaves_the_plugin_on_and_says_so(
+    installs: list[Settings], monkeypatch: pytest.MonkeyPatch, log: Log, raw: str
+) -> None:
+    monkeypatch.setenv("TQ_WARMUP", raw)
+    tq_warmup_plugin.register()
+    assert installs == [Settings()]
+    ((level, message),) = log()
+    assert level == logging.WARNING
+    assert message.startswith(f"tq-warmup: TQ_WARMUP={raw!r} is not one of 1, true, on, yes")
 
 
 def test_register_imports_nothing_heavy() -> None:

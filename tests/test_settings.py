@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from tq_warmup_plugin.settings import DEFAULT_THREADS, Settings, load
+from tq_warmup_plugin import settings
+from tq_warmup_plugin.settings import DEFAULT_THREADS, Settings, load, parse
+
+
+@pytest.fixture(autouse=True)
+def cpus(monkeypatch: pytest.MonkeyPatch) -> int:
+    """16 CPUs, whatever this machine has (the thread cap reads ``cpu_count()``)."""
+    monkeypatch.setattr(settings, "cpu_count", lambda: 16)
+    return 16
 
 
 def test_defaults() -> None:
@@ -12,58 +20,144 @@ def test_defaults() -> None:
         enabled=True, strict=False, report_path=None, threads=DEFAULT_THREADS, launch=True
     )
     assert 1 <= DEFAULT_THREADS <= 4
+    assert parse({}) == (Settings(), [])
+
+
+def test_cpu_count_is_this_process_s() -> None:
+    assert 1 <= DEFAULT_THREADS <= min(4, settings.cpu_count())
 
 
 @pytest.mark.parametrize(
-    ("raw", "launch"), [("0", False), ("off", False), ("1", True), ("", True), ("maybe", True)]
+    ("raw", "launch"), [("0", False), ("off", False), ("1", True), ("", True), (" ON ", True)]
 )
 def test_launch(raw: str, launch: bool) -> None:
-    assert load({"TQ_WARMUP_LAUNCH": raw}).launch is launch
+    assert parse({"TQ_WARMUP_LAUNCH": raw}) == (Settings(launch=launch), [])
 
 
 @pytest.mark.parametrize("raw", ["0", "false", "FALSE", "Off", "no", " No "])
 def test_tq_warmup_disables(raw: str) -> None:
-    assert load({"TQ_WARMUP": raw}).enabled is False
+    assert parse({"TQ_WARMUP": raw}) == (Settings(enabled=False), [])
 
 
-@pytest.mark.parametrize("raw", ["1", "true", "YES", "on", "", "garbage"])
+@pytest.mark.parametrize("raw", ["1", "true", "YES", "on", ""])
 def test_tq_warmup_stays_enabled(raw: str) -> None:
-    assert load({"TQ_WARMUP": raw}).enabled is True
+    assert parse({"TQ_WARMUP": raw}) == (Settings(enabled=True), [])
 
 
 @pytest.mark.parametrize(
-    ("raw", "strict"),
-    [("1", True), ("True", True), ("on", True), ("0", False), ("maybe", False), ("", False)],
+    ("raw", "strict"), [("1", True), ("True", True), ("on", True), ("0", False), ("", False)]
 )
 def test_strict(raw: str, strict: bool) -> None:
-    assert load({"TQ_WARMUP_STRICT": raw}).strict is strict
+    assert parse({"TQ_WARMUP_STRICT": raw}) == (Settings(strict=strict), [])
 
 
 @pytest.mark.parametrize(
-    ("raw", "path"), [("/tmp/r-{rank}.json", "/tmp/r-{rank}.json"), ("", None)]
-)
-def test_report_path(raw: str, path: str | None) -> None:
-    assert load({"TQ_WARMUP_REPORT": raw}).report_path == path
-
-
-@pytest.mark.parametrize(
-    ("raw", "threads"),
+    ("name", "raw", "field", "default"),
     [
-        ("4", 4),
-        (" 8 ", 8),
-        ("1", 1),
-        ("0", 1),
-        ("-3", 1),
-        ("abc", DEFAULT_THREADS),
-        ("2.5", DEFAULT_THREADS),
-        ("", DEFAULT_THREADS),
+        ("TQ_WARMUP", "disable", "enabled", "on"),
+        ("TQ_WARMUP", "garbage", "enabled", "on"),
+        ("TQ_WARMUP", " ", "enabled", "on"),
+        ("TQ_WARMUP_STRICT", "y", "strict", "off"),
+        ("TQ_WARMUP_STRICT", "maybe", "strict", "off"),
+        ("TQ_WARMUP_LAUNCH", "maybe", "launch", "on"),
+        ("TQ_WARMUP_LAUNCH", "disabled", "launch", "on"),
+        ("TQ_WARMUP_SPEC_GUARD", "nope", "spec_guard", "on"),
     ],
 )
+def test_an_unrecognised_flag_keeps_the_default_and_says_so(
+    name: str, raw: str, field: str, default: str
+) -> None:
+    got, problems = parse({name: raw})
+    assert got == Settings()
+    assert getattr(got, field) is (default == "on")
+    assert problems == [
+        f"tq-warmup: {name}={raw!r} is not one of 1, true, on, yes / 0, false, off, no "
+        f"(any case): using the default ({default})"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("raw", "path"),
+    [
+        ("/tmp/r-{rank}.json", "/tmp/r-{rank}.json"),
+        ("", None),
+        ("my report.json", "my report.json"),
+    ],
+)
+def test_report_path(raw: str, path: str | None) -> None:
+    assert parse({"TQ_WARMUP_REPORT": raw}) == (Settings(report_path=path), [])
+
+
+@pytest.mark.parametrize("raw", [" ", "  \t", "\n"])
+def test_a_blank_report_path_is_unset_and_says_so(raw: str) -> None:
+    assert parse({"TQ_WARMUP_REPORT": raw}) == (
+        Settings(report_path=None),
+        [
+            f"tq-warmup: TQ_WARMUP_REPORT={raw!r} is blank: no JSON report is written "
+            "(accepted: a file path, '{rank}' replaced by the worker's rank)"
+        ],
+    )
+
+
+@pytest.mark.parametrize(
+    ("raw", "threads"), [("4", 4), (" 8 ", 8), ("1", 1), ("16", 16), ("", DEFAULT_THREADS)]
+)
 def test_threads(raw: str, threads: int) -> None:
-    assert load({"TQ_WARMUP_THREADS": raw}).threads == threads
+    assert parse({"TQ_WARMUP_THREADS": raw}) == (Settings(threads=threads), [])
+
+
+ACCEPTED = "a whole number from 1 to 16 (this machine's CPUs)"
+
+
+@pytest.mark.parametrize(
+    ("raw", "threads", "problem"),
+    [
+        ("abc", DEFAULT_THREADS, f"is not {ACCEPTED}: using the default ({DEFAULT_THREADS})"),
+        ("2.5", DEFAULT_THREADS, f"is not {ACCEPTED}: using the default ({DEFAULT_THREADS})"),
+        (" ", DEFAULT_THREADS, f"is not {ACCEPTED}: using the default ({DEFAULT_THREADS})"),
+        ("0", 1, f"is not {ACCEPTED}: using 1 (serial)"),
+        ("-3", 1, f"is not {ACCEPTED}: using 1 (serial)"),
+        ("17", 16, f"is more than this machine's 16 CPUs: capped at 16 (accepted: {ACCEPTED})"),
+        (
+            "99999999999999999999",
+            16,
+            f"is more than this machine's 16 CPUs: capped at 16 (accepted: {ACCEPTED})",
+        ),
+    ],
+)
+def test_odd_threads_say_what_is_used(raw: str, threads: int, problem: str) -> None:
+    assert parse({"TQ_WARMUP_THREADS": raw}) == (
+        Settings(threads=threads),
+        [f"tq-warmup: TQ_WARMUP_THREADS={raw!r} {problem}"],
+    )
+
+
+def test_threads_are_capped_at_this_machine_s_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(settings, "cpu_count", lambda: 2)
+    got, problems = parse({"TQ_WARMUP_THREADS": "6"})
+    assert got.threads == 2
+    assert problems == [
+        "tq-warmup: TQ_WARMUP_THREADS='6' is more than this machine's 2 CPUs: capped at 2 "
+        "(accepted: a whole number from 1 to 2 (this machine's CPUs))"
+    ]
+
+
+def test_every_odd_variable_is_one_line() -> None:
+    env = {
+        "TQ_WARMUP": "disable",
+        "TQ_WARMUP_STRICT": "y",
+        "TQ_WARMUP_REPORT": " ",
+        "TQ_WARMUP_THREADS": "abc",
+        "TQ_WARMUP_LAUNCH": "nein",
+        "TQ_WARMUP_SPEC_GUARD": "nein",
+    }
+    got, problems = parse(env)
+    assert got == Settings()
+    assert [p.split("=")[0] for p in problems] == [f"tq-warmup: {name}" for name in env]
 
 
 def test_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TQ_WARMUP", "off")
     monkeypatch.setenv("TQ_WARMUP_THREADS", "3")
     assert load() == Settings(enabled=False, threads=3)
+    assert parse() == (Settings(enabled=False, threads=3), [])

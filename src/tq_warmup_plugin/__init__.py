@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from .settings import Settings, load
+from .settings import Settings, parse
 
 __version__ = "0.1.0"
 __all__ = ["Settings", "__version__", "register"]
@@ -23,9 +23,12 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    settings = load()
+    settings, problems = parse()
+    logger = logging.getLogger("vllm.tq_warmup_plugin")
+    for problem in problems:
+        logger.warning(problem)
     if not settings.enabled:
-        logging.getLogger("vllm.tq_warmup_plugin").info("tq-warmup: disabled by TQ_WARMUP")
+        logger.info("tq-warmup: disabled by TQ_WARMUP")
         return
     from .install import install
 

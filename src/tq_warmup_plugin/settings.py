@@ -1,7 +1,9 @@
 """The plugin's settings, read once from ``TQ_WARMUP*`` environment variables.
 
 Everything the operator can tune lives here so that the rest of the package
-receives one frozen value instead of reading the environment itself.
+receives one frozen value instead of reading the environment itself. A value
+that is not understood keeps the default, and :func:`parse` says so in one line
+per variable, which ``register()`` logs as a WARNING.
 """
 
 from __future__ import annotations
@@ -10,9 +12,19 @@ import os
 from collections.abc import Mapping
 from typing import NamedTuple
 
+
+def cpu_count() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 # Distinct keys compile on threads: measured on the H200 (vLLM 0.26.0), 4 threads
-# cut a cold 6-key warmup from 1.4-1.6 s to 0.8-0.9 s (README, Results).
-DEFAULT_THREADS = min(4, os.cpu_count() or 1)
+# cut a cold 6-key warmup from 1.4-1.6 s to 0.8-0.9 s (README, Results). More threads
+# than CPUs only compete for them (issue 12: 6 threads on 2 CPUs were 3x slower).
+DEFAULT_THREADS = min(4, cpu_count())
 
 _FALSE = frozenset({"0", "false", "off", "no"})
 _TRUE = frozenset({"1", "true", "on", "yes"})
@@ -22,11 +34,12 @@ class Settings(NamedTuple):
     """Effective plugin settings.
 
     enabled: ``TQ_WARMUP`` (default on). ``0/false/off/no`` disables everything.
-    strict: ``TQ_WARMUP_STRICT`` turns any warmup failure into a startup failure (for CI).
+    strict: ``TQ_WARMUP_STRICT`` turns any warmup failure, a skipped layer or an
+        unsupported vLLM release into a startup failure (for CI).
     report_path: ``TQ_WARMUP_REPORT``: also write the report as JSON to this path;
         ``{rank}`` in the path is replaced by the worker's rank.
     threads: ``TQ_WARMUP_THREADS``: concurrent Triton compiles (1 = serial; default
-        4, or fewer CPUs).
+        4, or fewer CPUs; never more than the CPUs).
     launch: ``TQ_WARMUP_LAUNCH`` (default on): also launch the attention paths'
         non-Triton kernels (cuBLAS, FlashAttention) once on a CUDA device, so CUDA
         loads their modules at startup instead of in the first long request.
@@ -43,32 +56,75 @@ class Settings(NamedTuple):
     spec_guard: bool = True
 
 
-def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = env.get(name, "").strip().lower()
-    if raw in _FALSE:
+_FLAG_VALUES = "1, true, on, yes / 0, false, off, no (any case)"
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool, problems: list[str]) -> bool:
+    raw = env.get(name, "")
+    value = raw.strip().lower()
+    if value in _FALSE:
         return False
-    if raw in _TRUE:
+    if value in _TRUE:
         return True
+    if raw:
+        problems.append(
+            f"tq-warmup: {name}={raw!r} is not one of {_FLAG_VALUES}: "
+            f"using the default ({'on' if default else 'off'})"
+        )
     return default
 
 
-def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name, "").strip()
+def _threads(env: Mapping[str, str], name: str, problems: list[str]) -> int:
+    raw = env.get(name, "")
+    if not raw:
+        return DEFAULT_THREADS
+    cpus = cpu_count()
+    accepted = f"a whole number from 1 to {cpus} (this machine's CPUs)"
     try:
-        value = int(raw) if raw else default
+        value = int(raw.strip())
     except ValueError:
-        return default
-    return max(1, value)
+        problems.append(
+            f"tq-warmup: {name}={raw!r} is not {accepted}: using the default ({DEFAULT_THREADS})"
+        )
+        return DEFAULT_THREADS
+    if value < 1:
+        problems.append(f"tq-warmup: {name}={raw!r} is not {accepted}: using 1 (serial)")
+        return 1
+    if value > cpus:
+        problems.append(
+            f"tq-warmup: {name}={raw!r} is more than this machine's {cpus} CPUs: "
+            f"capped at {cpus} (accepted: {accepted})"
+        )
+        return cpus
+    return value
+
+
+def _report_path(env: Mapping[str, str], name: str, problems: list[str]) -> str | None:
+    raw = env.get(name, "")
+    if raw and not raw.strip():
+        problems.append(
+            f"tq-warmup: {name}={raw!r} is blank: no JSON report is written "
+            "(accepted: a file path, '{rank}' replaced by the worker's rank)"
+        )
+    return raw if raw.strip() else None
+
+
+def parse(env: Mapping[str, str] | None = None) -> tuple[Settings, list[str]]:
+    """The settings, and one line per variable whose value was not understood (the
+    default, or the nearest accepted value, is used instead). Logs nothing."""
+    env = os.environ if env is None else env
+    problems: list[str] = []
+    settings = Settings(
+        enabled=_flag(env, "TQ_WARMUP", True, problems),
+        strict=_flag(env, "TQ_WARMUP_STRICT", False, problems),
+        report_path=_report_path(env, "TQ_WARMUP_REPORT", problems),
+        threads=_threads(env, "TQ_WARMUP_THREADS", problems),
+        launch=_flag(env, "TQ_WARMUP_LAUNCH", True, problems),
+        spec_guard=_flag(env, "TQ_WARMUP_SPEC_GUARD", True, problems),
+    )
+    return settings, problems
 
 
 def load(env: Mapping[str, str] | None = None) -> Settings:
-    """Parse the settings; unknown or malformed values fall back to the defaults."""
-    env = os.environ if env is None else env
-    return Settings(
-        enabled=_flag(env, "TQ_WARMUP", True),
-        strict=_flag(env, "TQ_WARMUP_STRICT", False),
-        report_path=env.get("TQ_WARMUP_REPORT") or None,
-        threads=_positive_int(env, "TQ_WARMUP_THREADS", DEFAULT_THREADS),
-        launch=_flag(env, "TQ_WARMUP_LAUNCH", True),
-        spec_guard=_flag(env, "TQ_WARMUP_SPEC_GUARD", True),
-    )
+    """The settings alone (:func:`parse` without the problems)."""
+    return parse(env)[0]
