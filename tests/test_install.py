@@ -280,13 +280,58 @@ def test_unwritable_report_only_warns(
     assert "cannot write the JSON report" in log()[1][1]
 
 
-@pytest.mark.parametrize(
-    ("status", "level"), [("unsupported", logging.WARNING), ("skipped", logging.INFO)]
+UNSUPPORTED = Report(
+    status="unsupported", reason="vLLM 0.34 is outside the supported releases 0.20-0.33"
 )
-def test_declined_release_warns_but_no_layers_informs(
-    monkeypatch: pytest.MonkeyPatch, log: Log, status: str, level: int
+
+
+def test_declined_release_warns_and_vllm_starts(monkeypatch: pytest.MonkeyPatch, log: Log) -> None:
+    monkeypatch.setattr(warmup, "run", lambda w, s: UNSUPPORTED)
+    install.warm_worker(SimpleNamespace(rank=0), Settings())
+    assert log() == [
+        (
+            logging.WARNING,
+            "tq-warmup: unsupported: vLLM 0.34 is outside the supported releases 0.20-0.33",
+        )
+    ]
+
+
+def test_strict_mode_fails_startup_on_a_declined_release(
+    monkeypatch: pytest.MonkeyPatch, log: Log
 ) -> None:
-    report = Report(status=status, reason="vLLM 0.34 is outside the supported releases 0.20-0.33")
+    monkeypatch.setattr(warmup, "run", lambda w, s: UNSUPPORTED)
+    with pytest.raises(RuntimeError) as raised:
+        install.warm_worker(SimpleNamespace(rank=0), Settings(strict=True))
+    assert str(raised.value) == (
+        "tq-warmup strict mode: tq-warmup: unsupported: "
+        "vLLM 0.34 is outside the supported releases 0.20-0.33"
+    )
+    assert log() == [(logging.WARNING, UNSUPPORTED.line())]
+
+
+@pytest.mark.parametrize("version", ["0.34.0", "0.19.1", None])
+def test_strict_mode_fails_startup_on_the_installed_unsupported_release(
+    monkeypatch: pytest.MonkeyPatch, log: Log, version: str | None
+) -> None:
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: version)
+    worker = SimpleNamespace(rank=0)
+    install.warm_worker(worker, Settings())
+    with pytest.raises(RuntimeError, match=r"^tq-warmup strict mode: tq-warmup: unsupported: "):
+        install.warm_worker(worker, Settings(strict=True))
+    assert [level for level, _ in log()] == [logging.WARNING, logging.WARNING]
+
+
+def test_the_readme_says_what_strict_mode_does_on_a_declined_release() -> None:
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    rows = {row.split("|")[1].strip(): row for row in readme.splitlines() if row.startswith("| ")}
+    assert "an unsupported vLLM release fails startup" in rows["`TQ_WARMUP_STRICT`"]
+    line = Report(status="unsupported", reason=compat.support_problem((0, 34)) or "").line()
+    assert f"`{line.replace('0.34', 'X.Y')}` (WARNING)" in rows["other"]
+    assert "with `TQ_WARMUP_STRICT=1` startup fails instead" in rows["other"]
+
+
+def test_no_layers_informs_even_in_strict_mode(monkeypatch: pytest.MonkeyPatch, log: Log) -> None:
+    report = Report(status="skipped", reason="no TurboQuant attention layers in this worker")
     monkeypatch.setattr(warmup, "run", lambda w, s: report)
     install.warm_worker(SimpleNamespace(rank=0), Settings(strict=True))  # not a failure
-    assert log() == [(level, report.line())]
+    assert log() == [(logging.INFO, report.line())]

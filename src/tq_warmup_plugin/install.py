@@ -37,7 +37,10 @@ def _emit(report: Any, settings: Settings, worker: Any) -> None:
 
 
 def warm_worker(worker: Any, settings: Settings) -> None:
-    """Run the warmup; outside strict mode nothing it does can stop vLLM starting."""
+    """Run the warmup; outside strict mode nothing it does can stop vLLM starting.
+
+    Strict mode (CI) fails startup on a failure, on an error (a failed key, a refused
+    layer) and on an unsupported vLLM release: there nothing was warmed either."""
     from .report import Report, error_line
     from .warmup import run
 
@@ -51,7 +54,7 @@ def warm_worker(worker: Any, settings: Settings) -> None:
         _emit(report, settings, worker)
     except OSError as exc:
         logger.warning("tq-warmup: cannot write the JSON report: %s", exc)
-    if settings.strict and (report.status == "failed" or report.errors):
+    if settings.strict and (report.status in ("failed", "unsupported") or report.errors):
         raise RuntimeError(f"tq-warmup strict mode: {report.line()}")
 
 
