@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from tq_warmup_plugin import compat
@@ -108,14 +116,81 @@ def test_fp8_e4b15(capability: tuple[int, int] | None, flag: int) -> None:
     assert compat.fp8_e4b15(capability) == flag
 
 
+# A fresh process that records every attempt to import a vllm module (found or
+# not, so it also works without vLLM installed) around one compat.workspace_manager
+# call; argv[2] == "block" refuses those imports (importing vLLM takes ~15 s here).
+_IMPORT_SPY = """
+import json, sys
+tried = []
+
+class Spy:
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "vllm":
+            tried.append(name)
+            if sys.argv[2] == "block":
+                raise ModuleNotFoundError(name)
+
+sys.meta_path.insert(0, Spy())
+from tq_warmup_plugin import compat
+
+try:
+    result = repr(compat.workspace_manager(compat.features(tuple(json.loads(sys.argv[1])))))
+except ImportError as exc:
+    result = type(exc).__name__
+loaded = sorted(m for m in sys.modules if m.split(".")[0] == "vllm")
+print(json.dumps({"result": result, "tried": sorted(set(tried)), "loaded": loaded}))
+"""
+
+
+def _workspace_manager_in_a_fresh_process(
+    version: compat.Version, block: bool = False
+) -> dict[str, Any]:
+    src = str(Path(compat.__file__).parents[1])
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORT_SPY, json.dumps(version), "block" if block else "-"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    return result
+
+
 def test_workspace_manager_is_none_where_unused_without_importing_vllm() -> None:
-    assert compat.workspace_manager(compat.features((0, 20))) is None
+    assert _workspace_manager_in_a_fresh_process((0, 20)) == {
+        "result": "None",
+        "tried": [],
+        "loaded": [],
+    }
+    # The spy sees the import where the workspace is used (0.21+).
+    assert _workspace_manager_in_a_fresh_process((0, 21), block=True) == {
+        "result": "ModuleNotFoundError",
+        "tried": ["vllm"],
+        "loaded": [],
+    }
 
 
-def test_every_kernel_module_is_a_known_vllm_module() -> None:
-    modules = {compat.DECODE_MODULE, compat.STAGE2_MODULE, compat.STORE_MODULE}
-    assert set(compat.KERNEL_MODULES.values()) == modules
+def test_the_defining_module_is_a_call_site() -> None:
     assert compat.CALL_SITE_MODULES[0] == compat.WARMUP_MODULE
+
+
+@pytest.mark.real_vllm
+@pytest.mark.parametrize(("name", "module"), compat.KERNEL_MODULES.items())
+def test_every_kernel_module_is_a_known_vllm_module(
+    vllm_env: compat.Features, name: str, module: str
+) -> None:
+    """Each module imports and defines (not re-exports) that Triton kernel."""
+    from triton.runtime.jit import JITFunction
+
+    kernel = getattr(importlib.import_module(module), name)
+    assert isinstance(kernel, JITFunction)
+    assert (kernel.fn.__name__, kernel.fn.__module__) == (name, module)
+    assert compat.kernel_function(name) is kernel
 
 
 @pytest.mark.parametrize(
