@@ -260,7 +260,17 @@ def test_the_impls_flash_attention_call(vllm_env: compat.Features) -> None:
     ]
     impl = make_impl("turboquant_k8v4", 128, 8, 2, 32, 1024)
     assert compat.flash_attn_varlen(impl).__func__ is TurboQuantAttentionImpl._flash_attn_varlen
-    assert isinstance(compat.flash_attn_available(), bool)
+    from unittest import mock
+
+    from vllm.v1.attention.backends import turboquant_attn
+
+    # This CPU host has no CUDA platform, so the backend has no FlashAttention (its prefill
+    # runs SDPA) and the plugin must plan no FlashAttention launch; the answer is the
+    # backend's own flag, not a constant.
+    assert turboquant_attn._HAS_FLASH_ATTN is False
+    assert compat.flash_attn_available() is False
+    with mock.patch.object(turboquant_attn, "_HAS_FLASH_ATTN", True):
+        assert compat.flash_attn_available() is True
 
 
 def _paged_call_keywords() -> set[str]:
