@@ -171,7 +171,7 @@ def test_register_warns_once_per_odd_variable_and_uses_the_default(
         (
             logging.WARNING,
             "tq-warmup: TQ_WARMUP_THREADS='99999999999999999999' is more than this machine's "
-            "2 CPUs: capped at 2 (accepted: a whole number from 1 to 2 (this machine's CPUs))",
+            "2 CPUs: capped at 2 (accepted: a whole number from 1 to 2, this machine's CPU count)",
         ),
     ]
 

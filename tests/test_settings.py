@@ -106,7 +106,7 @@ def test_threads(raw: str, threads: int) -> None:
     assert parse({"TQ_WARMUP_THREADS": raw}) == (Settings(threads=threads), [])
 
 
-ACCEPTED = "a whole number from 1 to 16 (this machine's CPUs)"
+ACCEPTED = "a whole number from 1 to 16, this machine's CPU count"
 
 
 @pytest.mark.parametrize(
@@ -138,7 +138,7 @@ def test_threads_are_capped_at_this_machine_s_cpus(monkeypatch: pytest.MonkeyPat
     assert got.threads == 2
     assert problems == [
         "tq-warmup: TQ_WARMUP_THREADS='6' is more than this machine's 2 CPUs: capped at 2 "
-        "(accepted: a whole number from 1 to 2 (this machine's CPUs))"
+        "(accepted: a whole number from 1 to 2, this machine's CPU count)"
     ]
 
 

@@ -79,7 +79,7 @@ def _threads(env: Mapping[str, str], name: str, problems: list[str]) -> int:
     if not raw:
         return DEFAULT_THREADS
     cpus = cpu_count()
-    accepted = f"a whole number from 1 to {cpus} (this machine's CPUs)"
+    accepted = f"a whole number from 1 to {cpus}, this machine's CPU count"
     try:
         value = int(raw.strip())
     except ValueError:
