@@ -347,7 +347,10 @@ def plain_fa2_heads(impl: Any) -> tuple[int, int, int] | None:
     """
     import importlib
 
-    flash_attn = importlib.import_module(FLASH_ATTN_MODULE)
+    try:
+        flash_attn = importlib.import_module(FLASH_ATTN_MODULE)
+    except ImportError:  # a platform without vLLM's FlashAttention: no such layer exists
+        return None
     if type(impl) is not flash_attn.FlashAttentionImpl or impl.vllm_flash_attn_version != 2:
         return None
     plain = (

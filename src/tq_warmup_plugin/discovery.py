@@ -89,7 +89,12 @@ def discover(worker: Any, feats: Features) -> Discovery:
                 layer = context.get(name)
                 impl = getattr(layer, "impl", None)
                 if type(impl) is not tq_impl:
-                    heads = compat.plain_fa2_heads(impl)
+                    try:
+                        heads = compat.plain_fa2_heads(impl)
+                    except (AttributeError, ValueError, TypeError) as exc:
+                        # One odd boundary layer costs its own launch, not the warmup.
+                        found.refused[name] = f"boundary layer: {type(exc).__name__}: {exc}"
+                        continue
                     if heads is not None:
                         found.boundary[name] = heads
                         found.impls[name] = impl
