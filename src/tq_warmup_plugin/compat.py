@@ -435,6 +435,33 @@ def block_table(runner: Any, group: Any, group_id: int, use_v2: bool) -> Any:
     return runner.input_batch.block_table[group_id].block_table.gpu
 
 
+def prefix_reused(vllm_config: Any) -> bool:
+    """Whether a request's later forward passes can run over its own cached prefix:
+    continuation chunks (short ones on the decode kernels, long ones dequantized),
+    and one-token tails that TurboQuant runs as decodes.
+
+    Generative models: always (decode). Pooling models finish after their prompt, so
+    only through chunked prefill or a prefix-cache hit. 0.20-0.33 set both defaults in
+    ``EngineArgs._set_default_chunked_prefill_and_prefix_caching_args`` from
+    ``ModelConfig.is_chunked_prefill_supported`` / ``is_prefix_caching_supported``:
+    off for encoder-only (bidirectional) models and for causal models with MEAN or
+    CLS sequence pooling or STEP token pooling, on for the rest (LAST, ALL). The
+    operator may override either (vLLM only warns), so the resolved
+    ``scheduler_config.enable_chunked_prefill`` and ``cache_config.enable_prefix_caching``
+    (plain bools in 0.20-0.33) decide; anything unreadable counts as reused.
+    Encoder-only models have no TurboQuant layers at all: TurboQuant supports only
+    ``AttentionType.DECODER`` (``supports_attn_type``, 0.20-0.33).
+    """
+    model = getattr(vllm_config, "model_config", None)
+    if getattr(model, "runner_type", "generate") != "pooling":
+        return True
+    chunked = getattr(
+        getattr(vllm_config, "scheduler_config", None), "enable_chunked_prefill", True
+    )
+    cached = getattr(getattr(vllm_config, "cache_config", None), "enable_prefix_caching", True)
+    return chunked is not False or cached is not False
+
+
 def worker_uses_v2(worker: Any) -> bool:
     """``Worker.use_v2_model_runner`` exists in 0.20-0.33."""
     return bool(worker.use_v2_model_runner)

@@ -22,6 +22,16 @@ class Discovery:
     """The accepted and boundary layers' impls, for the launches that go through them."""
     device: Any = None
     """The device of the KV cache (``None`` when no layer was accepted)."""
+    paths: frozenset[str] | None = None
+    """The kernel paths the runtime can take; ``None``: every path. A pooling model
+    that never reuses a prefix (``compat.prefix_reused``) only stores and prefills."""
+    note: str = ""
+    """Why some paths are left out, for the report line."""
+
+
+PREFILL_ONLY_PATHS = frozenset({"store"})
+"""Paths of a forward pass over a fresh prompt (no cached prefix): the store kernels;
+its attention is FlashAttention (or SDPA) over the new tokens only."""
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -72,13 +82,19 @@ def discover(worker: Any, feats: Features) -> Discovery:
     boundary layers TurboQuant leaves uncompressed on plain FlashAttention 2.
 
     Subclasses (UltraQuant, 0.32+) run other kernels; other boundary backends and
-    non-attention layers of hybrid models have other impls; pooling models never
-    decode. All are left out.
+    non-attention layers of hybrid models have other impls. All are left out.
+    Pooling models never decode, but reuse a cached prefix through chunked prefill or
+    prefix caching when those are on (``compat.prefix_reused``); without them only
+    the prefill paths are kept.
     """
     found = Discovery()
     vllm_config = worker.vllm_config
-    if vllm_config.model_config.runner_type == "pooling":
-        return found
+    if not compat.prefix_reused(vllm_config):
+        found.paths = PREFILL_ONLY_PATHS
+        found.note = (
+            "pooling model without chunked prefill or prefix caching: "
+            "store and prefill only, no decode/continuation keys, no workspace"
+        )
     tq_impl = compat.turboquant_impl_class()
     runner = worker.model_runner
     use_v2 = compat.worker_uses_v2(worker)

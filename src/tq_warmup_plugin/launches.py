@@ -105,17 +105,21 @@ def boundary_decode(g: Geometry, heads: tuple[int, int, int]) -> Launch:
 def plan(
     geometries: Mapping[str, Geometry],
     boundary: Mapping[str, tuple[int, int, int]] | None = None,
+    prefill_only: bool = False,
 ) -> dict[Launch, str]:
     """Distinct launches, each with the first layer that needs it.
 
     ``boundary``: heads of the full-precision FlashAttention-2 layers of the same
     model (their dtype and context length are the TurboQuant layers').
+    ``prefill_only``: the runtime never reuses a cached prefix (a pooling model
+    without chunked prefill or prefix caching): only a fresh prompt's attention.
     """
     todo: dict[Launch, str] = {}
     for name, g in geometries.items():
         for launch in launches(g):
-            todo.setdefault(launch, name)
-    if geometries and boundary:
+            if not prefill_only or (launch.kind == "attention" and launch.rows == launch.cols):
+                todo.setdefault(launch, name)
+    if geometries and boundary and not prefill_only:
         g = next(iter(geometries.values()))
         for name, heads in boundary.items():
             todo.setdefault(boundary_decode(g, heads), name)

@@ -98,7 +98,11 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
 
         pm = plugin_manager()
     batches = pm.hook.tq_warmup_keys(geometries=found.geometries)
-    the_plan = keys.plan(c for batch in batches for c in batch)
+    the_plan = keys.plan(
+        c for batch in batches for c in batch if found.paths is None or c[1] in found.paths
+    )
+    if found.note:
+        report.notes.append(found.note)
     report.keys = the_plan.count_by_path()
     report.distinct = len(the_plan.keys)
 
@@ -108,7 +112,8 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
     report.failed = len(report.errors) - len(found.refused)
 
     report.workspace_bytes = workspace.reserve(
-        workspace.plan_reservation(found.geometries.values()), feats
+        workspace.plan_reservation(found.geometries.values()) if found.paths is None else [],
+        feats,
     )
     if feats.prefill_buffers_cached and found.device is not None:
         for name, g in found.geometries.items():
@@ -117,7 +122,9 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
 
     if settings.launch and getattr(found.device, "type", None) == "cuda":
         done, report.launch_s, errors = launches.launch_all(
-            launches.plan(found.geometries, found.boundary), found.impls, found.device
+            launches.plan(found.geometries, found.boundary, prefill_only=found.paths is not None),
+            found.impls,
+            found.device,
         )
         report.launches = done
         report.errors.extend(errors)
