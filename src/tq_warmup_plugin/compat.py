@@ -9,8 +9,10 @@ against the real code of the releases CI installs.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 Version = tuple[int, int]
@@ -481,3 +483,42 @@ def workspace_manager(feats: Features) -> Any | None:
         return None
     manager = workspace.current_workspace_manager()
     return None if manager.is_locked() else manager
+
+
+def workspace_slots(manager: Any) -> list[tuple[int, int]]:
+    """Every ``(ubatch, lane)`` slot the manager keeps a separate buffer for.
+
+    0.21-0.33: one buffer per ubatch, ``num_ubatches = 2`` with dual-batch overlap
+    (``--enable-dbo``, ``gpu_worker.py``), kept as ``_num_ubatches``. 0.28+: times
+    ``_num_lanes`` lanes (``_num_workspace_lanes``: 2 for the V2 runner with DSpark
+    speculative decoding, whose drafter runs in lane 1). Read from the manager
+    itself, so what is reserved is what that worker configured.
+    """
+    ubatches = int(getattr(manager, "_num_ubatches", 1) or 1)
+    lanes = int(getattr(manager, "_num_lanes", 1) or 1)
+    return [(u, lane) for u in range(ubatches) for lane in range(lanes)]
+
+
+@contextlib.contextmanager
+def workspace_slot(ubatch: int, lane: int) -> Iterator[None]:
+    """Make the workspace manager serve ``(ubatch, lane)`` to this thread.
+
+    The manager reads the ubatch from ``dbo_current_ubatch_id``, bound by name in
+    ``vllm.v1.worker.workspace`` (0.21-0.33), which DBO answers per thread from its
+    running ubatch contexts; outside them it is 0, so the name is rebound for the
+    duration. Lanes: the public ``use_workspace_lane`` context (0.28+). Slot (0, 0)
+    is what every caller gets already: nothing changes.
+    """
+    if not ubatch and not lane:
+        yield
+        return
+    from vllm.v1.worker import workspace
+
+    with contextlib.ExitStack() as stack:
+        if ubatch:
+            original = workspace.dbo_current_ubatch_id
+            workspace.dbo_current_ubatch_id = lambda: ubatch
+            stack.callback(setattr, workspace, "dbo_current_ubatch_id", original)
+        if lane:
+            stack.enter_context(workspace.use_workspace_lane(lane))
+        yield

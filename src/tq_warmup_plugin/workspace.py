@@ -4,8 +4,9 @@ After CUDA-graph capture vLLM locks its WorkspaceManager; a TurboQuant request
 larger than the buffer then raises "Workspace is locked ...". 0.21-0.23 reserve
 nothing for TurboQuant, and 0.24+ skip the continuation buffers when chunked
 prefill is off (prefix-cache hits still take that path). The manager keeps one
-buffer that grows to the largest single request, so reserving the largest
-request of every path is enough and costs no more than the largest one.
+buffer per ``(ubatch, lane)`` slot that grows to the largest single request, so
+reserving the largest request of every path in every slot is enough and costs no
+more than the largest one per slot.
 """
 
 from __future__ import annotations
@@ -55,13 +56,19 @@ def plan_reservation(geometries: Iterable[Geometry]) -> list[tuple[Request, ...]
 
 
 def reserve(groups: list[tuple[Request, ...]], feats: Features) -> int:
-    """Grow the workspace to the largest request; returns the bytes reserved (0 if
-    the release does not use it or it is absent or already locked)."""
+    """Grow the workspace of every ``(ubatch, lane)`` slot the manager keeps to the
+    largest request (each slot has its own buffer: dual-batch overlap runs attention
+    in ubatch 1 too, DSpark drafts in lane 1); returns the bytes reserved over all
+    slots (0 if the release does not use it or it is absent or already locked)."""
     manager: Any = compat.workspace_manager(feats)
     if manager is None or not groups:
         return 0
     import torch
 
     largest = groups[0]
-    manager.get_simultaneous(*[(shape, getattr(torch, dtype)) for shape, dtype in largest])
-    return request_bytes(largest)
+    views = [(shape, getattr(torch, dtype)) for shape, dtype in largest]
+    slots = compat.workspace_slots(manager)
+    for ubatch, lane in slots:
+        with compat.workspace_slot(ubatch, lane):
+            manager.get_simultaneous(*views)
+    return request_bytes(largest) * len(slots)
