@@ -522,3 +522,18 @@ def workspace_slot(ubatch: int, lane: int) -> Iterator[None]:
         if lane:
             stack.enter_context(workspace.use_workspace_lane(lane))
         yield
+
+
+def workspace_slot_bytes(manager: Any, ubatch: int, lane: int) -> int:
+    """Bytes the ``(ubatch, lane)`` slot holds now: ``_current_workspaces``, a list of
+    uint8 tensors or None indexed ``ubatch * _num_lanes + lane`` (0.21-0.33; no lanes
+    before 0.28). A manager that grows a slot drops its old buffer first
+    (``_ensure_workspace_size``), so after an out-of-memory error the slot is empty:
+    this is how much to put back. 0 when unreadable."""
+    buffers = getattr(manager, "_current_workspaces", None)
+    index = ubatch * int(getattr(manager, "_num_lanes", 1) or 1) + lane
+    try:
+        buffer = buffers[index] if buffers is not None else None
+        return 0 if buffer is None else int(buffer.numel() * buffer.element_size())
+    except (IndexError, TypeError, AttributeError):
+        return 0

@@ -111,10 +111,18 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
     report.compiled, report.loaded = counter.compiled, counter.loaded
     report.failed = len(report.errors) - len(found.refused)
 
-    report.workspace_bytes = workspace.reserve(
-        workspace.plan_reservation(found.geometries.values()) if found.paths is None else [],
-        feats,
-    )
+    try:
+        report.workspace_bytes = workspace.reserve(
+            workspace.plan_reservation(found.geometries.values()) if found.paths is None else [],
+            feats,
+        )
+    except workspace.ReservationError as exc:  # strict mode fails startup on the error
+        report.workspace_bytes = exc.reserved
+        logging.getLogger("vllm.tq_warmup_plugin").warning(
+            workspace.oom_warning(exc, found.geometries.values())
+        )
+        report.errors.append(f"workspace: out of memory for {exc.needed / 2**20:.1f} MiB")
+        report.failed += 1
     if feats.prefill_buffers_cached and found.device is not None:
         for name, g in found.geometries.items():
             compat.preallocate_prefill_buffers(found.impls[name], found.device, g.max_model_len)
