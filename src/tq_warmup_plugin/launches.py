@@ -43,6 +43,34 @@ ATTENTION_TOKENS = 2048
 PAGE_TOKENS = 16
 
 
+# The key un-rotation GEMM of a long continuation is ``(Hk * cached_len) x D @ D x D``,
+# and cuBLAS picks its kernel by shape: cached_len runs from 1 to
+# ``max_model_len - 129`` (the chunk itself is over 128 tokens). Launched: cached lengths
+# on a x8 ladder from 1 (1, 8, 64, ...: cuBLAS's heuristics switch tiles at size classes
+# of M, not at every M) plus the longest, with the rows capped where the scratch operand
+# reaches GEMM_SCRATCH_BYTES (16 MiB: 65536 rows at D=128 in fp16): by then the grid is
+# many waves of the largest tile on any GPU, and beyond it the kernel is assumed not to
+# change. That assumption, and the ladder's coverage, need a GPU run with cuBLASLt
+# logging (CUBLASLT_LOG_LEVEL=2) per cached length to confirm.
+UNROTATE_LADDER = 8
+GEMM_SCRATCH_BYTES = 16 * 2**20
+
+
+def unrotate_rows(g: Geometry) -> list[int]:
+    """GEMM rows of the key un-rotations a layer's long continuations run."""
+    hk, d = g.num_kv_heads, g.head_size
+    longest = g.max_model_len - CONTINUATION_DECODE_THRESHOLD - 1
+    if longest < 1:
+        return []
+    itemsize = 2 if g.features.unrotate_fp16 else 4
+    cap = max(hk, GEMM_SCRATCH_BYTES // (d * itemsize) // hk * hk)
+    cached = [1]
+    while cached[-1] * UNROTATE_LADDER < longest:
+        cached.append(cached[-1] * UNROTATE_LADDER)
+    cached.append(longest)
+    return sorted({min(hk * c, cap) for c in cached})
+
+
 class Launch(NamedTuple):
     """One kernel launch on scratch tensors. Equal launches load the same kernels."""
 
@@ -68,8 +96,8 @@ def launches(g: Geometry) -> list[Launch]:
     """The launches whose kernels a layer's first requests would otherwise load.
 
     GEMM rows follow the runtime: decode rotates ``batch x num_heads`` query rows
-    in fp32; a long continuation un-rotates ``num_kv_heads x cached`` key rows.
-    cuBLAS picks kernels by size, hence the smallest and the chunk-sized cases.
+    in fp32 (the smallest and the largest batch); a long continuation un-rotates
+    ``num_kv_heads x cached`` key rows (``unrotate_rows``: cuBLAS picks kernels by size).
     FlashAttention runs a whole prompt chunk (``q == k``) and a continuation over
     one cached chunk (``k = 2q``), capped at ``ATTENTION_TOKENS`` queries.
     """
@@ -80,8 +108,7 @@ def launches(g: Geometry) -> list[Launch]:
         out += [Launch("gemm", "float32", rows, d) for rows in (hq, hq * g.max_num_seqs)]
         unrotate = "float16" if g.features.unrotate_fp16 else "float32"
         if chunk > CONTINUATION_DECODE_THRESHOLD:
-            cached = (CONTINUATION_DECODE_THRESHOLD + 1, chunk)
-            out += [Launch("gemm", unrotate, hk * c, d) for c in cached]
+            out += [Launch("gemm", unrotate, rows, d) for rows in unrotate_rows(g)]
     tokens = min(chunk, ATTENTION_TOKENS)
     attention = [(tokens, tokens)]
     if chunk > CONTINUATION_DECODE_THRESHOLD and g.max_model_len >= 2 * chunk:
