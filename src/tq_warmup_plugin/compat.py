@@ -537,3 +537,17 @@ def workspace_slot_bytes(manager: Any, ubatch: int, lane: int) -> int:
         return 0 if buffer is None else int(buffer.numel() * buffer.element_size())
     except (IndexError, TypeError, AttributeError):
         return 0
+
+
+def rewarm_cause(feats: Features) -> str:
+    """Why ``kernel_warmup`` can run more than once in a worker process, for the report.
+
+    0.27-0.33: elastic EP calls ``kernel_warmup(worker, process_local_only=True)``
+    on a new worker (``warmup_local_kernels``, 0.33 ``warmup_new_worker``) and then
+    ``warm_and_capture``, which calls it again through ``compile_or_warm_up_model``;
+    existing workers re-run ``warm_and_capture`` at every scale-up/down commit.
+    0.20-0.26 call it once per worker.
+    """
+    if feats.version >= (0, 27):
+        return "elastic EP warms a worker more than once"
+    return "kernel_warmup ran again in this process"

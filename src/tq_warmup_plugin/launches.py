@@ -177,10 +177,22 @@ def _launch(launch: Launch, impl: Any, device: Any) -> None:
     compat.flash_attn_varlen(impl)(q, kv, kv, cu_q, cu_k, launch.rows, launch.cols)
 
 
+_LAUNCHED: set[tuple[str, Launch]] = set()
+"""``(device, launch)`` pairs this process already ran: CUDA loads a module once per
+process and device, so a second warmup in the same process (``compat.rewarm_cause``)
+has nothing left to load for them."""
+
+
+def not_yet_launched(todo: Mapping[Launch, str], device: Any) -> dict[Launch, str]:
+    """The launches of ``todo`` this process has not yet made on ``device``."""
+    return {x: layer for x, layer in todo.items() if (str(device), x) not in _LAUNCHED}
+
+
 def launch_all(
     todo: Mapping[Launch, str], impls: Mapping[str, Any], device: Any
 ) -> tuple[int, float, list[str]]:
-    """Run the launches; returns (done, seconds, error lines). Never raises."""
+    """Run the launches; returns (done, seconds, error lines). Never raises.
+    Successful ones are remembered for :func:`not_yet_launched`."""
     start = time.perf_counter()
     errors: list[str] = []
     done = 0
@@ -191,6 +203,7 @@ def launch_all(
         try:
             _launch(launch, impls[layer], device)
             done += 1
+            _LAUNCHED.add((str(device), launch))
         except Exception as exc:  # a launch that fails costs its first request, not startup
             errors.append(f"launch {launch.label}: {error_line(exc)}")
     if done:

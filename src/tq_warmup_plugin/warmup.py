@@ -129,11 +129,14 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
     report.warmup_s = time.perf_counter() - start
 
     if settings.launch and getattr(found.device, "type", None) == "cuda":
-        done, report.launch_s, errors = launches.launch_all(
-            launches.plan(found.geometries, found.boundary, prefill_only=found.paths is not None),
-            found.impls,
-            found.device,
-        )
+        todo = launches.plan(found.geometries, found.boundary, prefill_only=found.paths is not None)
+        fresh = launches.not_yet_launched(todo, found.device)
+        if len(fresh) < len(todo):
+            repeated = len(todo) - len(fresh)
+            report.notes.append(
+                f"{repeated} first launches already made ({compat.rewarm_cause(feats)})"
+            )
+        done, report.launch_s, errors = launches.launch_all(fresh, found.impls, found.device)
         report.launches = done
         report.errors.extend(errors)
         report.failed += len(errors)
