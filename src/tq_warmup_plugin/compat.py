@@ -87,8 +87,6 @@ class Features(NamedTuple):
     pointer is 16-byte aligned for some chunks and not for others; 0.20 allocates."""
     uses_workspace: bool
     """0.21+: decode and long continuation take scratch from the WorkspaceManager."""
-    builder_reserves_workspace: bool
-    """0.24+: ``TurboQuantMetadataBuilder._reserve_workspace`` exists."""
     unrotate_fp16: bool
     """0.21+: a long continuation un-rotates MSE keys with an fp16 GEMM
     (``layer._tq_Pi_half``); 0.20 does it in fp32."""
@@ -134,7 +132,6 @@ def features(version: Version) -> Features:
         stage2_output_fp16=version >= (0, 21),
         continuation_seq_lens_sliced=version >= (0, 21),
         uses_workspace=version >= (0, 21),
-        builder_reserves_workspace=version >= (0, 24),
         unrotate_fp16=version >= (0, 21),
         spec_graphs_unsafe=OLDEST <= version <= (0, 33),
         v1_tq_cache_dtype_lost=(0, 25) <= version <= (0, 26),
