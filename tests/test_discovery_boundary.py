@@ -46,3 +46,15 @@ def test_without_vllms_flash_attention_module_nothing_is_boundary(
 ) -> None:
     monkeypatch.setattr(compat, "FLASH_ATTN_MODULE", "tq_warmup_plugin._no_such_module")
     assert compat.plain_fa2_heads(fakes.FlashAttentionImpl()) is None
+
+
+def test_chunked_local_attention_is_declined_in_one_note(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compat, "turboquant_impl_class", lambda: fakes.TurboQuantAttentionImpl)
+    local = [fakes.layer(FEATS), fakes.layer(FEATS)]
+    for layer in local:
+        layer.attention_chunk_size = 8192  # Llama 4's ChunkedLocalAttention
+    layers = {"global": fakes.layer(FEATS), "local.0": local[0], "local.1": local[1]}
+    found = discover(fakes.worker(layers, [fakes.table(64)]), FEATS)
+    assert list(found.geometries) == ["global", "local.0", "local.1"]  # store keys, reservation
+    assert found.note.count("attention_chunk_size=8192") == 1 and found.refused == {}
+    assert compat.local_attention_chunk(layers["global"]) is None

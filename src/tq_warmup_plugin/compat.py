@@ -548,3 +548,17 @@ def rewarm_cause(feats: Features) -> str:
     if feats.version >= (0, 27):
         return "elastic EP warms a worker more than once"
     return "kernel_warmup ran again in this process"
+
+
+def local_attention_chunk(layer: Any) -> int | None:
+    """``attention_chunk_size`` of a chunked local attention layer (Llama 4), else None.
+
+    0.20-0.33: ``ChunkedLocalAttention`` keeps ``self.attention_chunk_size`` and wraps
+    the backend only in a builder subclass, so its impl is the plain
+    ``TurboQuantAttentionImpl``; but the builder hands the kernels a virtual-batch block
+    table of ``attention_chunk_size // block_size`` columns
+    (``make_local_attention_virtual_batches``, ``v1/attention/backends/utils.py``),
+    not the runner's, and more (virtual) rows than ``max_num_seqs``.
+    """
+    chunk = getattr(layer, "attention_chunk_size", None)
+    return chunk if isinstance(chunk, int) and chunk > 0 else None

@@ -77,6 +77,14 @@ def layer_geometry(layer: Any, block_table: Any, vllm_config: Any, feats: Featur
     return geometry
 
 
+def _local_attention_note(chunk: int) -> str:
+    return (
+        f"chunked local attention (attention_chunk_size={chunk}) declined: its decode and "
+        "continuation keys follow a virtual-batch block table of chunk/block_size columns "
+        "that is not warmed, so their first requests compile; store keys are warmed"
+    )
+
+
 def discover(worker: Any, feats: Features) -> Discovery:
     """All attention layers whose impl is exactly ``TurboQuantAttentionImpl``, and the
     boundary layers TurboQuant leaves uncompressed on plain FlashAttention 2.
@@ -115,6 +123,9 @@ def discover(worker: Any, feats: Features) -> Discovery:
                         found.boundary[name] = heads
                         found.impls[name] = impl
                     continue
+                chunk = compat.local_attention_chunk(layer)
+                if chunk is not None and "chunked local" not in found.note:
+                    found.note = "; ".join(filter(None, [found.note, _local_attention_note(chunk)]))
                 try:
                     table = compat.block_table(runner, group, group.kv_cache_group_id, use_v2)
                     found.geometries[name] = layer_geometry(layer, table, vllm_config, feats)
