@@ -60,7 +60,6 @@ GATE_COLUMNS = (
     "stage2_output_fp16",
     "continuation_seq_lens_sliced",
     "uses_workspace",
-    "builder_reserves_workspace",
     "unrotate_fp16",
     "spec_graphs_unsafe",
     "v1_tq_cache_dtype_lost",
@@ -69,15 +68,15 @@ GATE_COLUMNS = (
 )
 T, F = True, False
 GATES = {
-    (0, 20): (F, F, F, F, F, F, F, T, F, F, F),
-    (0, 21): (F, F, T, T, T, F, T, T, F, T, T),
-    (0, 23): (F, F, T, T, T, F, T, T, F, T, T),
-    (0, 24): (F, F, T, T, T, T, T, T, F, T, T),
-    (0, 25): (F, F, T, T, T, T, T, T, T, T, T),
-    (0, 26): (T, T, T, T, T, T, T, T, T, T, T),
-    (0, 28): (T, T, T, T, T, T, T, T, F, T, T),
-    (0, 29): (T, F, T, T, T, T, T, T, F, T, T),
-    (0, 33): (T, F, T, T, T, T, T, T, F, T, T),
+    (0, 20): (F, F, F, F, F, F, T, F, F, F),
+    (0, 21): (F, F, T, T, T, T, T, F, T, T),
+    (0, 23): (F, F, T, T, T, T, T, F, T, T),
+    (0, 24): (F, F, T, T, T, T, T, F, T, T),
+    (0, 25): (F, F, T, T, T, T, T, T, T, T),
+    (0, 26): (T, T, T, T, T, T, T, T, T, T),
+    (0, 28): (T, T, T, T, T, T, T, F, T, T),
+    (0, 29): (T, F, T, T, T, T, T, F, T, T),
+    (0, 33): (T, F, T, T, T, T, T, F, T, T),
 }
 
 

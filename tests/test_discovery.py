@@ -34,10 +34,11 @@ def test_only_exact_turboquant_impls_are_found() -> None:
     assert found.geometries == {"tq": fakes.geometry(version=(0, 26), width=64)}
 
 
-def test_pooling_models_have_nothing_to_warm(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pooling_models_are_discovered(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Which paths they run is decided by compat.prefix_reused (test_pooling.py).
     worker = fakes.worker({"tq": fakes.layer(FEATS)}, [fakes.table(64)], runner_type="pooling")
     found = discover(worker, FEATS)
-    assert (found.geometries, found.refused) == ({}, {})
+    assert (list(found.geometries), found.refused, found.paths) == (["tq"], {}, None)
 
 
 @pytest.mark.parametrize(

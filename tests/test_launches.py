@@ -33,8 +33,7 @@ def test_mse_keys_add_the_query_rotation_and_the_key_unrotation(
     assert launches.launches(g) == [
         Launch("gemm", "float32", 8, 128),
         Launch("gemm", "float32", 32, 128),
-        Launch("gemm", unrotate, 2 * 129, 128),
-        Launch("gemm", unrotate, 2 * 512, 128),
+        *[Launch("gemm", unrotate, 2 * c, 128) for c in (1, 8, 64, 512, 3967)],
         Launch("attention", "bfloat16", 512, 512, 8, 2, 128),
         Launch("attention", "bfloat16", 512, 1024, 8, 2, 128),
     ]
@@ -107,7 +106,7 @@ def test_without_flash_attention_only_gemms_run(monkeypatch: pytest.MonkeyPatch)
     impl = FakeImpl()
     todo = launches.plan({"l0": fakes.geometry(batched=512, max_model_len=4096)})
     done, _, errors = launches.launch_all(todo, {"l0": impl}, torch.device("cpu"))
-    assert (done, errors, impl.calls) == (4, [], [])
+    assert (done, errors, impl.calls) == (7, [], [])  # 2 rotations, 5 un-rotations
 
 
 def test_a_failing_launch_is_one_error_line(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -128,7 +127,7 @@ def test_attention_scratch_is_capped_for_large_chunk_budgets() -> None:
         (cap, cap),
         (cap, 2 * cap),
     ]
-    assert max(x.rows for x in launches.launches(g) if x.kind == "gemm") == 2 * 8192
+    assert max(x.rows for x in launches.launches(g) if x.kind == "gemm") == 2 * (32768 - 129)
 
 
 def test_boundary_decode_is_one_launch_per_head_shape() -> None:
@@ -173,3 +172,26 @@ def test_paged_decode_runs_on_a_scratch_paged_cache(monkeypatch: pytest.MonkeyPa
     assert (done, errors) == (1, [])
     # 1000 tokens on 16-token pages: 63 pages, the last one partly used.
     assert seen == [("impl", (1, 8, 128), (63, 16, 2, 128), [0, 1], [1000], (1, 63), 62, 1000)]
+
+
+@pytest.mark.parametrize(
+    ("hk", "d", "max_len", "version", "rows"),
+    [
+        # cached 1, 8, 64, 512, 4096, 32768 and the longest, 131072 - 129
+        (8, 128, 131072, (0, 26), [8, 64, 512, 4096, 32768, 65536]),  # capped at 16 MiB
+        (1, 128, 131072, (0, 26), [1, 8, 64, 512, 4096, 32768, 65536]),
+        (2, 64, 1000, (0, 26), [2, 16, 128, 1024, 2 * 871]),
+        (2, 128, 4096, (0, 20), [2, 16, 128, 1024, 2 * 3967]),  # fp32: 32768-row cap
+        (4, 128, 130, (0, 26), [4]),  # one cached token at most
+        (4, 128, 129, (0, 26), []),  # no room for a cached prefix
+    ],
+)
+def test_unrotation_rows_span_the_cached_lengths(
+    hk: int, d: int, max_len: int, version: compat.Version, rows: list[int]
+) -> None:
+    g = fakes.geometry(
+        version=version, num_heads=hk, num_kv_heads=hk, head_size=d, max_model_len=max_len
+    )
+    assert launches.unrotate_rows(g) == rows
+    itemsize = 2 if g.features.unrotate_fp16 else 4
+    assert max(rows, default=0) * d * itemsize <= launches.GEMM_SCRATCH_BYTES

@@ -9,8 +9,10 @@ against the real code of the releases CI installs.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 Version = tuple[int, int]
@@ -85,8 +87,6 @@ class Features(NamedTuple):
     pointer is 16-byte aligned for some chunks and not for others; 0.20 allocates."""
     uses_workspace: bool
     """0.21+: decode and long continuation take scratch from the WorkspaceManager."""
-    builder_reserves_workspace: bool
-    """0.24+: ``TurboQuantMetadataBuilder._reserve_workspace`` exists."""
     unrotate_fp16: bool
     """0.21+: a long continuation un-rotates MSE keys with an fp16 GEMM
     (``layer._tq_Pi_half``); 0.20 does it in fp32."""
@@ -132,7 +132,6 @@ def features(version: Version) -> Features:
         stage2_output_fp16=version >= (0, 21),
         continuation_seq_lens_sliced=version >= (0, 21),
         uses_workspace=version >= (0, 21),
-        builder_reserves_workspace=version >= (0, 24),
         unrotate_fp16=version >= (0, 21),
         spec_graphs_unsafe=OLDEST <= version <= (0, 33),
         v1_tq_cache_dtype_lost=(0, 25) <= version <= (0, 26),
@@ -347,7 +346,10 @@ def plain_fa2_heads(impl: Any) -> tuple[int, int, int] | None:
     """
     import importlib
 
-    flash_attn = importlib.import_module(FLASH_ATTN_MODULE)
+    try:
+        flash_attn = importlib.import_module(FLASH_ATTN_MODULE)
+    except ImportError:  # a platform without vLLM's FlashAttention: no such layer exists
+        return None
     if type(impl) is not flash_attn.FlashAttentionImpl or impl.vllm_flash_attn_version != 2:
         return None
     plain = (
@@ -432,6 +434,33 @@ def block_table(runner: Any, group: Any, group_id: int, use_v2: bool) -> Any:
     return runner.input_batch.block_table[group_id].block_table.gpu
 
 
+def prefix_reused(vllm_config: Any) -> bool:
+    """Whether a request's later forward passes can run over its own cached prefix:
+    continuation chunks (short ones on the decode kernels, long ones dequantized),
+    and one-token tails that TurboQuant runs as decodes.
+
+    Generative models: always (decode). Pooling models finish after their prompt, so
+    only through chunked prefill or a prefix-cache hit. 0.20-0.33 set both defaults in
+    ``EngineArgs._set_default_chunked_prefill_and_prefix_caching_args`` from
+    ``ModelConfig.is_chunked_prefill_supported`` / ``is_prefix_caching_supported``:
+    off for encoder-only (bidirectional) models and for causal models with MEAN or
+    CLS sequence pooling or STEP token pooling, on for the rest (LAST, ALL). The
+    operator may override either (vLLM only warns), so the resolved
+    ``scheduler_config.enable_chunked_prefill`` and ``cache_config.enable_prefix_caching``
+    (plain bools in 0.20-0.33) decide; anything unreadable counts as reused.
+    Encoder-only models have no TurboQuant layers at all: TurboQuant supports only
+    ``AttentionType.DECODER`` (``supports_attn_type``, 0.20-0.33).
+    """
+    model = getattr(vllm_config, "model_config", None)
+    if getattr(model, "runner_type", "generate") != "pooling":
+        return True
+    chunked = getattr(
+        getattr(vllm_config, "scheduler_config", None), "enable_chunked_prefill", True
+    )
+    cached = getattr(getattr(vllm_config, "cache_config", None), "enable_prefix_caching", True)
+    return chunked is not False or cached is not False
+
+
 def worker_uses_v2(worker: Any) -> bool:
     """``Worker.use_v2_model_runner`` exists in 0.20-0.33."""
     return bool(worker.use_v2_model_runner)
@@ -451,3 +480,85 @@ def workspace_manager(feats: Features) -> Any | None:
         return None
     manager = workspace.current_workspace_manager()
     return None if manager.is_locked() else manager
+
+
+def workspace_slots(manager: Any) -> list[tuple[int, int]]:
+    """Every ``(ubatch, lane)`` slot the manager keeps a separate buffer for.
+
+    0.21-0.33: one buffer per ubatch, ``num_ubatches = 2`` with dual-batch overlap
+    (``--enable-dbo``, ``gpu_worker.py``), kept as ``_num_ubatches``. 0.28+: times
+    ``_num_lanes`` lanes (``_num_workspace_lanes``: 2 for the V2 runner with DSpark
+    speculative decoding, whose drafter runs in lane 1). Read from the manager
+    itself, so what is reserved is what that worker configured.
+    """
+    ubatches = int(getattr(manager, "_num_ubatches", 1) or 1)
+    lanes = int(getattr(manager, "_num_lanes", 1) or 1)
+    return [(u, lane) for u in range(ubatches) for lane in range(lanes)]
+
+
+@contextlib.contextmanager
+def workspace_slot(ubatch: int, lane: int) -> Iterator[None]:
+    """Make the workspace manager serve ``(ubatch, lane)`` to this thread.
+
+    The manager reads the ubatch from ``dbo_current_ubatch_id``, bound by name in
+    ``vllm.v1.worker.workspace`` (0.21-0.33), which DBO answers per thread from its
+    running ubatch contexts; outside them it is 0, so the name is rebound for the
+    duration. Lanes: the public ``use_workspace_lane`` context (0.28+). Slot (0, 0)
+    is what every caller gets already: nothing changes.
+    """
+    if not ubatch and not lane:
+        yield
+        return
+    from vllm.v1.worker import workspace
+
+    with contextlib.ExitStack() as stack:
+        if ubatch:
+            original = workspace.dbo_current_ubatch_id
+            workspace.dbo_current_ubatch_id = lambda: ubatch
+            stack.callback(setattr, workspace, "dbo_current_ubatch_id", original)
+        if lane:
+            stack.enter_context(workspace.use_workspace_lane(lane))
+        yield
+
+
+def workspace_slot_bytes(manager: Any, ubatch: int, lane: int) -> int:
+    """Bytes the ``(ubatch, lane)`` slot holds now: ``_current_workspaces``, a list of
+    uint8 tensors or None indexed ``ubatch * _num_lanes + lane`` (0.21-0.33; no lanes
+    before 0.28). A manager that grows a slot drops its old buffer first
+    (``_ensure_workspace_size``), so after an out-of-memory error the slot is empty:
+    this is how much to put back. 0 when unreadable."""
+    buffers = getattr(manager, "_current_workspaces", None)
+    index = ubatch * int(getattr(manager, "_num_lanes", 1) or 1) + lane
+    try:
+        buffer = buffers[index] if buffers is not None else None
+        return 0 if buffer is None else int(buffer.numel() * buffer.element_size())
+    except (IndexError, TypeError, AttributeError):
+        return 0
+
+
+def rewarm_cause(feats: Features) -> str:
+    """Why ``kernel_warmup`` can run more than once in a worker process, for the report.
+
+    0.27-0.33: elastic EP calls ``kernel_warmup(worker, process_local_only=True)``
+    on a new worker (``warmup_local_kernels``, 0.33 ``warmup_new_worker``) and then
+    ``warm_and_capture``, which calls it again through ``compile_or_warm_up_model``;
+    existing workers re-run ``warm_and_capture`` at every scale-up/down commit.
+    0.20-0.26 call it once per worker.
+    """
+    if feats.version >= (0, 27):
+        return "elastic EP warms a worker more than once"
+    return "kernel_warmup ran again in this process"
+
+
+def local_attention_chunk(layer: Any) -> int | None:
+    """``attention_chunk_size`` of a chunked local attention layer (Llama 4), else None.
+
+    0.20-0.33: ``ChunkedLocalAttention`` keeps ``self.attention_chunk_size`` and wraps
+    the backend only in a builder subclass, so its impl is the plain
+    ``TurboQuantAttentionImpl``; but the builder hands the kernels a virtual-batch block
+    table of ``attention_chunk_size // block_size`` columns
+    (``make_local_attention_virtual_batches``, ``v1/attention/backends/utils.py``),
+    not the runner's, and more (virtual) rows than ``max_num_seqs``.
+    """
+    chunk = getattr(layer, "attention_chunk_size", None)
+    return chunk if isinstance(chunk, int) and chunk > 0 else None

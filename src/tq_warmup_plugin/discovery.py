@@ -22,6 +22,16 @@ class Discovery:
     """The accepted and boundary layers' impls, for the launches that go through them."""
     device: Any = None
     """The device of the KV cache (``None`` when no layer was accepted)."""
+    paths: frozenset[str] | None = None
+    """The kernel paths the runtime can take; ``None``: every path. A pooling model
+    that never reuses a prefix (``compat.prefix_reused``) only stores and prefills."""
+    note: str = ""
+    """Why some paths are left out, for the report line."""
+
+
+PREFILL_ONLY_PATHS = frozenset({"store"})
+"""Paths of a forward pass over a fresh prompt (no cached prefix): the store kernels;
+its attention is FlashAttention (or SDPA) over the new tokens only."""
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -67,18 +77,32 @@ def layer_geometry(layer: Any, block_table: Any, vllm_config: Any, feats: Featur
     return geometry
 
 
+def _local_attention_note(chunk: int) -> str:
+    return (
+        f"chunked local attention (attention_chunk_size={chunk}) declined: its decode and "
+        "continuation keys follow a virtual-batch block table of chunk/block_size columns "
+        "that is not warmed, so their first requests compile; store keys are warmed"
+    )
+
+
 def discover(worker: Any, feats: Features) -> Discovery:
     """All attention layers whose impl is exactly ``TurboQuantAttentionImpl``, and the
     boundary layers TurboQuant leaves uncompressed on plain FlashAttention 2.
 
     Subclasses (UltraQuant, 0.32+) run other kernels; other boundary backends and
-    non-attention layers of hybrid models have other impls; pooling models never
-    decode. All are left out.
+    non-attention layers of hybrid models have other impls. All are left out.
+    Pooling models never decode, but reuse a cached prefix through chunked prefill or
+    prefix caching when those are on (``compat.prefix_reused``); without them only
+    the prefill paths are kept.
     """
     found = Discovery()
     vllm_config = worker.vllm_config
-    if vllm_config.model_config.runner_type == "pooling":
-        return found
+    if not compat.prefix_reused(vllm_config):
+        found.paths = PREFILL_ONLY_PATHS
+        found.note = (
+            "pooling model without chunked prefill or prefix caching: "
+            "store and prefill only, no decode/continuation keys, no workspace"
+        )
     tq_impl = compat.turboquant_impl_class()
     runner = worker.model_runner
     use_v2 = compat.worker_uses_v2(worker)
@@ -89,11 +113,19 @@ def discover(worker: Any, feats: Features) -> Discovery:
                 layer = context.get(name)
                 impl = getattr(layer, "impl", None)
                 if type(impl) is not tq_impl:
-                    heads = compat.plain_fa2_heads(impl)
+                    try:
+                        heads = compat.plain_fa2_heads(impl)
+                    except (AttributeError, ValueError, TypeError) as exc:
+                        # One odd boundary layer costs its own launch, not the warmup.
+                        found.refused[name] = f"boundary layer: {type(exc).__name__}: {exc}"
+                        continue
                     if heads is not None:
                         found.boundary[name] = heads
                         found.impls[name] = impl
                     continue
+                chunk = compat.local_attention_chunk(layer)
+                if chunk is not None and "chunked local" not in found.note:
+                    found.note = "; ".join(filter(None, [found.note, _local_attention_note(chunk)]))
                 try:
                     table = compat.block_table(runner, group, group.kv_cache_group_id, use_v2)
                     found.geometries[name] = layer_geometry(layer, table, vllm_config, feats)

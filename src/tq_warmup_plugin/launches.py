@@ -43,6 +43,34 @@ ATTENTION_TOKENS = 2048
 PAGE_TOKENS = 16
 
 
+# The key un-rotation GEMM of a long continuation is ``(Hk * cached_len) x D @ D x D``,
+# and cuBLAS picks its kernel by shape: cached_len runs from 1 to
+# ``max_model_len - 129`` (the chunk itself is over 128 tokens). Launched: cached lengths
+# on a x8 ladder from 1 (1, 8, 64, ...: cuBLAS's heuristics switch tiles at size classes
+# of M, not at every M) plus the longest, with the rows capped where the scratch operand
+# reaches GEMM_SCRATCH_BYTES (16 MiB: 65536 rows at D=128 in fp16): by then the grid is
+# many waves of the largest tile on any GPU, and beyond it the kernel is assumed not to
+# change. That assumption, and the ladder's coverage, need a GPU run with cuBLASLt
+# logging (CUBLASLT_LOG_LEVEL=2) per cached length to confirm.
+UNROTATE_LADDER = 8
+GEMM_SCRATCH_BYTES = 16 * 2**20
+
+
+def unrotate_rows(g: Geometry) -> list[int]:
+    """GEMM rows of the key un-rotations a layer's long continuations run."""
+    hk, d = g.num_kv_heads, g.head_size
+    longest = g.max_model_len - CONTINUATION_DECODE_THRESHOLD - 1
+    if longest < 1:
+        return []
+    itemsize = 2 if g.features.unrotate_fp16 else 4
+    cap = max(hk, GEMM_SCRATCH_BYTES // (d * itemsize) // hk * hk)
+    cached = [1]
+    while cached[-1] * UNROTATE_LADDER < longest:
+        cached.append(cached[-1] * UNROTATE_LADDER)
+    cached.append(longest)
+    return sorted({min(hk * c, cap) for c in cached})
+
+
 class Launch(NamedTuple):
     """One kernel launch on scratch tensors. Equal launches load the same kernels."""
 
@@ -68,8 +96,8 @@ def launches(g: Geometry) -> list[Launch]:
     """The launches whose kernels a layer's first requests would otherwise load.
 
     GEMM rows follow the runtime: decode rotates ``batch x num_heads`` query rows
-    in fp32; a long continuation un-rotates ``num_kv_heads x cached`` key rows.
-    cuBLAS picks kernels by size, hence the smallest and the chunk-sized cases.
+    in fp32 (the smallest and the largest batch); a long continuation un-rotates
+    ``num_kv_heads x cached`` key rows (``unrotate_rows``: cuBLAS picks kernels by size).
     FlashAttention runs a whole prompt chunk (``q == k``) and a continuation over
     one cached chunk (``k = 2q``), capped at ``ATTENTION_TOKENS`` queries.
     """
@@ -80,8 +108,7 @@ def launches(g: Geometry) -> list[Launch]:
         out += [Launch("gemm", "float32", rows, d) for rows in (hq, hq * g.max_num_seqs)]
         unrotate = "float16" if g.features.unrotate_fp16 else "float32"
         if chunk > CONTINUATION_DECODE_THRESHOLD:
-            cached = (CONTINUATION_DECODE_THRESHOLD + 1, chunk)
-            out += [Launch("gemm", unrotate, hk * c, d) for c in cached]
+            out += [Launch("gemm", unrotate, rows, d) for rows in unrotate_rows(g)]
     tokens = min(chunk, ATTENTION_TOKENS)
     attention = [(tokens, tokens)]
     if chunk > CONTINUATION_DECODE_THRESHOLD and g.max_model_len >= 2 * chunk:
@@ -105,17 +132,21 @@ def boundary_decode(g: Geometry, heads: tuple[int, int, int]) -> Launch:
 def plan(
     geometries: Mapping[str, Geometry],
     boundary: Mapping[str, tuple[int, int, int]] | None = None,
+    prefill_only: bool = False,
 ) -> dict[Launch, str]:
     """Distinct launches, each with the first layer that needs it.
 
     ``boundary``: heads of the full-precision FlashAttention-2 layers of the same
     model (their dtype and context length are the TurboQuant layers').
+    ``prefill_only``: the runtime never reuses a cached prefix (a pooling model
+    without chunked prefill or prefix caching): only a fresh prompt's attention.
     """
     todo: dict[Launch, str] = {}
     for name, g in geometries.items():
         for launch in launches(g):
-            todo.setdefault(launch, name)
-    if geometries and boundary:
+            if not prefill_only or (launch.kind == "attention" and launch.rows == launch.cols):
+                todo.setdefault(launch, name)
+    if geometries and boundary and not prefill_only:
         g = next(iter(geometries.values()))
         for name, heads in boundary.items():
             todo.setdefault(boundary_decode(g, heads), name)
@@ -146,10 +177,22 @@ def _launch(launch: Launch, impl: Any, device: Any) -> None:
     compat.flash_attn_varlen(impl)(q, kv, kv, cu_q, cu_k, launch.rows, launch.cols)
 
 
+_LAUNCHED: set[tuple[str, Launch]] = set()
+"""``(device, launch)`` pairs this process already ran: CUDA loads a module once per
+process and device, so a second warmup in the same process (``compat.rewarm_cause``)
+has nothing left to load for them."""
+
+
+def not_yet_launched(todo: Mapping[Launch, str], device: Any) -> dict[Launch, str]:
+    """The launches of ``todo`` this process has not yet made on ``device``."""
+    return {x: layer for x, layer in todo.items() if (str(device), x) not in _LAUNCHED}
+
+
 def launch_all(
     todo: Mapping[Launch, str], impls: Mapping[str, Any], device: Any
 ) -> tuple[int, float, list[str]]:
-    """Run the launches; returns (done, seconds, error lines). Never raises."""
+    """Run the launches; returns (done, seconds, error lines). Never raises.
+    Successful ones are remembered for :func:`not_yet_launched`."""
     start = time.perf_counter()
     errors: list[str] = []
     done = 0
@@ -160,6 +203,7 @@ def launch_all(
         try:
             _launch(launch, impls[layer], device)
             done += 1
+            _LAUNCHED.add((str(device), launch))
         except Exception as exc:  # a launch that fails costs its first request, not startup
             errors.append(f"launch {launch.label}: {error_line(exc)}")
     if done:

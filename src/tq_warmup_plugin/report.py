@@ -39,6 +39,8 @@ class Report:
     """Their time, apart from ``warmup_s``: a cost moved from the first requests, paid
     in every process (CUDA's module loading is per process; no disk cache helps)."""
     errors: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """What was left out or declined on purpose, and why (not problems)."""
     geometries: list[dict[str, Any]] = field(default_factory=list)
     """Distinct layer geometries as discovered: ``tq-warmup inspect/precompile
     --geometry-json`` plans from these exactly what this startup warmed."""
@@ -61,6 +63,8 @@ class Report:
         )
         if self.launches:
             text += f"; {self.launches} first launches {self.launch_s * 1000:.0f} ms"
+        for note in self.notes:
+            text += f"; {note}"
         if self.errors:
             text += f"; first error: {self.errors[0]}"
         return text

@@ -98,7 +98,11 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
 
         pm = plugin_manager()
     batches = pm.hook.tq_warmup_keys(geometries=found.geometries)
-    the_plan = keys.plan(c for batch in batches for c in batch)
+    the_plan = keys.plan(
+        c for batch in batches for c in batch if found.paths is None or c[1] in found.paths
+    )
+    if found.note:
+        report.notes.append(found.note)
     report.keys = the_plan.count_by_path()
     report.distinct = len(the_plan.keys)
 
@@ -107,18 +111,32 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
     report.compiled, report.loaded = counter.compiled, counter.loaded
     report.failed = len(report.errors) - len(found.refused)
 
-    report.workspace_bytes = workspace.reserve(
-        workspace.plan_reservation(found.geometries.values()), feats
-    )
+    try:
+        report.workspace_bytes = workspace.reserve(
+            workspace.plan_reservation(found.geometries.values()) if found.paths is None else [],
+            feats,
+        )
+    except workspace.ReservationError as exc:  # strict mode fails startup on the error
+        report.workspace_bytes = exc.reserved
+        logging.getLogger("vllm.tq_warmup_plugin").warning(
+            workspace.oom_warning(exc, found.geometries.values())
+        )
+        report.errors.append(f"workspace: out of memory for {exc.needed / 2**20:.1f} MiB")
+        report.failed += 1
     if feats.prefill_buffers_cached and found.device is not None:
         for name, g in found.geometries.items():
             compat.preallocate_prefill_buffers(found.impls[name], found.device, g.max_model_len)
     report.warmup_s = time.perf_counter() - start
 
     if settings.launch and getattr(found.device, "type", None) == "cuda":
-        done, report.launch_s, errors = launches.launch_all(
-            launches.plan(found.geometries, found.boundary), found.impls, found.device
-        )
+        todo = launches.plan(found.geometries, found.boundary, prefill_only=found.paths is not None)
+        fresh = launches.not_yet_launched(todo, found.device)
+        if len(fresh) < len(todo):
+            repeated = len(todo) - len(fresh)
+            report.notes.append(
+                f"{repeated} first launches already made ({compat.rewarm_cause(feats)})"
+            )
+        done, report.launch_s, errors = launches.launch_all(fresh, found.impls, found.device)
         report.launches = done
         report.errors.extend(errors)
         report.failed += len(errors)
