@@ -8,7 +8,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from tq_warmup_plugin import compat, keys
+from tq_warmup_plugin import compat
+from tq_warmup_plugin.geometry import PRESETS, Geometry, preset
 
 PRESET = "turboquant_4bit_nc"
 
@@ -28,11 +29,11 @@ def geometry(
     batched: int = 2048,
     splits: int = 32,
     scale: float | None = None,
-) -> keys.Geometry:
+) -> Geometry:
     """A geometry with unpadded strides; the defaults match :func:`worker`'s."""
     feats = compat.features(version)
-    slot = keys.preset(cache_dtype, head_size).slot_size_aligned
-    return keys.Geometry(
+    slot = preset(cache_dtype, head_size).slot_size_aligned
+    return Geometry(
         cache_dtype=cache_dtype,
         head_size=head_size,
         num_heads=num_heads,
@@ -93,7 +94,7 @@ def kv_cache(
     """A uint8 KV tensor allocated the way the release allocates it."""
     import torch
 
-    slot = keys.preset(cache_dtype, head_size).slot_size_aligned
+    slot = preset(cache_dtype, head_size).slot_size_aligned
     head_major = feats.kv_head_major
     shape = (blocks, heads, block_size, slot) if head_major else (blocks, block_size, heads, slot)
     count = blocks * heads * block_size * slot
@@ -110,7 +111,7 @@ def layer(feats: compat.Features, impl: Any = None, **kv: Any) -> SimpleNamespac
     dtype = impl.kv_cache_dtype
     kv.setdefault("heads", impl.num_kv_heads)
     kv.setdefault("head_size", impl.head_size)
-    kv.setdefault("cache_dtype", dtype if dtype in keys.PRESETS else PRESET)
+    kv.setdefault("cache_dtype", dtype if dtype in PRESETS else PRESET)
     return SimpleNamespace(impl=impl, kv_cache=kv_cache(feats, **kv), kv_cache_dtype=dtype)
 
 

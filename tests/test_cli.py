@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tq_warmup_plugin import cli, keys
+from tq_warmup_plugin import cli
+from tq_warmup_plugin.geometry import Geometry
 
 DATA = Path(__file__).parent / "data"
 # The geometry vLLM 0.26.0 discovered on an H200 for this benchmark model (TQ_WARMUP_REPORT).
@@ -182,7 +183,7 @@ def test_geometry_round_trips_through_the_report() -> None:
     from tq_warmup_plugin import compat
 
     data = json.loads(H200_REPORT.read_text())["geometries"][0]
-    g = keys.Geometry.from_dict(data, compat.features((0, 26)))
+    g = Geometry.from_dict(data, compat.features((0, 26)))
     assert g.to_dict() == {**data, "kv_strides": tuple(data["kv_strides"])}
 
 

@@ -16,18 +16,18 @@ import pytest
 from realvllm import MAX_NUM_SEQS, layer_kv_cache, make_impl, recorded_keys, run_backend
 
 from tq_warmup_plugin import compat, keys
+from tq_warmup_plugin.geometry import PRESETS as ALL_PRESETS
+from tq_warmup_plugin.geometry import Geometry
 from tq_warmup_plugin.warmers.triton_jit import compile_key
 
 pytestmark = pytest.mark.real_vllm
 
-PRESETS = sorted(keys.PRESETS)
+PRESETS = sorted(ALL_PRESETS)
 BATCHED_TOKENS = 2048
 
 
-def geometry(
-    feats: compat.Features, impl: Any, kv_view: Any, width: int, dtype: str
-) -> keys.Geometry:
-    return keys.Geometry(
+def geometry(feats: compat.Features, impl: Any, kv_view: Any, width: int, dtype: str) -> Geometry:
+    return Geometry(
         cache_dtype=impl.kv_cache_dtype,
         head_size=impl.head_size,
         num_heads=impl.num_heads,
@@ -115,7 +115,7 @@ def test_keys_match_single_query_head_and_custom_splits(
 
 def test_long_continuation_path_is_covered(vllm_env: compat.Features) -> None:
     g_keys = keys.long_continuation_keys(
-        keys.Geometry(
+        Geometry(
             "turboquant_4bit_nc",
             128,
             8,

@@ -12,6 +12,7 @@ import pytest
 
 from tq_warmup_plugin import compat, keys, warmup
 from tq_warmup_plugin.discovery import Discovery
+from tq_warmup_plugin.geometry import Geometry
 from tq_warmup_plugin.hookspecs import hookimpl, plugin_manager
 from tq_warmup_plugin.keys import Const, Int, KernelKey, Ptr
 from tq_warmup_plugin.settings import Settings
@@ -51,7 +52,7 @@ class ExtraWarmer:
         self.compiled: list[Hashable] = []
 
     @hookimpl
-    def tq_warmup_keys(self, geometries: Mapping[str, keys.Geometry]) -> list[tuple]:
+    def tq_warmup_keys(self, geometries: Mapping[str, Geometry]) -> list[tuple]:
         return [(name, "extra", ("extra", g.head_size)) for name, g in geometries.items()]
 
     @hookimpl

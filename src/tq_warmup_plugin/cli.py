@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from . import compat, keys, launches
+from .geometry import DTYPE_BYTES, PRESETS, Geometry, preset
 from .hookspecs import plugin_manager
 from .settings import load
 
@@ -73,7 +74,7 @@ def _model_shape(path: str | None) -> dict[str, Any]:
     return dict(text) if isinstance(text, dict) else config
 
 
-def geometry_from_args(args: argparse.Namespace) -> tuple[keys.Geometry, int]:
+def geometry_from_args(args: argparse.Namespace) -> tuple[Geometry, int]:
     """The geometry the worker would discover, from a config and explicit flags,
     and the number of TurboQuant layers (TurboQuant leaves two at each end)."""
     if args.kv_cache_dtype is None:
@@ -94,17 +95,17 @@ def geometry_from_args(args: argparse.Namespace) -> tuple[keys.Geometry, int]:
     hq, hk = heads // tp, max(1, kv_heads // tp)  # vLLM replicates KV heads when tp > hk
     max_model_len = args.max_model_len or cfg.get("max_position_embeddings") or 4096
     dtype = args.dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    bs = compat.effective_block_size(feats, args.block_size, keys.DTYPE_BYTES.get(dtype, 2))
-    preset = keys.preset(args.kv_cache_dtype, head_size)
+    bs = compat.effective_block_size(feats, args.block_size, DTYPE_BYTES.get(dtype, 2))
+    layout = preset(args.kv_cache_dtype, head_size)
     runner = args.runner or ("v2" if feats.version >= (0, 25) else "v1")
-    geometry = keys.Geometry(
+    geometry = Geometry(
         cache_dtype=args.kv_cache_dtype,
         head_size=head_size,
         num_heads=hq,
         num_kv_heads=hk,
         block_size=bs,
         scale=args.scale if args.scale is not None else head_size**-0.5,
-        kv_strides=compat.kv_view_strides(feats, bs, hk, preset.slot_size_aligned),
+        kv_strides=compat.kv_view_strides(feats, bs, hk, layout.slot_size_aligned),
         model_dtype=dtype,
         block_table_width=compat.block_table_width(feats, max_model_len, bs, runner == "v2"),
         max_num_seqs=args.max_num_seqs,
@@ -118,17 +119,17 @@ def geometry_from_args(args: argparse.Namespace) -> tuple[keys.Geometry, int]:
     return geometry, max(0, int(cfg.get("num_hidden_layers", 5)) - 4)
 
 
-def geometries_from_report(path: str) -> list[keys.Geometry]:
+def geometries_from_report(path: str) -> list[Geometry]:
     """The geometries a real startup discovered (its ``TQ_WARMUP_REPORT`` JSON)."""
     data = json.loads(Path(path).read_text())
     try:
         feats = compat.release_features(data.get("vllm_version"))
     except compat.UnsupportedRelease as exc:
         raise SystemExit(f"tq-warmup: {path}: {exc}") from None
-    return [keys.Geometry.from_dict(g, feats) for g in data["geometries"]]
+    return [Geometry.from_dict(g, feats) for g in data["geometries"]]
 
 
-def _geometries(args: argparse.Namespace) -> tuple[dict[str, keys.Geometry], int]:
+def _geometries(args: argparse.Namespace) -> tuple[dict[str, Geometry], int]:
     """Distinct geometries by name, and how many TurboQuant layers they stand for."""
     if args.geometry_json:
         found = geometries_from_report(args.geometry_json)
@@ -137,7 +138,7 @@ def _geometries(args: argparse.Namespace) -> tuple[dict[str, keys.Geometry], int
     return {"geometry0": geometry}, layers
 
 
-def _plan(args: argparse.Namespace) -> tuple[keys.Plan, dict[str, keys.Geometry], int]:
+def _plan(args: argparse.Namespace) -> tuple[keys.Plan, dict[str, Geometry], int]:
     named, layers = _geometries(args)
     pm = plugin_manager()
     contributions = pm.hook.tq_warmup_keys(geometries=named)
@@ -263,7 +264,7 @@ def _geometry_flags(p: argparse.ArgumentParser) -> None:
         help="plan from the geometries in a plugin JSON report "
         "(TQ_WARMUP_REPORT) of a real startup instead of the flags below",
     )
-    p.add_argument("--kv-cache-dtype", choices=sorted(keys.PRESETS))
+    p.add_argument("--kv-cache-dtype", choices=sorted(PRESETS))
     p.add_argument("--head-size", type=int)
     p.add_argument("--num-heads", type=int, help="query heads (whole model)")
     p.add_argument("--num-kv-heads", type=int, help="KV heads (whole model)")

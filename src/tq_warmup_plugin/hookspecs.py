@@ -13,7 +13,7 @@ from collections.abc import Hashable, Iterable, Mapping
 
 import pluggy
 
-from .keys import Geometry
+from .geometry import Geometry
 
 PROJECT = "tq_warmup"
 ENTRY_POINT_GROUP = "tq_warmup.warmers"

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping
 
+from ..geometry import Geometry
 from ..hookspecs import hookimpl
-from ..keys import Geometry, turboquant_contributions
+from ..keys import turboquant_contributions
 
 
 @hookimpl
