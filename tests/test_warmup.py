@@ -17,6 +17,7 @@ from tq_warmup_plugin.hookspecs import hookimpl, plugin_manager
 from tq_warmup_plugin.keys import Const, Int, KernelKey, Ptr
 from tq_warmup_plugin.settings import Settings
 from tq_warmup_plugin.warmers import triton_jit
+from tq_warmup_plugin.warmers.turboquant import turboquant_contributions
 
 FAILING = "_tq_full_dequant_kv"
 GEOMETRIES = {
@@ -134,13 +135,11 @@ def test_unsupported_release_is_declined(monkeypatch: pytest.MonkeyPatch, versio
 def test_each_distinct_key_compiles_once_and_failures_are_counted(found: Discovery) -> None:
     warmer = RecordingWarmer()
     report = warmup.run(object(), Settings(threads=1), manager(warmer))
-    expected = keys.plan(keys.turboquant_contributions(GEOMETRIES))
+    expected = keys.plan(turboquant_contributions(GEOMETRIES))
     failing = [k for k in expected.keys if k.kernel == FAILING]  # type: ignore[attr-defined]
     assert report.status == "ok" and report.layers == 3
     assert Counter(warmer.seen) == Counter(expected.keys)
-    assert (
-        report.distinct == len(expected.keys) < len(list(keys.turboquant_contributions(GEOMETRIES)))
-    )
+    assert report.distinct == len(expected.keys) < len(list(turboquant_contributions(GEOMETRIES)))
     assert report.keys == expected.count_by_path()
     assert failing and report.failed == len(failing) == len(report.errors)
     assert set(report.errors) == {f"{FAILING}: RuntimeError: ptxas died"}
@@ -148,7 +147,7 @@ def test_each_distinct_key_compiles_once_and_failures_are_counted(found: Discove
 
 
 def test_threads_compile_the_same_set() -> None:
-    todo = keys.plan(keys.turboquant_contributions(GEOMETRIES)).keys
+    todo = keys.plan(turboquant_contributions(GEOMETRIES)).keys
     serial, threaded = RecordingWarmer(), RecordingWarmer()
     errors_serial = warmup.compile_all(manager(serial), todo, 1)
     errors_threaded = warmup.compile_all(manager(threaded), todo, 2)
@@ -172,7 +171,7 @@ def test_a_compile_that_fails_on_a_pool_thread_is_retried_on_the_caller() -> Non
                 raise SystemError("AST constructor recursion depth mismatch")
             return True
 
-    todo = keys.plan(keys.turboquant_contributions(GEOMETRIES)).keys
+    todo = keys.plan(turboquant_contributions(GEOMETRIES)).keys
     warmer = ThreadShy(failing=None)
     assert warmup.compile_all(manager(warmer), todo, 2) == []
     assert Counter(warmer.seen) == Counter(todo) + Counter(todo)
@@ -185,7 +184,7 @@ def test_a_key_nobody_handles_is_an_error() -> None:
 def test_third_party_warmer_contributes_and_compiles_its_keys(found: Discovery) -> None:
     extra = ExtraWarmer()
     report = warmup.run(object(), Settings(threads=2), manager(RecordingWarmer(None), extra))
-    tq_only = keys.plan(keys.turboquant_contributions(GEOMETRIES))
+    tq_only = keys.plan(turboquant_contributions(GEOMETRIES))
     assert Counter(extra.compiled) == Counter([("extra", 128), ("extra", 64)])
     assert report.keys == {**tq_only.count_by_path(), "extra": 2}
     assert report.distinct == len(tq_only.keys) + 2

@@ -13,7 +13,7 @@ The functions here mirror what vLLM's launchers compute (0.20-0.33); the
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .compat import CONTINUATION_DECODE_THRESHOLD, LAUNCHER_DEFAULT_KV_SPLITS
@@ -350,13 +350,3 @@ def plan(contributions: Iterable[tuple[str, str, object]]) -> Plan:
         if path not in paths[key]:
             paths[key].append(path)
     return Plan(layers, paths)
-
-
-def turboquant_contributions(
-    geometries: Mapping[str, Geometry],
-) -> Iterable[tuple[str, str, KernelKey]]:
-    """Every ``(layer, path, key)`` the TurboQuant paths need for these layers."""
-    for layer, geometry in geometries.items():
-        for path, derive in PATHS.items():
-            for key in derive(geometry):
-                yield layer, path, key

@@ -1,4 +1,5 @@
-"""TurboQuant's kernel paths as warmer keys: decode, short and long continuation, store."""
+"""The TurboQuant warmer: every layer's kernel keys, path by path (decode, short and
+long continuation, store), from the pure derivations in ``keys``."""
 
 from __future__ import annotations
 
@@ -6,7 +7,17 @@ from collections.abc import Hashable, Iterable, Mapping
 
 from ..geometry import Geometry
 from ..hookspecs import hookimpl
-from ..keys import turboquant_contributions
+from ..keys import PATHS, KernelKey
+
+
+def turboquant_contributions(
+    geometries: Mapping[str, Geometry],
+) -> Iterable[tuple[str, str, KernelKey]]:
+    """Every ``(layer, path, key)`` the TurboQuant paths need for these layers."""
+    for layer, geometry in geometries.items():
+        for path, derive in PATHS.items():
+            for key in derive(geometry):
+                yield layer, path, key
 
 
 @hookimpl
