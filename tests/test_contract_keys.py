@@ -20,6 +20,7 @@ from tq_warmup_plugin.geometry import PRESETS as ALL_PRESETS
 from tq_warmup_plugin.geometry import Geometry
 from tq_warmup_plugin.warmers.triton_jit import compile_key
 from tq_warmup_plugin.warmers.turboquant import turboquant_contributions
+from tq_warmup_plugin.warmup import Plan
 
 pytestmark = pytest.mark.real_vllm
 
@@ -83,8 +84,8 @@ def check_case(
     assert g.preset.slot_size_aligned == impl.tq_config.slot_size_aligned
     assert g.preset.key_packed_size == impl.tq_config.key_packed_size
     with recorded_keys() as ours:
-        for key in keys.plan(turboquant_contributions({"layer": g})).keys:
-            compile_key(key)  # type: ignore[arg-type]
+        for key in Plan.of(turboquant_contributions({"layer": g})).keys:
+            compile_key(key)
     assert {name for name, _ in launched} >= {"_tq_decode_stage1", "_fwd_kernel_stage2"}
     assert ours == launched, (sorted(launched - ours), sorted(ours - launched))
 
@@ -158,7 +159,7 @@ def test_verify_batch_keys_are_planned(vllm_env: compat.Features, preset: str, k
         run_backend(impl, kv, width, torch.bfloat16, verify_batches(k))
     g = geometry(vllm_env, impl, compat.kv_view(kv, vllm_env), width, "bfloat16")
     with recorded_keys() as ours:
-        for key in keys.plan(turboquant_contributions({"layer": g})).keys:
-            compile_key(key)  # type: ignore[arg-type]
+        for key in Plan.of(turboquant_contributions({"layer": g})).keys:
+            compile_key(key)
     assert {name for name, _ in launched} >= {"_tq_decode_stage1", "_fwd_kernel_stage2"}
     assert launched <= ours, sorted(launched - ours)

@@ -15,6 +15,7 @@ from tq_warmup_plugin import compat, keys
 from tq_warmup_plugin.geometry import PRESETS, Geometry, preset
 from tq_warmup_plugin.keys import Const, Int, KernelKey, Ptr
 from tq_warmup_plugin.warmers.turboquant import turboquant_contributions
+from tq_warmup_plugin.warmup import Plan
 
 VERSIONS = [(0, 20), (0, 21), (0, 24), (0, 26), (0, 28), (0, 29), (0, 33)]
 INT_CLASSES = {Int.of(v) for v in (1, 0, 3, 2**32, 2**32 + 1)}
@@ -128,7 +129,7 @@ def test_stage2_output_dtype_per_release(g: Geometry) -> None:
 
 @given(geometries())
 def test_count_by_path_counts_distinct_keys_of_each_path(g: Geometry) -> None:
-    the_plan = keys.plan(turboquant_contributions({"layer": g}))
+    the_plan = Plan.of(turboquant_contributions({"layer": g}))
     per_path = {path: set(derive(g)) for path, derive in keys.PATHS.items()}
     assert the_plan.count_by_path() == {p: len(ks) for p, ks in per_path.items() if ks}
     assert set(the_plan.keys) == set().union(*per_path.values())
@@ -136,16 +137,16 @@ def test_count_by_path_counts_distinct_keys_of_each_path(g: Geometry) -> None:
 
 @given(geometries())
 def test_identical_layers_share_every_key(g: Geometry) -> None:
-    one = keys.plan(turboquant_contributions({"a": g}))
-    two = keys.plan(turboquant_contributions({"a": g, "b": g}))
+    one = Plan.of(turboquant_contributions({"a": g}))
+    two = Plan.of(turboquant_contributions({"a": g, "b": g}))
     assert two.keys == one.keys
     assert all(layers == ["a", "b"] for layers in two.layers.values())
 
 
 @pytest.mark.parametrize(("w1", "w2"), [(32, 48), (64, 4096), (63, 127), (18, 34)])
 def test_layers_differing_in_a_same_class_stride_dedupe(w1: int, w2: int) -> None:
-    one = keys.plan(turboquant_contributions({"a": fakes.geometry(width=w1)}))
-    two = keys.plan(
+    one = Plan.of(turboquant_contributions({"a": fakes.geometry(width=w1)}))
+    two = Plan.of(
         turboquant_contributions({"a": fakes.geometry(width=w1), "b": fakes.geometry(width=w2)})
     )
     assert two.keys == one.keys
@@ -154,9 +155,9 @@ def test_layers_differing_in_a_same_class_stride_dedupe(w1: int, w2: int) -> Non
 def test_layers_differing_in_scale_do_not_share_stage1() -> None:
     g = fakes.geometry()
     other = dataclasses.replace(g, scale=math.nextafter(g.scale, 1.0))
-    one = keys.plan(turboquant_contributions({"a": g}))
-    two = keys.plan(turboquant_contributions({"a": g, "b": other}))
-    stage1 = [k for k in one.keys if k.kernel == "_tq_decode_stage1"]  # type: ignore[attr-defined]
+    one = Plan.of(turboquant_contributions({"a": g}))
+    two = Plan.of(turboquant_contributions({"a": g, "b": other}))
+    stage1 = [k for k in one.keys if k.kernel == "_tq_decode_stage1"]
     assert stage1 and len(two.keys) == len(one.keys) + len(stage1)
     assert sorted(map(tuple, two.layers.values())) == sorted(
         [("a",)] * len(stage1)
@@ -166,7 +167,7 @@ def test_layers_differing_in_scale_do_not_share_stage1() -> None:
 
 
 def test_plan_dedupes_and_keeps_first_seen_order() -> None:
-    p = keys.plan(
+    p = Plan.of(
         [("a", "p", "k2"), ("b", "p", "k2"), ("a", "q", "k2"), ("a", "q", "k1"), ("a", "q", "k1")]
     )
     assert p.keys == ["k2", "k1"]

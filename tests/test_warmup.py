@@ -10,10 +10,10 @@ from typing import Any
 import fakes
 import pytest
 
-from tq_warmup_plugin import compat, keys, warmup
+from tq_warmup_plugin import compat, warmup
 from tq_warmup_plugin.discovery import Discovery
 from tq_warmup_plugin.geometry import Geometry
-from tq_warmup_plugin.hookspecs import hookimpl, plugin_manager
+from tq_warmup_plugin.hookspecs import hookimpl
 from tq_warmup_plugin.keys import Const, Int, KernelKey, Ptr
 from tq_warmup_plugin.settings import Settings
 from tq_warmup_plugin.warmers import triton_jit
@@ -74,7 +74,7 @@ class StubCounter:
 
 
 def manager(*warmers: object) -> Any:
-    pm = plugin_manager(load_entry_points=False)
+    pm = warmup.plugin_manager(load_entry_points=False)
     for warmer in warmers:  # registered last, called first
         pm.register(warmer)
     return pm
@@ -135,8 +135,8 @@ def test_unsupported_release_is_declined(monkeypatch: pytest.MonkeyPatch, versio
 def test_each_distinct_key_compiles_once_and_failures_are_counted(found: Discovery) -> None:
     warmer = RecordingWarmer()
     report = warmup.run(object(), Settings(threads=1), manager(warmer))
-    expected = keys.plan(turboquant_contributions(GEOMETRIES))
-    failing = [k for k in expected.keys if k.kernel == FAILING]  # type: ignore[attr-defined]
+    expected = warmup.Plan.of(turboquant_contributions(GEOMETRIES))
+    failing = [k for k in expected.keys if k.kernel == FAILING]
     assert report.status == "ok" and report.layers == 3
     assert Counter(warmer.seen) == Counter(expected.keys)
     assert report.distinct == len(expected.keys) < len(list(turboquant_contributions(GEOMETRIES)))
@@ -147,13 +147,13 @@ def test_each_distinct_key_compiles_once_and_failures_are_counted(found: Discove
 
 
 def test_threads_compile_the_same_set() -> None:
-    todo = keys.plan(turboquant_contributions(GEOMETRIES)).keys
+    todo = warmup.Plan.of(turboquant_contributions(GEOMETRIES)).keys
     serial, threaded = RecordingWarmer(), RecordingWarmer()
     errors_serial = warmup.compile_all(manager(serial), todo, 1)
     errors_threaded = warmup.compile_all(manager(threaded), todo, 2)
     assert Counter(serial.seen) == Counter(todo)
     # Keys that failed on a pool thread are tried once more on the caller's thread.
-    failing = [k for k in todo if k.kernel == FAILING]  # type: ignore[attr-defined]
+    failing = [k for k in todo if k.kernel == FAILING]
     assert failing and Counter(threaded.seen) == Counter(todo) + Counter(failing)
     assert Counter(errors_serial) == Counter(errors_threaded) and errors_serial
     main = threading.get_ident()
@@ -171,7 +171,7 @@ def test_a_compile_that_fails_on_a_pool_thread_is_retried_on_the_caller() -> Non
                 raise SystemError("AST constructor recursion depth mismatch")
             return True
 
-    todo = keys.plan(turboquant_contributions(GEOMETRIES)).keys
+    todo = warmup.Plan.of(turboquant_contributions(GEOMETRIES)).keys
     warmer = ThreadShy(failing=None)
     assert warmup.compile_all(manager(warmer), todo, 2) == []
     assert Counter(warmer.seen) == Counter(todo) + Counter(todo)
@@ -184,7 +184,7 @@ def test_a_key_nobody_handles_is_an_error() -> None:
 def test_third_party_warmer_contributes_and_compiles_its_keys(found: Discovery) -> None:
     extra = ExtraWarmer()
     report = warmup.run(object(), Settings(threads=2), manager(RecordingWarmer(None), extra))
-    tq_only = keys.plan(turboquant_contributions(GEOMETRIES))
+    tq_only = warmup.Plan.of(turboquant_contributions(GEOMETRIES))
     assert Counter(extra.compiled) == Counter([("extra", 128), ("extra", 64)])
     assert report.keys == {**tq_only.count_by_path(), "extra": 2}
     assert report.distinct == len(tq_only.keys) + 2

@@ -15,14 +15,16 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from . import compat, keys, launches
+import pluggy
+
+from . import compat, launches, warmup
 from .geometry import DTYPE_BYTES, PRESETS, Geometry, preset
-from .hookspecs import plugin_manager
+from .report import Report
 from .settings import load
 
 
@@ -138,21 +140,21 @@ def _geometries(args: argparse.Namespace) -> tuple[dict[str, Geometry], int]:
     return {"geometry0": geometry}, layers
 
 
-def _plan(args: argparse.Namespace) -> tuple[keys.Plan, dict[str, Geometry], int]:
+def _plan(
+    args: argparse.Namespace, pm: pluggy.PluginManager
+) -> tuple[warmup.Plan[Hashable], dict[str, Geometry], int]:
     named, layers = _geometries(args)
-    pm = plugin_manager()
-    contributions = pm.hook.tq_warmup_keys(geometries=named)
-    return keys.plan(c for batch in contributions for c in batch), named, layers
+    return warmup.plan_keys(pm, named), named, layers
 
 
 def inspect(args: argparse.Namespace) -> int:
     """Print the keys startup would warm, per path, deduplicated."""
-    the_plan, named, layers = _plan(args)
+    the_plan, named, layers = _plan(args, warmup.plugin_manager())
     geometry = next(iter(named.values()))
     per_path: dict[str, list[str]] = {}
     for key, paths in the_plan.paths.items():
         for path in paths:
-            per_path.setdefault(path, []).append(key.describe())  # type: ignore[attr-defined]
+            per_path.setdefault(path, []).append(warmup.describe(key))
     # A dense model's boundary layers have the TurboQuant layers' heads; a worker only
     # launches their decode if it finds them on plain FlashAttention 2.
     boundary = {"boundary": (geometry.num_heads, geometry.num_kv_heads, geometry.head_size)}
@@ -216,45 +218,39 @@ def precompile(args: argparse.Namespace) -> int:
     os.environ["TRITON_CACHE_DIR"] = str(cache_dir)
     # Without a GPU, vLLM swaps Triton for placeholders unless this is set first.
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    the_plan, named, _ = _plan(args)
+    pm = warmup.plugin_manager()
+    the_plan, named, _ = _plan(args, pm)
     geometry = next(iter(named.values()))
 
-    from .report import CompileCounter
     from .warmers.triton_jit import cache_keys_for, triton_key_of_wheel, use_compile_only_target
 
     use_compile_only_target(args.arch)
-    pm = plugin_manager()
-    failures: list[str] = []
+    report = Report(vllm_version=installed["vllm"] or "", distinct=len(the_plan.keys))
     start = time.perf_counter()
     keys_as: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if wheel is not None:
         with tempfile.TemporaryDirectory() as tmp:
             keys_as = cache_keys_for(triton_key_of_wheel(wheel, tmp))
-    with keys_as, CompileCounter() as counter:
-        for i, key in enumerate(the_plan.keys, 1):
-            try:
-                pm.hook.tq_warmup_compile(key=key)
-            except Exception as exc:
-                failures.append(f"{getattr(key, 'kernel', key)}: {type(exc).__name__}: {exc}")
-            _progress(i, len(the_plan.keys))
+    with keys_as:  # the worker's compile path: same threads, same error lines
+        warmup.compile_into(report, pm, the_plan.keys, load().threads, _progress)
     manifest = {
         "vllm": installed["vllm"],
         "triton": installed["triton"],
         "arch": args.arch,
         "kv_cache_dtype": geometry.cache_dtype,
-        "keys": [k.describe() for k in the_plan.keys],  # type: ignore[attr-defined]
+        "keys": [warmup.describe(k) for k in the_plan.keys],
     }
     manifest_file = cache_dir / f"tq-warmup-manifest-{geometry.cache_dtype}.json"
     manifest_file.write_text(json.dumps(manifest, indent=2))
     print(
         f"tq-warmup: {len(the_plan.keys)} keys for sm{args.arch} in {cache_dir}: "
-        f"{counter.compiled} built, {counter.loaded} already there, {len(failures)} failed "
+        f"{report.compiled} built, {report.loaded} already there, {report.failed} failed "
         f"({time.perf_counter() - start:.1f} s; vLLM {installed['vllm']}, "
         f"Triton {installed['triton']})"
     )
-    for line in failures:
-        print(f"  failed: {line.splitlines()[0]}", file=sys.stderr)
-    return 1 if failures else 0
+    for line in report.errors:
+        print(f"  failed: {line}", file=sys.stderr)
+    return 1 if report.errors else 0
 
 
 def _geometry_flags(p: argparse.ArgumentParser) -> None:

@@ -13,7 +13,7 @@ The functions here mirror what vLLM's launchers compute (0.20-0.33); the
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .compat import CONTINUATION_DECODE_THRESHOLD, LAUNCHER_DEFAULT_KV_SPLITS
@@ -317,36 +317,3 @@ PATHS: dict[str, Callable[[Geometry], tuple[KernelKey, ...]]] = {
     "dequant": long_continuation_keys,
     "store": store_keys,
 }
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Distinct keys, in first-seen order, with the layers and paths that need each."""
-
-    layers: dict[object, list[str]]
-    paths: dict[object, list[str]]
-
-    @property
-    def keys(self) -> list[object]:
-        return list(self.layers)
-
-    def count_by_path(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for paths in self.paths.values():
-            for path in paths:
-                counts[path] = counts.get(path, 0) + 1
-        return counts
-
-
-def plan(contributions: Iterable[tuple[str, str, object]]) -> Plan:
-    """Deduplicate ``(layer, path, key)`` triples by key."""
-    layers: dict[object, list[str]] = {}
-    paths: dict[object, list[str]] = {}
-    for layer, path, key in contributions:
-        layers.setdefault(key, [])
-        if layer not in layers[key]:
-            layers[key].append(layer)
-        paths.setdefault(key, [])
-        if path not in paths[key]:
-            paths[key].append(path)
-    return Plan(layers, paths)
