@@ -173,7 +173,7 @@ def test_triton_key_of_an_installation_is_tritons_own() -> None:
 
     from triton.runtime.cache import triton_key
 
-    from tq_warmup_plugin.warmers.triton_jit import triton_key_of
+    from tq_warmup_plugin.precompile import triton_key_of
 
     roots = [p for p in site.getsitepackages() if (Path(p) / "triton").is_dir()]
     assert triton_key_of(roots[0]) == triton_key()

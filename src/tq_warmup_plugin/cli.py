@@ -222,7 +222,7 @@ def precompile(args: argparse.Namespace) -> int:
     the_plan, named, _ = _plan(args, pm)
     geometry = next(iter(named.values()))
 
-    from .warmers.triton_jit import cache_keys_for, triton_key_of_wheel, use_compile_only_target
+    from .precompile import cache_keys_for, triton_key_of_wheel, use_compile_only_target
 
     use_compile_only_target(args.arch)
     report = Report(vllm_version=installed["vllm"] or "", distinct=len(the_plan.keys))
