@@ -1,5 +1,7 @@
-"""``tq-warmup``: doctor, inspect (the plan without a GPU) and precompile (the plan,
-built into a Triton cache directory for a target GPU, on any machine).
+"""The ``tq-warmup`` command: doctor, inspect and precompile.
+
+doctor checks the install; inspect prints the plan without a GPU; precompile builds
+the plan into a Triton cache directory for a target GPU, on any machine.
 
 ``inspect`` and ``precompile`` build the same ``Geometry`` the worker builds and
 feed it to the same warmers, so what they print or build is what startup warms.
@@ -26,6 +28,8 @@ from . import compat, launches, warmup
 from .geometry import DTYPE_BYTES, PRESETS, Geometry, preset
 from .report import Report
 from .settings import load
+
+__all__ = ["geometries_from_report", "geometry_from_args", "main"]
 
 
 def _dist_version(name: str) -> str | None:

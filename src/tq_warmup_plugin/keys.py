@@ -19,6 +19,19 @@ from dataclasses import dataclass
 from .compat import CONTINUATION_DECODE_THRESHOLD, LAUNCHER_DEFAULT_KV_SPLITS
 from .geometry import Geometry
 
+__all__ = [
+    "PATHS",
+    "Arg",
+    "Const",
+    "Int",
+    "KernelKey",
+    "Ptr",
+    "decode_keys",
+    "long_continuation_keys",
+    "short_continuation_keys",
+    "store_keys",
+]
+
 # --------------------------------------------------------------------------
 # Argument specializations
 # --------------------------------------------------------------------------

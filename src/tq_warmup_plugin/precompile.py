@@ -1,8 +1,9 @@
-"""Building kernels on a machine without the target GPU: a compile-only Triton target,
-and the disk-cache keys another Triton build of the same release computes.
+"""Compiling for a GPU this machine does not have, into a cache another Triton reads.
 
-Used by ``tq-warmup precompile``, the ``real_vllm`` tests and ``.ci/check-vllm.py``;
-never by a worker, which compiles for the GPU it runs on (``warmers/triton_jit``).
+A compile-only Triton target, and the disk-cache keys another Triton build of the
+same release computes. Used by ``tq-warmup precompile``, the ``real_vllm`` tests and
+``.ci/check-vllm.py``; never by a worker, which compiles for the GPU it runs on
+(``warmers/triton_jit``).
 """
 
 from __future__ import annotations

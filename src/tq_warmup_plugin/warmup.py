@@ -1,11 +1,11 @@
-"""The host: runs one worker's warmup, start to end (discover, plan, compile, reserve,
-launch, report), with the warmers' plugin manager it builds.
+"""The host: builds the warmers' plugin manager and runs one worker's warmup with it.
 
-Runs inside vLLM's ``kernel_warmup``: the KV cache exists, graphs are not yet
-captured and the workspace is not yet locked, in every release 0.20-0.33. The CLI
-plans and compiles through the same functions (``plugin_manager``, ``plan_keys``,
-``compile_into``), so what ``inspect`` prints and ``precompile`` builds, and the
-error lines of a failed compile, are the worker's.
+Start to end: discover, plan, compile, reserve, launch, report. Runs inside vLLM's
+``kernel_warmup``: the KV cache exists, graphs are not yet captured and the workspace
+is not yet locked, in every release 0.20-0.33. The CLI plans and compiles through the
+same functions (``plugin_manager``, ``plan_keys``, ``compile_into``), so what
+``inspect`` prints and ``precompile`` builds, and the error lines of a failed
+compile, are the worker's.
 """
 
 from __future__ import annotations

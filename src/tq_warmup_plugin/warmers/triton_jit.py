@@ -1,8 +1,8 @@
-"""Compiles a ``KernelKey`` through Triton's ``JITFunction.warmup``.
+"""The Triton warmer: compiles a ``KernelKey`` (and loads it on a GPU), launching nothing.
 
-``warmup`` runs the same binder and cache lookup as a launch and stores the
-binary in the same per-device cache, but launches nothing. The tensors it gets
-are a few bytes on the CPU: Triton only reads their dtype and ``data_ptr()``, so
+Triton's ``JITFunction.warmup`` runs the same binder and cache lookup as a launch
+and stores the binary in the same per-device cache, but launches nothing. The tensors
+it gets are a few bytes on the CPU: Triton only reads their dtype and ``data_ptr()``, so
 their alignment is chosen to match what the runtime passes.
 """
 
@@ -15,6 +15,8 @@ from typing import Any
 from .. import compat
 from ..hookspecs import hookimpl
 from ..keys import Const, Int, KernelKey, Ptr
+
+__all__ = ["compile_key", "tq_warmup_compile", "warmup_arguments"]
 
 
 @cache

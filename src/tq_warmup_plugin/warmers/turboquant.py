@@ -1,5 +1,8 @@
-"""The TurboQuant warmer: every layer's kernel keys, path by path (decode, short and
-long continuation, store), from the pure derivations in ``keys``."""
+"""The TurboQuant warmer: every layer's kernel keys, path by path.
+
+Decode, short and long continuation, store: the pure derivations in ``keys`` (``PATHS``)
+applied to each layer's ``Geometry``.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ from collections.abc import Hashable, Iterable, Mapping
 from ..geometry import Geometry
 from ..hookspecs import hookimpl
 from ..keys import PATHS, KernelKey
+
+__all__ = ["tq_warmup_keys", "turboquant_contributions"]
 
 
 def turboquant_contributions(
