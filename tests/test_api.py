@@ -5,12 +5,12 @@ from __future__ import annotations
 import ast
 import importlib
 import json
-import os
 import pkgutil
-import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
+
+import fakes
 
 import tq_warmup_plugin
 from tq_warmup_plugin import geometry, hookspecs, keys, settings
@@ -73,12 +73,7 @@ def test_register_imports_no_module_beyond_what_it_did() -> None:
         "import tq_warmup_plugin; tq_warmup_plugin.register()\n"
         "print(json.dumps(sorted(set(sys.modules) - before)))\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TQ_WARMUP")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE.parent), env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    )
-    new = set(json.loads(done.stdout.splitlines()[-1]))
+    new = set(json.loads(fakes.fresh_python(code).splitlines()[-1]))
     assert {m for m in new if m.split(".")[0] == NAME} == REGISTER_MODULES
     others = {m.split(".")[0] for m in new if m.split(".")[0] != NAME}
     # Private C accelerators (_sre, _typing, ...) differ between Python releases.

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fakes
 import pytest
 
 from tq_warmup_plugin import cli
@@ -204,48 +205,19 @@ def test_precompile_reports_failures_with_the_workers_error_lines(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """precompile compiles through the worker's path: a failure is the worker's line."""
-    from collections.abc import Hashable
-
-    import pluggy
-
     from tq_warmup_plugin import compat, precompile, warmup
-    from tq_warmup_plugin.hookspecs import hookimpl
-    from tq_warmup_plugin.keys import KernelKey
 
-    failed: set[Hashable] = set()
-
-    class Failing:
-        @hookimpl
-        def tq_warmup_compile(self, key: Hashable) -> bool:
-            if isinstance(key, KernelKey) and key.kernel == "_tq_full_dequant_kv":
-                failed.add(key)
-                raise RuntimeError("ptxas died\nstack")
-            return True
-
-    class Counter:
-        def __enter__(self) -> Counter:
-            self.compiled, self.loaded = 5, 0
-            return self
-
-        def __exit__(self, *exc: object) -> None:
-            pass
-
-    built_in = warmup.plugin_manager
-
-    def manager() -> pluggy.PluginManager:
-        pm = built_in(load_entry_points=False)
-        pm.register(Failing())
-        return pm
-
+    warmer = fakes.RecordingWarmer()
     for var in ("TRITON_CACHE_DIR", "CUDA_VISIBLE_DEVICES"):  # precompile sets both
         monkeypatch.setenv(var, "")
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
     monkeypatch.setattr(precompile, "use_compile_only_target", lambda arch: None)
-    monkeypatch.setattr(warmup, "plugin_manager", manager)
-    monkeypatch.setattr(warmup, "CompileCounter", Counter)
+    monkeypatch.setattr(warmup, "plugin_manager", lambda: fakes.manager(warmer))
+    monkeypatch.setattr(warmup, "CompileCounter", fakes.StubCounter)
     assert cli.main(["precompile", *H200_FLAGS[:-2], "--cache-dir", str(tmp_path)]) == 1
     out, err = capsys.readouterr()
-    assert "6 keys for sm90" in out and "5 built, 0 already there, 1 failed" in out
-    worker_lines = warmup.compile_all(manager(), list(failed), 1)
+    assert "6 keys for sm90" in out and "3 built, 4 already there, 1 failed" in out
+    failed = [k for k in warmer.seen if k.kernel == fakes.FAILING][:1]
+    worker_lines = warmup.compile_all(fakes.manager(fakes.RecordingWarmer()), failed, 1)
     assert worker_lines == ["_tq_full_dequant_kv: RuntimeError: ptxas died"]
     assert err.splitlines() == [f"  failed: {line}" for line in worker_lines]

@@ -9,6 +9,7 @@ from typing import Any
 
 import fakes
 import pytest
+from fakes import FAILING, RecordingWarmer, StubCounter, manager
 
 from tq_warmup_plugin import compat, warmup
 from tq_warmup_plugin.discovery import Discovery
@@ -19,31 +20,11 @@ from tq_warmup_plugin.settings import Settings
 from tq_warmup_plugin.warmers import triton_jit
 from tq_warmup_plugin.warmers.turboquant import turboquant_contributions
 
-FAILING = "_tq_full_dequant_kv"
 GEOMETRIES = {
     "model.layers.0.attn": fakes.geometry(),
     "model.layers.1.attn": fakes.geometry(),
     "model.layers.2.attn": fakes.geometry(head_size=64, width=63),
 }
-
-
-class RecordingWarmer:
-    """Handles every KernelKey instead of Triton; raises for one kernel."""
-
-    def __init__(self, failing: str | None = FAILING) -> None:
-        self.failing = failing
-        self.seen: list[Hashable] = []
-        self.threads: set[int] = set()
-
-    @hookimpl
-    def tq_warmup_compile(self, key: Hashable) -> bool | None:
-        if not isinstance(key, KernelKey):
-            return None
-        self.seen.append(key)
-        self.threads.add(threading.get_ident())
-        if key.kernel == self.failing:
-            raise RuntimeError("ptxas died\nstack")
-        return True
 
 
 class ExtraWarmer:
@@ -62,22 +43,6 @@ class ExtraWarmer:
             return None
         self.compiled.append(key)
         return True
-
-
-class StubCounter:
-    def __enter__(self) -> StubCounter:
-        self.compiled, self.loaded = 3, 4
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
-def manager(*warmers: object) -> Any:
-    pm = warmup.plugin_manager(load_entry_points=False)
-    for warmer in warmers:  # registered last, called first
-        pm.register(warmer)
-    return pm
 
 
 @pytest.fixture
