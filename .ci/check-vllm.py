@@ -1,5 +1,7 @@
 """Smoke check of a CI venv: the vLLM TurboQuant modules import on CPU and Triton
 compiles one real vLLM kernel for sm90 (a compile-only driver: nothing launches).
+The driver is the package's own (``tq_warmup_plugin.precompile``, installed in the venv
+before this runs), so the check also covers the one ``tq-warmup precompile`` uses.
 Run: CUDA_VISIBLE_DEVICES= TRITON_CACHE_DIR=$(mktemp -d) VENV/bin/python .ci/check-vllm.py
 """
 import os
@@ -11,9 +13,9 @@ import time
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.driver import DriverBase
 from triton.runtime.jit import JITFunction
+
+from tq_warmup_plugin.precompile import use_compile_only_target
 
 MODULES = [
     "vllm.v1.attention.backends.turboquant_attn",
@@ -35,37 +37,7 @@ dec = mods["vllm.v1.attention.ops.triton_turboquant_decode"]
 assert isinstance(dec._tq_decode_stage1, JITFunction), type(dec._tq_decode_stage1)
 
 
-class CompileOnlyDriver(DriverBase):
-    def __init__(self, target):
-        self.target = target
-
-    @classmethod
-    def is_active(cls):
-        return False
-
-    def get_current_target(self):
-        return self.target
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-    def get_device_interface(self):
-        return torch.cuda
-
-    def get_benchmarker(self):
-        raise NotImplementedError
-
-    def map_python_to_cpp_type(self, ty):
-        raise NotImplementedError
-
-
-triton.runtime.driver.set_active(CompileOnlyDriver(GPUTarget("cuda", 90, 32)))
+use_compile_only_target(90)
 _orig_run = JITFunction.run
 compiled = []
 

@@ -1,16 +1,30 @@
-"""Fakes shared by the unit tests: geometries and a vLLM-shaped worker.
+"""Fakes shared by the unit tests: geometries, a vLLM-shaped worker, warmers.
 
 Nothing heavy at import: helpers that need torch import it when called.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Hashable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from tq_warmup_plugin import compat, keys
+import pluggy
+
+import tq_warmup_plugin
+from tq_warmup_plugin import compat
+from tq_warmup_plugin.geometry import PRESETS, Geometry, preset
+from tq_warmup_plugin.hookspecs import hookimpl
+from tq_warmup_plugin.keys import KernelKey
+from tq_warmup_plugin.warmup import plugin_manager
 
 PRESET = "turboquant_4bit_nc"
+FAILING = "_tq_full_dequant_kv"
 
 
 def geometry(
@@ -28,11 +42,11 @@ def geometry(
     batched: int = 2048,
     splits: int = 32,
     scale: float | None = None,
-) -> keys.Geometry:
+) -> Geometry:
     """A geometry with unpadded strides; the defaults match :func:`worker`'s."""
     feats = compat.features(version)
-    slot = keys.preset(cache_dtype, head_size).slot_size_aligned
-    return keys.Geometry(
+    slot = preset(cache_dtype, head_size).slot_size_aligned
+    return Geometry(
         cache_dtype=cache_dtype,
         head_size=head_size,
         num_heads=num_heads,
@@ -93,7 +107,7 @@ def kv_cache(
     """A uint8 KV tensor allocated the way the release allocates it."""
     import torch
 
-    slot = keys.preset(cache_dtype, head_size).slot_size_aligned
+    slot = preset(cache_dtype, head_size).slot_size_aligned
     head_major = feats.kv_head_major
     shape = (blocks, heads, block_size, slot) if head_major else (blocks, block_size, heads, slot)
     count = blocks * heads * block_size * slot
@@ -110,7 +124,7 @@ def layer(feats: compat.Features, impl: Any = None, **kv: Any) -> SimpleNamespac
     dtype = impl.kv_cache_dtype
     kv.setdefault("heads", impl.num_kv_heads)
     kv.setdefault("head_size", impl.head_size)
-    kv.setdefault("cache_dtype", dtype if dtype in keys.PRESETS else PRESET)
+    kv.setdefault("cache_dtype", dtype if dtype in PRESETS else PRESET)
     return SimpleNamespace(impl=impl, kv_cache=kv_cache(feats, **kv), kv_cache_dtype=dtype)
 
 
@@ -164,3 +178,51 @@ def worker(
     return SimpleNamespace(
         vllm_config=config, model_runner=runner, use_v2_model_runner=use_v2, rank=0
     )
+
+
+class RecordingWarmer:
+    """Handles every KernelKey instead of Triton; raises for one kernel."""
+
+    def __init__(self, failing: str | None = FAILING) -> None:
+        self.failing = failing
+        self.seen: list[Hashable] = []
+        self.threads: set[int] = set()
+
+    @hookimpl
+    def tq_warmup_compile(self, key: Hashable) -> bool | None:
+        if not isinstance(key, KernelKey):
+            return None
+        self.seen.append(key)
+        self.threads.add(threading.get_ident())
+        if key.kernel == self.failing:
+            raise RuntimeError("ptxas died\nstack")
+        return True
+
+
+class StubCounter:
+    def __enter__(self) -> StubCounter:
+        self.compiled, self.loaded = 3, 4
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def manager(*warmers: object) -> pluggy.PluginManager:
+    """The built-in warmers and these (bound at import: tests may patch the module's)."""
+    pm = plugin_manager(load_entry_points=False)
+    for warmer in warmers:  # registered last, called first
+        pm.register(warmer)
+    return pm
+
+
+def fresh_python(code: str) -> str:
+    """The stdout of ``code`` in a new interpreter that imports this tree's package,
+    without the operator's ``TQ_WARMUP*`` settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TQ_WARMUP")}
+    src = str(Path(tq_warmup_plugin.__file__).parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    return done.stdout

@@ -8,9 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fakes
 import pytest
 
-from tq_warmup_plugin import cli, keys
+from tq_warmup_plugin import cli
+from tq_warmup_plugin.geometry import Geometry
 
 DATA = Path(__file__).parent / "data"
 # The geometry vLLM 0.26.0 discovered on an H200 for this benchmark model (TQ_WARMUP_REPORT).
@@ -172,7 +174,7 @@ def test_triton_key_of_an_installation_is_tritons_own() -> None:
 
     from triton.runtime.cache import triton_key
 
-    from tq_warmup_plugin.warmers.triton_jit import triton_key_of
+    from tq_warmup_plugin.precompile import triton_key_of
 
     roots = [p for p in site.getsitepackages() if (Path(p) / "triton").is_dir()]
     assert triton_key_of(roots[0]) == triton_key()
@@ -182,7 +184,7 @@ def test_geometry_round_trips_through_the_report() -> None:
     from tq_warmup_plugin import compat
 
     data = json.loads(H200_REPORT.read_text())["geometries"][0]
-    g = keys.Geometry.from_dict(data, compat.features((0, 26)))
+    g = Geometry.from_dict(data, compat.features((0, 26)))
     assert g.to_dict() == {**data, "kv_strides": tuple(data["kv_strides"])}
 
 
@@ -201,3 +203,25 @@ def test_inspect_lists_the_first_launches(capsys: pytest.CaptureFixture[str]) ->
         "attention bfloat16 512x1024 (heads 16/8, d=128)",
         "paged_decode bfloat16 1x2048 (heads 16/8, d=128)",
     ]
+
+
+def test_precompile_reports_failures_with_the_workers_error_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """precompile compiles through the worker's path: a failure is the worker's line."""
+    from tq_warmup_plugin import compat, precompile, warmup
+
+    warmer = fakes.RecordingWarmer()
+    for var in ("TRITON_CACHE_DIR", "CUDA_VISIBLE_DEVICES"):  # precompile sets both
+        monkeypatch.setenv(var, "")
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
+    monkeypatch.setattr(precompile, "use_compile_only_target", lambda arch: None)
+    monkeypatch.setattr(warmup, "plugin_manager", lambda: fakes.manager(warmer))
+    monkeypatch.setattr(warmup, "CompileCounter", fakes.StubCounter)
+    assert cli.main(["precompile", *H200_FLAGS[:-2], "--cache-dir", str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
+    assert "6 keys for sm90" in out and "3 built, 4 already there, 1 failed" in out
+    failed = [k for k in warmer.seen if k.kernel == fakes.FAILING][:1]
+    worker_lines = warmup.compile_all(fakes.manager(fakes.RecordingWarmer()), failed, 1)
+    assert worker_lines == ["_tq_full_dequant_kv: RuntimeError: ptxas died"]
+    assert err.splitlines() == [f"  failed: {line}" for line in worker_lines]

@@ -16,18 +16,20 @@ import pytest
 from realvllm import MAX_NUM_SEQS, layer_kv_cache, make_impl, recorded_keys, run_backend
 
 from tq_warmup_plugin import compat, keys
+from tq_warmup_plugin.geometry import PRESETS as ALL_PRESETS
+from tq_warmup_plugin.geometry import Geometry
 from tq_warmup_plugin.warmers.triton_jit import compile_key
+from tq_warmup_plugin.warmers.turboquant import turboquant_contributions
+from tq_warmup_plugin.warmup import Plan
 
 pytestmark = pytest.mark.real_vllm
 
-PRESETS = sorted(keys.PRESETS)
+PRESETS = sorted(ALL_PRESETS)
 BATCHED_TOKENS = 2048
 
 
-def geometry(
-    feats: compat.Features, impl: Any, kv_view: Any, width: int, dtype: str
-) -> keys.Geometry:
-    return keys.Geometry(
+def geometry(feats: compat.Features, impl: Any, kv_view: Any, width: int, dtype: str) -> Geometry:
+    return Geometry(
         cache_dtype=impl.kv_cache_dtype,
         head_size=impl.head_size,
         num_heads=impl.num_heads,
@@ -82,8 +84,8 @@ def check_case(
     assert g.preset.slot_size_aligned == impl.tq_config.slot_size_aligned
     assert g.preset.key_packed_size == impl.tq_config.key_packed_size
     with recorded_keys() as ours:
-        for key in keys.plan(keys.turboquant_contributions({"layer": g})).keys:
-            compile_key(key)  # type: ignore[arg-type]
+        for key in Plan.of(turboquant_contributions({"layer": g})).keys:
+            compile_key(key)
     assert {name for name, _ in launched} >= {"_tq_decode_stage1", "_fwd_kernel_stage2"}
     assert ours == launched, (sorted(launched - ours), sorted(ours - launched))
 
@@ -115,7 +117,7 @@ def test_keys_match_single_query_head_and_custom_splits(
 
 def test_long_continuation_path_is_covered(vllm_env: compat.Features) -> None:
     g_keys = keys.long_continuation_keys(
-        keys.Geometry(
+        Geometry(
             "turboquant_4bit_nc",
             128,
             8,
@@ -157,7 +159,7 @@ def test_verify_batch_keys_are_planned(vllm_env: compat.Features, preset: str, k
         run_backend(impl, kv, width, torch.bfloat16, verify_batches(k))
     g = geometry(vllm_env, impl, compat.kv_view(kv, vllm_env), width, "bfloat16")
     with recorded_keys() as ours:
-        for key in keys.plan(keys.turboquant_contributions({"layer": g})).keys:
-            compile_key(key)  # type: ignore[arg-type]
+        for key in Plan.of(turboquant_contributions({"layer": g})).keys:
+            compile_key(key)
     assert {name for name, _ in launched} >= {"_tq_decode_stage1", "_fwd_kernel_stage2"}
     assert launched <= ours, sorted(launched - ours)

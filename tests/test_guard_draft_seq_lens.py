@@ -216,7 +216,7 @@ def test_warmup_warns_once_on_turboquant_workers(
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
     monkeypatch.setattr(compat, "workspace_manager", lambda feats: None)
     monkeypatch.setattr(warmup, "discover", lambda worker, feats: found)
-    monkeypatch.setattr(warmup, "compile_all", lambda pm, todo, threads: [])
+    monkeypatch.setattr(warmup, "compile_all", lambda pm, todo, threads, progress: [])
     counter = SimpleNamespace(compiled=0, loaded=0)  # no Triton here
     monkeypatch.setattr(warmup, "CompileCounter", lambda: contextlib.nullcontext(counter))
     found = Discovery(geometries={"layers.0.attn": fakes.geometry()})

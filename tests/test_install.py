@@ -5,8 +5,6 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import os
-import subprocess
 import sys
 import types
 from collections.abc import Iterator
@@ -14,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import fakes
 import pytest
 from conftest import Log
 
@@ -212,13 +211,7 @@ def test_register_imports_nothing_heavy() -> None:
         "print([m for m in ('torch', 'triton', 'vllm') if m in sys.modules])\n"
         "print(sum(isinstance(f, install._PatchOnImport) for f in sys.meta_path))\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TQ_WARMUP")}
-    src = str(Path(tq_warmup_plugin.__file__).parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    )
-    assert done.stdout.split("\n")[:2] == ["[]", "1"]
+    assert fakes.fresh_python(code).split("\n")[:2] == ["[]", "1"]
 
 
 def boom(worker: Any, settings: Settings) -> Report:

@@ -12,7 +12,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tq_warmup_plugin import compat, keys
+from tq_warmup_plugin.geometry import PRESETS, Geometry, preset
 from tq_warmup_plugin.keys import Const, Int, KernelKey, Ptr
+from tq_warmup_plugin.warmers.turboquant import turboquant_contributions
+from tq_warmup_plugin.warmup import Plan
 
 VERSIONS = [(0, 20), (0, 21), (0, 24), (0, 26), (0, 28), (0, 29), (0, 33)]
 INT_CLASSES = {Int.of(v) for v in (1, 0, 3, 2**32, 2**32 + 1)}
@@ -27,13 +30,13 @@ def by_kernel(ks: tuple[KernelKey, ...], kernel: str) -> list[KernelKey]:
 
 
 @st.composite
-def geometries(draw: st.DrawFn) -> keys.Geometry:
+def geometries(draw: st.DrawFn) -> Geometry:
     kv_total = draw(st.sampled_from([1, 2, 4, 8]))
     q_total = kv_total * draw(st.sampled_from([1, 2, 4, 8]))
     tp = draw(st.sampled_from([t for t in (1, 2, 4, 8) if q_total % t == 0]))
     return fakes.geometry(
         version=draw(st.sampled_from(VERSIONS)),
-        cache_dtype=draw(st.sampled_from(sorted(keys.PRESETS))),
+        cache_dtype=draw(st.sampled_from(sorted(PRESETS))),
         head_size=draw(st.sampled_from([64, 80, 96, 128, 256])),
         num_heads=q_total // tp,
         num_kv_heads=max(1, kv_total // tp),  # vLLM replicates KV heads past their count
@@ -48,7 +51,7 @@ def geometries(draw: st.DrawFn) -> keys.Geometry:
 
 
 @given(geometries())
-def test_every_key_is_a_known_kernel_with_canonical_ints(g: keys.Geometry) -> None:
+def test_every_key_is_a_known_kernel_with_canonical_ints(g: Geometry) -> None:
     g.check()
     for derive in keys.PATHS.values():
         for key in derive(g):
@@ -59,7 +62,7 @@ def test_every_key_is_a_known_kernel_with_canonical_ints(g: keys.Geometry) -> No
 
 
 @given(geometries())
-def test_decode_keys_use_the_configured_splits(g: keys.Geometry) -> None:
+def test_decode_keys_use_the_configured_splits(g: Geometry) -> None:
     stage1, stage2 = keys.decode_keys(g)
     assert (stage1.kernel, stage2.kernel) == ("_tq_decode_stage1", "_fwd_kernel_stage2")
     assert args(stage1)["NUM_KV_SPLITS"] == args(stage2)["NUM_KV_SPLITS"] == Const(g.num_kv_splits)
@@ -70,7 +73,7 @@ def test_decode_keys_use_the_configured_splits(g: keys.Geometry) -> None:
 
 
 @given(geometries())
-def test_continuation_variants(g: keys.Geometry) -> None:
+def test_continuation_variants(g: Geometry) -> None:
     ks = keys.short_continuation_keys(g)
     seqs = (True, False) if g.features.version >= (0, 21) else (True,)
     rows = (True, False) if g.block_table_width % 4 and g.max_num_seqs >= 2 else (True,)
@@ -87,7 +90,7 @@ def test_continuation_variants(g: keys.Geometry) -> None:
 
 
 @given(geometries())
-def test_dequant_keys_only_past_the_fast_path_threshold(g: keys.Geometry) -> None:
+def test_dequant_keys_only_past_the_fast_path_threshold(g: Geometry) -> None:
     ks = keys.long_continuation_keys(g)
     if g.max_num_batched_tokens <= 128:
         assert ks == ()
@@ -99,7 +102,7 @@ def test_dequant_keys_only_past_the_fast_path_threshold(g: keys.Geometry) -> Non
 
 
 @given(geometries())
-def test_store_key_has_exact_constexpr_strides(g: keys.Geometry) -> None:
+def test_store_key_has_exact_constexpr_strides(g: Geometry) -> None:
     (key,) = keys.store_keys(g)
     fp8 = g.cache_dtype == "turboquant_k8v4"
     assert key.kernel == ("_tq_fused_store_fp8" if fp8 else "_tq_fused_store_mse")
@@ -114,7 +117,7 @@ def test_store_key_has_exact_constexpr_strides(g: keys.Geometry) -> None:
 
 
 @given(geometries())
-def test_stage2_output_dtype_per_release(g: keys.Geometry) -> None:
+def test_stage2_output_dtype_per_release(g: Geometry) -> None:
     a = args(keys.decode_keys(g)[1])
     if g.features.version >= (0, 21):
         assert a["OUTPUT_FP16"] == Const(int(g.model_dtype == "float16"))
@@ -125,28 +128,26 @@ def test_stage2_output_dtype_per_release(g: keys.Geometry) -> None:
 
 
 @given(geometries())
-def test_count_by_path_counts_distinct_keys_of_each_path(g: keys.Geometry) -> None:
-    the_plan = keys.plan(keys.turboquant_contributions({"layer": g}))
+def test_count_by_path_counts_distinct_keys_of_each_path(g: Geometry) -> None:
+    the_plan = Plan.of(turboquant_contributions({"layer": g}))
     per_path = {path: set(derive(g)) for path, derive in keys.PATHS.items()}
     assert the_plan.count_by_path() == {p: len(ks) for p, ks in per_path.items() if ks}
     assert set(the_plan.keys) == set().union(*per_path.values())
 
 
 @given(geometries())
-def test_identical_layers_share_every_key(g: keys.Geometry) -> None:
-    one = keys.plan(keys.turboquant_contributions({"a": g}))
-    two = keys.plan(keys.turboquant_contributions({"a": g, "b": g}))
+def test_identical_layers_share_every_key(g: Geometry) -> None:
+    one = Plan.of(turboquant_contributions({"a": g}))
+    two = Plan.of(turboquant_contributions({"a": g, "b": g}))
     assert two.keys == one.keys
     assert all(layers == ["a", "b"] for layers in two.layers.values())
 
 
 @pytest.mark.parametrize(("w1", "w2"), [(32, 48), (64, 4096), (63, 127), (18, 34)])
 def test_layers_differing_in_a_same_class_stride_dedupe(w1: int, w2: int) -> None:
-    one = keys.plan(keys.turboquant_contributions({"a": fakes.geometry(width=w1)}))
-    two = keys.plan(
-        keys.turboquant_contributions(
-            {"a": fakes.geometry(width=w1), "b": fakes.geometry(width=w2)}
-        )
+    one = Plan.of(turboquant_contributions({"a": fakes.geometry(width=w1)}))
+    two = Plan.of(
+        turboquant_contributions({"a": fakes.geometry(width=w1), "b": fakes.geometry(width=w2)})
     )
     assert two.keys == one.keys
 
@@ -154,9 +155,9 @@ def test_layers_differing_in_a_same_class_stride_dedupe(w1: int, w2: int) -> Non
 def test_layers_differing_in_scale_do_not_share_stage1() -> None:
     g = fakes.geometry()
     other = dataclasses.replace(g, scale=math.nextafter(g.scale, 1.0))
-    one = keys.plan(keys.turboquant_contributions({"a": g}))
-    two = keys.plan(keys.turboquant_contributions({"a": g, "b": other}))
-    stage1 = [k for k in one.keys if k.kernel == "_tq_decode_stage1"]  # type: ignore[attr-defined]
+    one = Plan.of(turboquant_contributions({"a": g}))
+    two = Plan.of(turboquant_contributions({"a": g, "b": other}))
+    stage1 = [k for k in one.keys if k.kernel == "_tq_decode_stage1"]
     assert stage1 and len(two.keys) == len(one.keys) + len(stage1)
     assert sorted(map(tuple, two.layers.values())) == sorted(
         [("a",)] * len(stage1)
@@ -166,7 +167,7 @@ def test_layers_differing_in_scale_do_not_share_stage1() -> None:
 
 
 def test_plan_dedupes_and_keeps_first_seen_order() -> None:
-    p = keys.plan(
+    p = Plan.of(
         [("a", "p", "k2"), ("b", "p", "k2"), ("a", "q", "k2"), ("a", "q", "k1"), ("a", "q", "k1")]
     )
     assert p.keys == ["k2", "k1"]
@@ -199,11 +200,11 @@ def test_const_keeps_the_exact_scale() -> None:
 
 
 def test_preset_layout() -> None:
-    p = keys.preset("turboquant_4bit_nc", 128)
+    p = preset("turboquant_4bit_nc", 128)
     assert (p.key_packed_size, p.slot_size_aligned, p.key_mse_bits) == (66, 134, 4)
-    assert keys.preset("turboquant_k8v4", 128).key_mse_bits == 0
+    assert preset("turboquant_k8v4", 128).key_mse_bits == 0
     with pytest.raises(ValueError, match="not a TurboQuant cache dtype"):
-        keys.preset("fp8", 128)
+        preset("fp8", 128)
 
 
 @pytest.mark.parametrize(

@@ -12,8 +12,8 @@ import pytest
 
 from tq_warmup_plugin import compat, launches, warmup
 from tq_warmup_plugin.discovery import PREFILL_ONLY_PATHS, discover
-from tq_warmup_plugin.hookspecs import plugin_manager
 from tq_warmup_plugin.settings import Settings
+from tq_warmup_plugin.warmup import plugin_manager
 
 FEATS = compat.features((0, 26))
 

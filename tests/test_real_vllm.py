@@ -22,7 +22,8 @@ from realvllm import (
     run_backend,
 )
 
-from tq_warmup_plugin import compat, install, keys, launches, workspace
+from tq_warmup_plugin import compat, install, launches, workspace
+from tq_warmup_plugin.geometry import PRESETS, Geometry
 from tq_warmup_plugin.settings import Settings
 from tq_warmup_plugin.warmup import run
 
@@ -162,7 +163,7 @@ def test_reservation_survives_the_workspace_lock(vllm_env: compat.Features, rese
     ws.reset_workspace_manager()
     ws.init_workspace_manager(torch.device("cpu"))
     try:
-        g = keys.Geometry(
+        g = Geometry(
             "turboquant_4bit_nc",
             128,
             8,
@@ -198,7 +199,7 @@ def test_reservation_survives_the_workspace_lock(vllm_env: compat.Features, rese
         ws.init_workspace_manager(torch.device("cpu"))
 
 
-@pytest.mark.parametrize("cache_dtype", sorted(keys.PRESETS))
+@pytest.mark.parametrize("cache_dtype", sorted(PRESETS))
 def test_planned_gemms_are_the_backends_gemms(vllm_env: compat.Features, cache_dtype: str) -> None:
     # The real backend's decode, short and long continuation on CPU tensors: every
     # GEMM it runs must have a planned launch of the same dtype and inner size (the
@@ -223,7 +224,7 @@ def test_planned_gemms_are_the_backends_gemms(vllm_env: compat.Features, cache_d
     kv = layer_kv_cache(vllm_env, width, bs, 2, impl.tq_config.slot_size_aligned)
     with recorded_keys(), Gemms():
         run_backend(impl, kv, width, torch.bfloat16)
-    g = keys.Geometry(
+    g = Geometry(
         cache_dtype,
         d,
         8,

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 from realvllm import MAX_NUM_SEQS, layer_kv_cache, make_impl, recorded_keys, run_backend
 
-from tq_warmup_plugin import compat, keys, workspace
+from tq_warmup_plugin import compat, workspace
+from tq_warmup_plugin.geometry import Geometry
 
 pytestmark = pytest.mark.real_vllm
 
@@ -36,8 +37,8 @@ def in_slot(ubatch: int, lane: int) -> Iterator[None]:
         yield
 
 
-def geometry(impl: Any, feats: compat.Features) -> keys.Geometry:
-    return keys.Geometry(
+def geometry(impl: Any, feats: compat.Features) -> Geometry:
+    return Geometry(
         "turboquant_4bit_nc", 128, 8, 2, BS, impl.scale, (0, 0, 0), "bfloat16", WIDTH,
         MAX_NUM_SEQS, WIDTH * BS, 2048, 32, 0, feats,
     )  # fmt: skip

@@ -12,8 +12,9 @@ import pytest
 
 from tq_warmup_plugin import compat, launches, warmup
 from tq_warmup_plugin.discovery import Discovery
-from tq_warmup_plugin.hookspecs import hookimpl, plugin_manager
+from tq_warmup_plugin.hookspecs import hookimpl
 from tq_warmup_plugin.settings import Settings
+from tq_warmup_plugin.warmup import plugin_manager
 
 torch = pytest.importorskip("torch")
 

@@ -9,39 +9,22 @@ from typing import Any
 
 import fakes
 import pytest
+from fakes import FAILING, RecordingWarmer, StubCounter, manager
 
-from tq_warmup_plugin import compat, keys, warmup
+from tq_warmup_plugin import compat, warmup
 from tq_warmup_plugin.discovery import Discovery
-from tq_warmup_plugin.hookspecs import hookimpl, plugin_manager
+from tq_warmup_plugin.geometry import Geometry
+from tq_warmup_plugin.hookspecs import hookimpl
 from tq_warmup_plugin.keys import Const, Int, KernelKey, Ptr
 from tq_warmup_plugin.settings import Settings
 from tq_warmup_plugin.warmers import triton_jit
+from tq_warmup_plugin.warmers.turboquant import turboquant_contributions
 
-FAILING = "_tq_full_dequant_kv"
 GEOMETRIES = {
     "model.layers.0.attn": fakes.geometry(),
     "model.layers.1.attn": fakes.geometry(),
     "model.layers.2.attn": fakes.geometry(head_size=64, width=63),
 }
-
-
-class RecordingWarmer:
-    """Handles every KernelKey instead of Triton; raises for one kernel."""
-
-    def __init__(self, failing: str | None = FAILING) -> None:
-        self.failing = failing
-        self.seen: list[Hashable] = []
-        self.threads: set[int] = set()
-
-    @hookimpl
-    def tq_warmup_compile(self, key: Hashable) -> bool | None:
-        if not isinstance(key, KernelKey):
-            return None
-        self.seen.append(key)
-        self.threads.add(threading.get_ident())
-        if key.kernel == self.failing:
-            raise RuntimeError("ptxas died\nstack")
-        return True
 
 
 class ExtraWarmer:
@@ -51,7 +34,7 @@ class ExtraWarmer:
         self.compiled: list[Hashable] = []
 
     @hookimpl
-    def tq_warmup_keys(self, geometries: Mapping[str, keys.Geometry]) -> list[tuple]:
+    def tq_warmup_keys(self, geometries: Mapping[str, Geometry]) -> list[tuple]:
         return [(name, "extra", ("extra", g.head_size)) for name, g in geometries.items()]
 
     @hookimpl
@@ -60,22 +43,6 @@ class ExtraWarmer:
             return None
         self.compiled.append(key)
         return True
-
-
-class StubCounter:
-    def __enter__(self) -> StubCounter:
-        self.compiled, self.loaded = 3, 4
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
-def manager(*warmers: object) -> Any:
-    pm = plugin_manager(load_entry_points=False)
-    for warmer in warmers:  # registered last, called first
-        pm.register(warmer)
-    return pm
 
 
 @pytest.fixture
@@ -133,13 +100,11 @@ def test_unsupported_release_is_declined(monkeypatch: pytest.MonkeyPatch, versio
 def test_each_distinct_key_compiles_once_and_failures_are_counted(found: Discovery) -> None:
     warmer = RecordingWarmer()
     report = warmup.run(object(), Settings(threads=1), manager(warmer))
-    expected = keys.plan(keys.turboquant_contributions(GEOMETRIES))
-    failing = [k for k in expected.keys if k.kernel == FAILING]  # type: ignore[attr-defined]
+    expected = warmup.Plan.of(turboquant_contributions(GEOMETRIES))
+    failing = [k for k in expected.keys if k.kernel == FAILING]
     assert report.status == "ok" and report.layers == 3
     assert Counter(warmer.seen) == Counter(expected.keys)
-    assert (
-        report.distinct == len(expected.keys) < len(list(keys.turboquant_contributions(GEOMETRIES)))
-    )
+    assert report.distinct == len(expected.keys) < len(list(turboquant_contributions(GEOMETRIES)))
     assert report.keys == expected.count_by_path()
     assert failing and report.failed == len(failing) == len(report.errors)
     assert set(report.errors) == {f"{FAILING}: RuntimeError: ptxas died"}
@@ -147,13 +112,13 @@ def test_each_distinct_key_compiles_once_and_failures_are_counted(found: Discove
 
 
 def test_threads_compile_the_same_set() -> None:
-    todo = keys.plan(keys.turboquant_contributions(GEOMETRIES)).keys
+    todo = warmup.Plan.of(turboquant_contributions(GEOMETRIES)).keys
     serial, threaded = RecordingWarmer(), RecordingWarmer()
     errors_serial = warmup.compile_all(manager(serial), todo, 1)
     errors_threaded = warmup.compile_all(manager(threaded), todo, 2)
     assert Counter(serial.seen) == Counter(todo)
     # Keys that failed on a pool thread are tried once more on the caller's thread.
-    failing = [k for k in todo if k.kernel == FAILING]  # type: ignore[attr-defined]
+    failing = [k for k in todo if k.kernel == FAILING]
     assert failing and Counter(threaded.seen) == Counter(todo) + Counter(failing)
     assert Counter(errors_serial) == Counter(errors_threaded) and errors_serial
     main = threading.get_ident()
@@ -171,7 +136,7 @@ def test_a_compile_that_fails_on_a_pool_thread_is_retried_on_the_caller() -> Non
                 raise SystemError("AST constructor recursion depth mismatch")
             return True
 
-    todo = keys.plan(keys.turboquant_contributions(GEOMETRIES)).keys
+    todo = warmup.Plan.of(turboquant_contributions(GEOMETRIES)).keys
     warmer = ThreadShy(failing=None)
     assert warmup.compile_all(manager(warmer), todo, 2) == []
     assert Counter(warmer.seen) == Counter(todo) + Counter(todo)
@@ -184,7 +149,7 @@ def test_a_key_nobody_handles_is_an_error() -> None:
 def test_third_party_warmer_contributes_and_compiles_its_keys(found: Discovery) -> None:
     extra = ExtraWarmer()
     report = warmup.run(object(), Settings(threads=2), manager(RecordingWarmer(None), extra))
-    tq_only = keys.plan(keys.turboquant_contributions(GEOMETRIES))
+    tq_only = warmup.Plan.of(turboquant_contributions(GEOMETRIES))
     assert Counter(extra.compiled) == Counter([("extra", 128), ("extra", 64)])
     assert report.keys == {**tq_only.count_by_path(), "extra": 2}
     assert report.distinct == len(tq_only.keys) + 2

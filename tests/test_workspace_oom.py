@@ -10,8 +10,9 @@ import fakes
 import pytest
 
 from tq_warmup_plugin import compat, install, warmup, workspace
-from tq_warmup_plugin.hookspecs import hookimpl, plugin_manager
+from tq_warmup_plugin.hookspecs import hookimpl
 from tq_warmup_plugin.settings import Settings
+from tq_warmup_plugin.warmup import plugin_manager
 
 torch = pytest.importorskip("torch")
 

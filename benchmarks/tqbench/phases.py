@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tq_warmup_plugin.compat import CONTINUATION_DECODE_THRESHOLD
-from tq_warmup_plugin.keys import PRESETS as TQ_PRESETS_BY_NAME
+from tq_warmup_plugin.geometry import PRESETS as TQ_PRESETS_BY_NAME
 
 TQ_PRESETS: tuple[str, ...] = tuple(TQ_PRESETS_BY_NAME)
 # vLLM's own KV cache: the baseline every matrix runs beside the TurboQuant presets.

@@ -1,18 +1,42 @@
-"""tq-warmup-plugin: compile vLLM's TurboQuant Triton kernels before serving.
+"""vLLM's entry point into the plugin (``register``) and the API for warmer authors.
 
-vLLM calls :func:`register` (entry point ``vllm.general_plugins`` / ``tq_warmup``)
-in every process it starts. Registration only installs a hook; the work happens
-in the worker, inside vLLM's ``kernel_warmup``.
+tq-warmup-plugin compiles vLLM's TurboQuant Triton kernels before serving. vLLM calls
+:func:`register` (entry point ``vllm.general_plugins`` / ``tq_warmup``) in every
+process it starts. Registration only installs a hook; the work happens in the worker,
+inside vLLM's ``kernel_warmup``.
+
+``__all__`` names what a warmer needs (the ``hookimpl`` marker of ``hookspecs``, the
+``Geometry`` its ``tq_warmup_keys`` receives, the ``KernelKey`` the built-in warmers
+use, the frozen ``Settings``, ``register`` and ``__version__``). All but ``register``
+and ``Settings`` load on first access (PEP 562 ``__getattr__``): vLLM imports this
+package in every process, and ``hookimpl`` costs pluggy, ``__version__`` the package
+metadata (``importlib.metadata`` alone is ~10 ms), neither of which ``register()`` needs.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Any
 
 from .settings import Settings, parse
 
-__version__ = "0.1.0"
-__all__ = ["Settings", "__version__", "register"]
+if TYPE_CHECKING:
+    from .geometry import Geometry
+    from .hookspecs import hookimpl
+    from .keys import KernelKey
+
+    __version__: str
+
+__all__ = ["Geometry", "KernelKey", "Settings", "__version__", "hookimpl", "register"]
+
+_DISTRIBUTION = "tq-warmup-plugin"
+
+# Exported on first access: name -> (submodule, attribute).
+_LAZY = {
+    "Geometry": ("geometry", "Geometry"),
+    "KernelKey": ("keys", "KernelKey"),
+    "hookimpl": ("hookspecs", "hookimpl"),
+}
 
 _registered = False
 
@@ -33,3 +57,28 @@ def register() -> None:
     from .install import install
 
     install(settings)
+
+
+def __getattr__(name: str) -> Any:
+    """The lazily exported names of ``__all__``, imported once and then cached."""
+    value: Any
+    if name == "__version__":
+        from importlib import metadata
+
+        try:
+            value = metadata.version(_DISTRIBUTION)
+        except metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+            value = "0+unknown"
+    elif name in _LAZY:
+        from importlib import import_module
+
+        module, attribute = _LAZY[name]
+        value = getattr(import_module(f"{__name__}.{module}"), attribute)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

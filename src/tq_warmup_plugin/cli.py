@@ -1,5 +1,7 @@
-"""``tq-warmup``: doctor, inspect (the plan without a GPU) and precompile (the plan,
-built into a Triton cache directory for a target GPU, on any machine).
+"""The ``tq-warmup`` command: doctor, inspect and precompile.
+
+doctor checks the install; inspect prints the plan without a GPU; precompile builds
+the plan into a Triton cache directory for a target GPU, on any machine.
 
 ``inspect`` and ``precompile`` build the same ``Geometry`` the worker builds and
 feed it to the same warmers, so what they print or build is what startup warms.
@@ -15,14 +17,19 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from . import compat, keys, launches
-from .hookspecs import plugin_manager
+import pluggy
+
+from . import compat, launches, warmup
+from .geometry import DTYPE_BYTES, PRESETS, Geometry, preset
+from .report import Report
 from .settings import load
+
+__all__ = ["geometries_from_report", "geometry_from_args", "main"]
 
 
 def _dist_version(name: str) -> str | None:
@@ -73,7 +80,7 @@ def _model_shape(path: str | None) -> dict[str, Any]:
     return dict(text) if isinstance(text, dict) else config
 
 
-def geometry_from_args(args: argparse.Namespace) -> tuple[keys.Geometry, int]:
+def geometry_from_args(args: argparse.Namespace) -> tuple[Geometry, int]:
     """The geometry the worker would discover, from a config and explicit flags,
     and the number of TurboQuant layers (TurboQuant leaves two at each end)."""
     if args.kv_cache_dtype is None:
@@ -94,17 +101,17 @@ def geometry_from_args(args: argparse.Namespace) -> tuple[keys.Geometry, int]:
     hq, hk = heads // tp, max(1, kv_heads // tp)  # vLLM replicates KV heads when tp > hk
     max_model_len = args.max_model_len or cfg.get("max_position_embeddings") or 4096
     dtype = args.dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    bs = compat.effective_block_size(feats, args.block_size, keys.DTYPE_BYTES.get(dtype, 2))
-    preset = keys.preset(args.kv_cache_dtype, head_size)
+    bs = compat.effective_block_size(feats, args.block_size, DTYPE_BYTES.get(dtype, 2))
+    layout = preset(args.kv_cache_dtype, head_size)
     runner = args.runner or ("v2" if feats.version >= (0, 25) else "v1")
-    geometry = keys.Geometry(
+    geometry = Geometry(
         cache_dtype=args.kv_cache_dtype,
         head_size=head_size,
         num_heads=hq,
         num_kv_heads=hk,
         block_size=bs,
         scale=args.scale if args.scale is not None else head_size**-0.5,
-        kv_strides=compat.kv_view_strides(feats, bs, hk, preset.slot_size_aligned),
+        kv_strides=compat.kv_view_strides(feats, bs, hk, layout.slot_size_aligned),
         model_dtype=dtype,
         block_table_width=compat.block_table_width(feats, max_model_len, bs, runner == "v2"),
         max_num_seqs=args.max_num_seqs,
@@ -118,17 +125,17 @@ def geometry_from_args(args: argparse.Namespace) -> tuple[keys.Geometry, int]:
     return geometry, max(0, int(cfg.get("num_hidden_layers", 5)) - 4)
 
 
-def geometries_from_report(path: str) -> list[keys.Geometry]:
+def geometries_from_report(path: str) -> list[Geometry]:
     """The geometries a real startup discovered (its ``TQ_WARMUP_REPORT`` JSON)."""
     data = json.loads(Path(path).read_text())
     try:
         feats = compat.release_features(data.get("vllm_version"))
     except compat.UnsupportedRelease as exc:
         raise SystemExit(f"tq-warmup: {path}: {exc}") from None
-    return [keys.Geometry.from_dict(g, feats) for g in data["geometries"]]
+    return [Geometry.from_dict(g, feats) for g in data["geometries"]]
 
 
-def _geometries(args: argparse.Namespace) -> tuple[dict[str, keys.Geometry], int]:
+def _geometries(args: argparse.Namespace) -> tuple[dict[str, Geometry], int]:
     """Distinct geometries by name, and how many TurboQuant layers they stand for."""
     if args.geometry_json:
         found = geometries_from_report(args.geometry_json)
@@ -137,21 +144,21 @@ def _geometries(args: argparse.Namespace) -> tuple[dict[str, keys.Geometry], int
     return {"geometry0": geometry}, layers
 
 
-def _plan(args: argparse.Namespace) -> tuple[keys.Plan, dict[str, keys.Geometry], int]:
+def _plan(
+    args: argparse.Namespace, pm: pluggy.PluginManager
+) -> tuple[warmup.Plan[Hashable], dict[str, Geometry], int]:
     named, layers = _geometries(args)
-    pm = plugin_manager()
-    contributions = pm.hook.tq_warmup_keys(geometries=named)
-    return keys.plan(c for batch in contributions for c in batch), named, layers
+    return warmup.plan_keys(pm, named), named, layers
 
 
 def inspect(args: argparse.Namespace) -> int:
     """Print the keys startup would warm, per path, deduplicated."""
-    the_plan, named, layers = _plan(args)
+    the_plan, named, layers = _plan(args, warmup.plugin_manager())
     geometry = next(iter(named.values()))
     per_path: dict[str, list[str]] = {}
     for key, paths in the_plan.paths.items():
         for path in paths:
-            per_path.setdefault(path, []).append(key.describe())  # type: ignore[attr-defined]
+            per_path.setdefault(path, []).append(warmup.describe(key))
     # A dense model's boundary layers have the TurboQuant layers' heads; a worker only
     # launches their decode if it finds them on plain FlashAttention 2.
     boundary = {"boundary": (geometry.num_heads, geometry.num_kv_heads, geometry.head_size)}
@@ -215,45 +222,39 @@ def precompile(args: argparse.Namespace) -> int:
     os.environ["TRITON_CACHE_DIR"] = str(cache_dir)
     # Without a GPU, vLLM swaps Triton for placeholders unless this is set first.
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    the_plan, named, _ = _plan(args)
+    pm = warmup.plugin_manager()
+    the_plan, named, _ = _plan(args, pm)
     geometry = next(iter(named.values()))
 
-    from .report import CompileCounter
-    from .warmers.triton_jit import cache_keys_for, triton_key_of_wheel, use_compile_only_target
+    from .precompile import cache_keys_for, triton_key_of_wheel, use_compile_only_target
 
     use_compile_only_target(args.arch)
-    pm = plugin_manager()
-    failures: list[str] = []
+    report = Report(vllm_version=installed["vllm"] or "", distinct=len(the_plan.keys))
     start = time.perf_counter()
     keys_as: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if wheel is not None:
         with tempfile.TemporaryDirectory() as tmp:
             keys_as = cache_keys_for(triton_key_of_wheel(wheel, tmp))
-    with keys_as, CompileCounter() as counter:
-        for i, key in enumerate(the_plan.keys, 1):
-            try:
-                pm.hook.tq_warmup_compile(key=key)
-            except Exception as exc:
-                failures.append(f"{getattr(key, 'kernel', key)}: {type(exc).__name__}: {exc}")
-            _progress(i, len(the_plan.keys))
+    with keys_as:  # the worker's compile path: same threads, same error lines
+        warmup.compile_into(report, pm, the_plan.keys, load().threads, _progress)
     manifest = {
         "vllm": installed["vllm"],
         "triton": installed["triton"],
         "arch": args.arch,
         "kv_cache_dtype": geometry.cache_dtype,
-        "keys": [k.describe() for k in the_plan.keys],  # type: ignore[attr-defined]
+        "keys": [warmup.describe(k) for k in the_plan.keys],
     }
     manifest_file = cache_dir / f"tq-warmup-manifest-{geometry.cache_dtype}.json"
     manifest_file.write_text(json.dumps(manifest, indent=2))
     print(
         f"tq-warmup: {len(the_plan.keys)} keys for sm{args.arch} in {cache_dir}: "
-        f"{counter.compiled} built, {counter.loaded} already there, {len(failures)} failed "
+        f"{report.compiled} built, {report.loaded} already there, {report.failed} failed "
         f"({time.perf_counter() - start:.1f} s; vLLM {installed['vllm']}, "
         f"Triton {installed['triton']})"
     )
-    for line in failures:
-        print(f"  failed: {line.splitlines()[0]}", file=sys.stderr)
-    return 1 if failures else 0
+    for line in report.errors:
+        print(f"  failed: {line}", file=sys.stderr)
+    return 1 if report.errors else 0
 
 
 def _geometry_flags(p: argparse.ArgumentParser) -> None:
@@ -263,7 +264,7 @@ def _geometry_flags(p: argparse.ArgumentParser) -> None:
         help="plan from the geometries in a plugin JSON report "
         "(TQ_WARMUP_REPORT) of a real startup instead of the flags below",
     )
-    p.add_argument("--kv-cache-dtype", choices=sorted(keys.PRESETS))
+    p.add_argument("--kv-cache-dtype", choices=sorted(PRESETS))
     p.add_argument("--head-size", type=int)
     p.add_argument("--num-heads", type=int, help="query heads (whole model)")
     p.add_argument("--num-kv-heads", type=int, help="KV heads (whole model)")

@@ -10,6 +10,7 @@ against the real code of the releases CI installs.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import re
 from collections.abc import Iterator
@@ -20,6 +21,12 @@ Version = tuple[int, int]
 OLDEST: Version = (0, 20)
 NEWEST: Version = (0, 33)
 
+# Every vLLM module the plugin imports or patches, by name (0.20-0.33). The accessors
+# import them with ``importlib.import_module(NAME)``, never ``from vllm... import``:
+# each path is then written once, here, the same string the import hook (``install``)
+# waits for and the tests stub in ``sys.modules`` (``import_module`` returns a stubbed
+# module without importing its parents). A static import would check nothing more:
+# vLLM is untyped for the plugin's mypy run (``vllm.*`` is ignored in pyproject).
 DECODE_MODULE = "vllm.v1.attention.ops.triton_turboquant_decode"
 STAGE2_MODULE = "vllm.v1.attention.ops.triton_decode_attention"
 STORE_MODULE = "vllm.v1.attention.ops.triton_turboquant_store"
@@ -28,6 +35,8 @@ WARMUP_MODULE = "vllm.model_executor.warmup.kernel_warmup"
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 ELASTIC_MODULE = "vllm.distributed.elastic_ep.elastic_execute"
 WORKSPACE_MODULE = "vllm.v1.worker.workspace"
+ATTENTION_MODULE = "vllm.v1.attention.backend"
+FLASH_ATTN_MODULE = "vllm.v1.attention.backends.flash_attn"
 
 # Modules whose global ``kernel_warmup`` vLLM calls: the defining module, the
 # worker, which binds the name at import (0.20-0.33), and elastic EP, which does
@@ -273,9 +282,7 @@ def installed_vllm_version() -> str | None:
 
 def turboquant_impl_class() -> type:
     """``TurboQuantAttentionImpl``; same module and name in 0.20-0.33."""
-    from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionImpl
-
-    cls: type = TurboQuantAttentionImpl
+    cls: type = importlib.import_module(BACKEND_MODULE).TurboQuantAttentionImpl
     return cls
 
 
@@ -304,24 +311,18 @@ def speculative_setup(vllm_config: Any) -> tuple[str | None, bool]:
 def single_token_decode_support() -> Any:
     """``AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE`` from
     ``vllm.v1.attention.backend`` (0.20-0.33)."""
-    from vllm.v1.attention.backend import AttentionCGSupport
-
-    return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    return importlib.import_module(ATTENTION_MODULE).AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
 
 def kernel_function(name: str) -> Any:
-    """The ``JITFunction`` object of a TurboQuant kernel."""
-    import importlib
-
+    """The ``JITFunction`` object of a TurboQuant kernel (``KERNEL_MODULES``, 0.20-0.33)."""
     return getattr(importlib.import_module(KERNEL_MODULES[name]), name)
 
 
 def flash_attn_available() -> bool:
     """``_HAS_FLASH_ATTN`` of the backend module (0.20-0.33): without it, prefill and
     long continuations use SDPA and there are no FlashAttention kernels to load."""
-    from vllm.v1.attention.backends import turboquant_attn
-
-    return bool(turboquant_attn._HAS_FLASH_ATTN)
+    return bool(importlib.import_module(BACKEND_MODULE)._HAS_FLASH_ATTN)
 
 
 def flash_attn_varlen(impl: Any) -> Any:
@@ -329,9 +330,6 @@ def flash_attn_varlen(impl: Any) -> Any:
     cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` in 0.20-0.33: it adds the impl's
     ``fa_version``, scale and ``causal=True``, which select the kernel."""
     return impl._flash_attn_varlen
-
-
-FLASH_ATTN_MODULE = "vllm.v1.attention.backends.flash_attn"
 
 
 def plain_fa2_heads(impl: Any) -> tuple[int, int, int] | None:
@@ -344,8 +342,6 @@ def plain_fa2_heads(impl: Any) -> tuple[int, int, int] | None:
     kernel family is warmed: ALiBi, a sliding window, a softcap or sinks select other
     kernels. Attribute names are those of 0.20-0.33.
     """
-    import importlib
-
     try:
         flash_attn = importlib.import_module(FLASH_ATTN_MODULE)
     except ImportError:  # a platform without vLLM's FlashAttention: no such layer exists
@@ -368,8 +364,6 @@ def flash_attn_paged_decode(impl: Any) -> Any:
     so FlashAttention's own heuristic splits the keys the way a first long decode does.
     0.33 makes that call through ``_FA4_DENSE_ATTENTION_KERNEL``, which hands the same
     keywords to the same function."""
-    import importlib
-
     varlen = importlib.import_module(FLASH_ATTN_MODULE).flash_attn_varlen_func
 
     def decode(
@@ -414,7 +408,8 @@ def preallocate_prefill_buffers(impl: Any, device: Any, max_model_len: int) -> i
 
 
 def kv_view(kv_cache: Any, feats: Features) -> Any:
-    """The KV tensor exactly as the kernels receive it (strides and pointer)."""
+    """The KV tensor exactly as the kernels receive it (strides and pointer): 0.26-0.33
+    hand them ``kv_cache.transpose(1, 2)``, 0.20-0.25 the tensor as allocated."""
     return kv_cache.transpose(1, 2) if feats.kv_view_transposed else kv_cache
 
 
@@ -474,8 +469,7 @@ def workspace_manager(feats: Features) -> Any | None:
     """
     if not feats.uses_workspace:
         return None
-    from vllm.v1.worker import workspace
-
+    workspace = importlib.import_module(WORKSPACE_MODULE)
     if not workspace.is_workspace_manager_initialized():
         return None
     manager = workspace.current_workspace_manager()

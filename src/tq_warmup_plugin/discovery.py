@@ -7,7 +7,7 @@ from typing import Any
 
 from . import compat
 from .compat import Features
-from .keys import Geometry
+from .geometry import Geometry
 
 
 @dataclass

@@ -1,10 +1,14 @@
-"""The warmer extension point.
+"""The warmer hook specifications, and the ``hookimpl`` marker warmers use.
 
 A warmer contributes keys for the TurboQuant layers a worker has and/or knows how
 to compile a kind of key. The TurboQuant kernel paths are the first
 implementations (``warmers/``); other packages add theirs through the
 ``tq_warmup.warmers`` entry-point group, each entry point naming a module or
 object with ``@hookimpl`` functions.
+
+This module only declares. The host (``warmup``) builds the plugin manager and calls
+the hooks, so a warmer imports the specs without importing the host, and the host's
+import of the built-in warmers makes no cycle.
 """
 
 from __future__ import annotations
@@ -13,10 +17,12 @@ from collections.abc import Hashable, Iterable, Mapping
 
 import pluggy
 
-from .keys import Geometry
+from .geometry import Geometry
 
 PROJECT = "tq_warmup"
 ENTRY_POINT_GROUP = "tq_warmup.warmers"
+
+__all__ = ["ENTRY_POINT_GROUP", "PROJECT", "hookimpl", "tq_warmup_compile", "tq_warmup_keys"]
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -37,17 +43,3 @@ def tq_warmup_keys(  # type: ignore[empty-body]
 def tq_warmup_compile(key: Hashable) -> bool | None:
     """Compile ``key`` without touching any live tensor. Return True when handled,
     None to leave the key to another warmer. Raise to report a failure."""
-
-
-def plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
-    """A manager with the built-in warmers and, optionally, third-party ones."""
-    from . import hookspecs
-    from .warmers import triton_jit, turboquant
-
-    pm = pluggy.PluginManager(PROJECT)
-    pm.add_hookspecs(hookspecs)
-    pm.register(turboquant)
-    pm.register(triton_jit)
-    if load_entry_points:
-        pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
-    return pm

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 from . import compat
 from .compat import CONTINUATION_DECODE_THRESHOLD
-from .keys import Geometry
+from .geometry import Geometry
 from .report import error_line
 
 # Query tokens of the FlashAttention launches at most. Its varlen forward (vLLM's fork,

@@ -7,6 +7,8 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+__all__ = ["CompileCounter", "Report", "error_line"]
+
 
 def error_line(exc: BaseException) -> str:
     """``Type: first line of the message``: errors go to one log line."""

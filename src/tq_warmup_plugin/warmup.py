@@ -1,24 +1,106 @@
-"""One warmup, start to end: discover, plan, compile, reserve, launch, report.
+"""The host: builds the warmers' plugin manager and runs one worker's warmup with it.
 
-Runs inside vLLM's ``kernel_warmup``: the KV cache exists, graphs are not yet
-captured and the workspace is not yet locked, in every release 0.20-0.33.
+Start to end: discover, plan, compile, reserve, launch, report. Runs inside vLLM's
+``kernel_warmup``: the KV cache exists, graphs are not yet captured and the workspace
+is not yet locked, in every release 0.20-0.33. The CLI plans and compiles through the
+same functions (``plugin_manager``, ``plan_keys``, ``compile_into``), so what
+``inspect`` prints and ``precompile`` builds, and the error lines of a failed
+compile, are the worker's.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import pluggy
 
-from . import compat, keys, launches, workspace
+from . import compat, hookspecs, launches, workspace
 from .discovery import discover
+from .geometry import Geometry
 from .guards import draft_seq_lens
 from .report import CompileCounter, Report, error_line
 from .settings import Settings
+from .warmers import triton_jit, turboquant
+
+__all__ = [
+    "Plan",
+    "compile_all",
+    "compile_into",
+    "describe",
+    "plan_keys",
+    "plugin_manager",
+    "run",
+]
+
+K = TypeVar("K", bound=Hashable)
+
+
+def plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
+    """A manager with the built-in warmers and, optionally, third-party ones."""
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    pm.register(turboquant)
+    pm.register(triton_jit)
+    if load_entry_points:
+        pm.load_setuptools_entrypoints(hookspecs.ENTRY_POINT_GROUP)
+    return pm
+
+
+@dataclass(frozen=True)
+class Plan(Generic[K]):
+    """Distinct keys, in first-seen order, with the layers and paths that need each."""
+
+    layers: dict[K, list[str]]
+    paths: dict[K, list[str]]
+
+    @classmethod
+    def of(cls, contributions: Iterable[tuple[str, str, K]]) -> Plan[K]:
+        """Deduplicate ``(layer, path, key)`` triples by key."""
+        layers: dict[K, list[str]] = {}
+        paths: dict[K, list[str]] = {}
+        for layer, path, key in contributions:
+            layers.setdefault(key, [])
+            if layer not in layers[key]:
+                layers[key].append(layer)
+            paths.setdefault(key, [])
+            if path not in paths[key]:
+                paths[key].append(path)
+        return cls(layers, paths)
+
+    @property
+    def keys(self) -> list[K]:
+        return list(self.layers)
+
+    def count_by_path(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for paths in self.paths.values():
+            for path in paths:
+                counts[path] = counts.get(path, 0) + 1
+        return counts
+
+
+def plan_keys(
+    pm: pluggy.PluginManager,
+    geometries: Mapping[str, Geometry],
+    paths: Collection[str] | None = None,
+) -> Plan[Hashable]:
+    """Every warmer's keys for these layers, deduplicated: the worker's plan, and the
+    one ``tq-warmup inspect/precompile`` print and build; ``paths`` keeps only those
+    kernel paths (a pooling model that never continues a prompt: ``discovery``)."""
+    batches = pm.hook.tq_warmup_keys(geometries=geometries)
+    return Plan.of(c for batch in batches for c in batch if paths is None or c[1] in paths)
+
+
+def describe(key: Hashable) -> str:
+    """A key's full text (``inspect``, the precompile manifest): its ``describe()``
+    where it has one (``KernelKey``), else its ``repr`` (a third-party warmer's key)."""
+    text = getattr(key, "describe", None)
+    return str(text()) if callable(text) else repr(key)
 
 
 def _compile_one(pm: pluggy.PluginManager, key: Hashable) -> str | None:
@@ -49,13 +131,28 @@ def _pin_to_callers_device() -> Callable[[], None] | None:
     return lambda: active.set_current_device(device)
 
 
-def compile_all(pm: pluggy.PluginManager, todo: list[Hashable], threads: int) -> list[str]:
-    """Compile distinct keys, on ``threads`` threads; returns the error lines."""
+def compile_all(
+    pm: pluggy.PluginManager,
+    todo: Sequence[Hashable],
+    threads: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[str]:
+    """Compile distinct keys, on ``threads`` threads; returns the error lines.
+    ``progress(done, total)``, if given, is called on this thread after each first try."""
+
+    def tried(results: Iterable[str | None]) -> list[str | None]:
+        done: list[str | None] = []
+        for result in results:
+            done.append(result)
+            if progress is not None:
+                progress(len(done), len(todo))
+        return done
+
     if threads <= 1 or len(todo) <= 1:
-        results = [_compile_one(pm, key) for key in todo]
+        results = tried(_compile_one(pm, key) for key in todo)
     else:
         with ThreadPoolExecutor(max_workers=threads, initializer=_pin_to_callers_device()) as pool:
-            results = list(pool.map(lambda key: _compile_one(pm, key), todo))
+            results = tried(pool.map(lambda key: _compile_one(pm, key), todo))
         # A compile that failed on a pool thread gets one more try on this thread:
         # Triton parses kernel sources with `ast`, which CPython 3.11 does not make
         # thread-safe ("AST constructor recursion depth mismatch", seen here).
@@ -64,6 +161,23 @@ def compile_all(pm: pluggy.PluginManager, todo: list[Hashable], threads: int) ->
             for key, r in zip(todo, results, strict=True)
         ]
     return [r for r in results if r is not None]
+
+
+def compile_into(
+    report: Report,
+    pm: pluggy.PluginManager,
+    todo: Sequence[Hashable],
+    threads: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> None:
+    """Compile ``todo`` and count it into ``report``: ``compiled``, ``loaded`` (from
+    Triton's disk cache), ``failed`` and one error line per failed key."""
+    with CompileCounter() as counter:
+        errors = compile_all(pm, todo, threads, progress)
+    report.compiled += counter.compiled
+    report.loaded += counter.loaded
+    report.failed += len(errors)
+    report.errors.extend(errors)
 
 
 def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None) -> Report:
@@ -94,22 +208,13 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
         logging.getLogger("vllm.tq_warmup_plugin").warning(problem)
 
     if pm is None:
-        from .hookspecs import plugin_manager
-
         pm = plugin_manager()
-    batches = pm.hook.tq_warmup_keys(geometries=found.geometries)
-    the_plan = keys.plan(
-        c for batch in batches for c in batch if found.paths is None or c[1] in found.paths
-    )
+    the_plan = plan_keys(pm, found.geometries, found.paths)
     if found.note:
         report.notes.append(found.note)
     report.keys = the_plan.count_by_path()
     report.distinct = len(the_plan.keys)
-
-    with CompileCounter() as counter:
-        report.errors.extend(compile_all(pm, the_plan.keys, settings.threads))
-    report.compiled, report.loaded = counter.compiled, counter.loaded
-    report.failed = len(report.errors) - len(found.refused)
+    compile_into(report, pm, the_plan.keys, settings.threads)
 
     try:
         report.workspace_bytes = workspace.reserve(

@@ -18,7 +18,7 @@ from typing import Any
 
 from . import compat
 from .compat import Features
-from .keys import DTYPE_BYTES, Geometry
+from .geometry import DTYPE_BYTES, Geometry
 
 Request = tuple[tuple[int, ...], str]
 """(shape, dtype name) as ``get_simultaneous`` takes it."""

@@ -1,24 +1,22 @@
-"""Compiles a ``KernelKey`` through Triton's ``JITFunction.warmup``.
+"""The Triton warmer: compiles a ``KernelKey`` (and loads it on a GPU), launching nothing.
 
-``warmup`` runs the same binder and cache lookup as a launch and stores the
-binary in the same per-device cache, but launches nothing. The tensors it gets
-are a few bytes on the CPU: Triton only reads their dtype and ``data_ptr()``, so
+Triton's ``JITFunction.warmup`` runs the same binder and cache lookup as a launch
+and stores the binary in the same per-device cache, but launches nothing. The tensors
+it gets are a few bytes on the CPU: Triton only reads their dtype and ``data_ptr()``, so
 their alignment is chosen to match what the runtime passes.
 """
 
 from __future__ import annotations
 
-import contextlib
-import types
-import zipfile
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 from .. import compat
 from ..hookspecs import hookimpl
 from ..keys import Const, Int, KernelKey, Ptr
+
+__all__ = ["compile_key", "tq_warmup_compile", "warmup_arguments"]
 
 
 @cache
@@ -80,87 +78,3 @@ def tq_warmup_compile(key: Hashable) -> bool | None:
         return None
     compile_key(key)
     return True
-
-
-def use_compile_only_target(arch: int) -> None:
-    """Point Triton at ``cuda:sm<arch>`` on a host without that GPU.
-
-    Triton needs an active driver to pick the compile target and a device for its
-    in-memory cache; this one provides both and can launch nothing, which
-    ``warmup`` never asks it to (process-wide, so only for the CLI and tests).
-    """
-    import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.driver import DriverBase
-
-    class CompileOnlyDriver(DriverBase):  # type: ignore[misc]
-        def __init__(self) -> None:
-            self.target = GPUTarget("cuda", arch, 32)
-
-        @classmethod
-        def is_active(cls) -> bool:
-            return False
-
-        def get_current_target(self) -> Any:
-            return self.target
-
-        def get_current_device(self) -> int:
-            return 0
-
-        def set_current_device(self, device: int) -> None:
-            pass
-
-        def get_current_stream(self, device: Any = None) -> int:
-            return 0
-
-        def get_active_torch_device(self) -> Any:
-            return torch.device("cpu")
-
-        def get_device_interface(self) -> Any:
-            return torch.cuda
-
-        def get_benchmarker(self) -> Any:
-            raise NotImplementedError("compile-only driver")
-
-        def map_python_to_cpp_type(self, ty: str) -> str:
-            raise NotImplementedError("compile-only driver")
-
-    triton.runtime.driver.set_active(CompileOnlyDriver())
-
-
-def triton_key_of(site_packages: str | Path) -> str:
-    """``triton_key()`` of another installation of the same Triton release.
-
-    Triton's on-disk cache key starts with ``triton_key()``, a hash of the files of
-    the installation it runs from, ``libtriton`` included, which differs between
-    the wheels for two Python versions. Triton's own function (3.6-3.8, in
-    ``triton.runtime.cache``) is re-run with ``__file__`` pointing into the other tree.
-    """
-    from triton.runtime import cache as triton_cache
-
-    fn = triton_cache.triton_key.__wrapped__
-    scope = dict(fn.__globals__)
-    scope["__file__"] = str(Path(site_packages) / "triton" / "runtime" / "cache.py")
-    return str(types.FunctionType(fn.__code__, scope)())
-
-
-def triton_key_of_wheel(wheel: str | Path, into: str | Path) -> str:
-    """``triton_key()`` of a Triton wheel, unpacked under ``into``."""
-    with zipfile.ZipFile(wheel) as archive:
-        archive.extractall(into)
-    return triton_key_of(into)
-
-
-@contextlib.contextmanager
-def cache_keys_for(key: str) -> Iterator[None]:
-    """Store compiled kernels under the disk-cache keys another Triton build of the
-    same release computes (the binaries are identical; only the key differs)."""
-    from triton.runtime import cache as triton_cache
-
-    original = triton_cache.triton_key
-    triton_cache.triton_key = lambda: key
-    try:
-        yield
-    finally:
-        triton_cache.triton_key = original

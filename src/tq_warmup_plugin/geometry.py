@@ -1,0 +1,144 @@
+"""A TurboQuant layer's shape as its kernels see it: presets, dtypes, ``Geometry``.
+
+Discovery builds a ``Geometry`` from a live worker and the CLI from a model config;
+the key functions (``keys``), the workspace plan and the first launches all read
+it, so it lives apart from any one of them. Third-party warmers receive it too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .compat import Features
+
+__all__ = ["DTYPE_BYTES", "PRESETS", "Geometry", "Preset", "preset"]
+
+# (key_quant_bits, value_quant_bits, norm_correction), TQ_PRESETS in 0.20-0.33.
+PRESETS: dict[str, tuple[int, int, bool]] = {
+    "turboquant_k8v4": (8, 4, False),
+    "turboquant_4bit_nc": (4, 4, True),
+    "turboquant_k3v4_nc": (3, 4, True),
+    "turboquant_3bit_nc": (3, 3, True),
+}
+
+_MODEL_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """The TurboQuant layout of one cache dtype at one head size (``TurboQuantConfig``)."""
+
+    name: str
+    head_size: int
+    key_bits: int
+    value_bits: int
+    norm_correction: bool
+
+    @property
+    def key_fp8(self) -> bool:
+        return self.key_bits == 8
+
+    @property
+    def key_mse_bits(self) -> int:
+        return 0 if self.key_fp8 else self.key_bits
+
+    @property
+    def key_packed_size(self) -> int:
+        if self.key_fp8:
+            return self.head_size
+        return math.ceil(self.head_size * self.key_mse_bits / 8) + 2
+
+    @property
+    def value_data_bytes(self) -> int:
+        return math.ceil(self.head_size * self.value_bits / 8)
+
+    @property
+    def slot_size_aligned(self) -> int:
+        slot = self.key_packed_size + self.value_data_bytes + 4
+        return slot + slot % 2
+
+    @property
+    def centroid_bits(self) -> int:
+        return self.value_bits if self.key_fp8 else self.key_bits
+
+
+def preset(name: str, head_size: int) -> Preset:
+    """Look up a TurboQuant cache dtype; raises ValueError for anything else."""
+    if name not in PRESETS:
+        raise ValueError(f"not a TurboQuant cache dtype: {name!r}")
+    key_bits, value_bits, norm = PRESETS[name]
+    return Preset(name, head_size, key_bits, value_bits, norm)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The runtime shape of one TurboQuant layer, as its kernels will see it.
+
+    Built by discovery from a live worker, or by the CLI from a model config;
+    both must agree, because both feed the same key functions.
+    """
+
+    cache_dtype: str
+    head_size: int
+    num_heads: int
+    """Query heads on this tensor-parallel rank."""
+    num_kv_heads: int
+    """KV heads on this rank."""
+    block_size: int
+    """Kernel block size: ``shape[1]`` of the KV view the kernels get."""
+    scale: float
+    """``impl.scale``: a constexpr, so the exact float matters."""
+    kv_strides: tuple[int, int, int]
+    """Block, position and head strides of that KV view (store kernels: constexpr)."""
+    model_dtype: str
+    """``bfloat16`` or ``float16``."""
+    block_table_width: int
+    """Row stride of the runner's block table, in entries."""
+    max_num_seqs: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    num_kv_splits: int
+    """``attention_config.tq_max_kv_splits_for_cuda_graph``."""
+    fp8_e4b15: int
+    features: Features = field(compare=True)
+    kv_aligned: bool = True
+    """Whether the KV cache tensor's base pointer is 16-byte aligned."""
+
+    @property
+    def preset(self) -> Preset:
+        return preset(self.cache_dtype, self.head_size)
+
+    @property
+    def short_dtype(self) -> str:
+        if self.model_dtype not in _MODEL_DTYPES:
+            raise ValueError(f"unsupported model dtype {self.model_dtype!r}")
+        return _MODEL_DTYPES[self.model_dtype]
+
+    @property
+    def dequant_rows(self) -> int:
+        """Rows of the fp16 scratch the longest continuation dequantizes into: the
+        cached prefix (at most ``max_model_len - 1`` tokens) in whole blocks."""
+        return math.ceil(max(0, self.max_model_len - 1) / self.block_size) * self.block_size
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain fields, without the release features (the release is recorded apart)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "features"}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], feats: Features) -> Geometry:
+        values = dict(data)
+        values["kv_strides"] = tuple(values["kv_strides"])
+        return cls(**values, features=feats)
+
+    def check(self) -> None:
+        """Raise ValueError for a geometry the kernels cannot have been built for."""
+        if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads} query heads vs {self.num_kv_heads} KV heads")
+        if self.head_size <= 0 or self.block_size <= 0:
+            raise ValueError(f"head size {self.head_size}, block size {self.block_size}")
+        self.preset  # noqa: B018 (validates the cache dtype)
+        self.short_dtype  # noqa: B018 (validates the model dtype)

@@ -1,0 +1,150 @@
+"""The package's shape: the public names, what ``register()`` imports, no import cycle."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import pkgutil
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import fakes
+
+import tq_warmup_plugin
+from tq_warmup_plugin import geometry, hookspecs, keys, settings
+
+PACKAGE = Path(tq_warmup_plugin.__file__).parent
+NAME = tq_warmup_plugin.__name__
+
+# What ``import tq_warmup_plugin; register()`` imported before issue 14 (Python 3.11):
+# the package's modules on the register path, and the top-level names of the standard
+# library modules they pull in. 3.10 parses regular expressions with sre_*.
+REGISTER_MODULES = {
+    NAME,
+    f"{NAME}.compat",
+    f"{NAME}.guards",
+    f"{NAME}.guards.draft_seq_lens",
+    f"{NAME}.guards.spec_graphs",
+    f"{NAME}.guards.v1_cache_dtype",
+    f"{NAME}.install",
+    f"{NAME}.settings",
+}
+REGISTER_STDLIB = {
+    *("__future__", "ast", "atexit", "collections", "contextlib", "copy", "copyreg"),
+    *("dataclasses", "dis", "enum", "functools", "importlib", "inspect", "itertools"),
+    *("keyword", "linecache", "logging", "math", "opcode", "operator", "re", "reprlib"),
+    *("string", "textwrap", "threading", "token", "tokenize", "traceback", "types"),
+    *("typing", "warnings", "weakref", "sre_compile", "sre_constants", "sre_parse"),
+}
+
+
+def test_public_names_exist_and_are_the_package_objects() -> None:
+    assert len(set(tq_warmup_plugin.__all__)) == len(tq_warmup_plugin.__all__)
+    for name in tq_warmup_plugin.__all__:
+        assert getattr(tq_warmup_plugin, name) is not None, name
+    assert set(tq_warmup_plugin.__all__) <= set(dir(tq_warmup_plugin))
+    assert tq_warmup_plugin.hookimpl is hookspecs.hookimpl
+    assert tq_warmup_plugin.Geometry is geometry.Geometry
+    assert tq_warmup_plugin.KernelKey is keys.KernelKey
+    assert tq_warmup_plugin.Settings is settings.Settings
+    try:
+        installed = metadata.version("tq-warmup-plugin")
+    except metadata.PackageNotFoundError:
+        installed = "0+unknown"
+    assert tq_warmup_plugin.__version__ == installed
+
+
+def test_every_declared_all_names_objects_of_its_module() -> None:
+    declared = 0
+    for info in pkgutil.walk_packages([str(PACKAGE)], prefix=f"{NAME}."):
+        module = importlib.import_module(info.name)
+        for name in getattr(module, "__all__", ()):
+            assert hasattr(module, name), (info.name, name)
+            declared += 1
+    assert declared
+
+
+def test_register_imports_no_module_beyond_what_it_did() -> None:
+    code = (
+        "import json, sys\n"
+        "before = set(sys.modules)\n"
+        "import tq_warmup_plugin; tq_warmup_plugin.register()\n"
+        "print(json.dumps(sorted(set(sys.modules) - before)))\n"
+    )
+    new = set(json.loads(fakes.fresh_python(code).splitlines()[-1]))
+    assert {m for m in new if m.split(".")[0] == NAME} == REGISTER_MODULES
+    others = {m.split(".")[0] for m in new if m.split(".")[0] != NAME}
+    # Private C accelerators (_sre, _typing, ...) differ between Python releases.
+    public = {m for m in others if not (m.startswith("_") and m in sys.stdlib_module_names)}
+    assert public <= REGISTER_STDLIB, sorted(public - REGISTER_STDLIB)
+    assert "importlib.metadata" not in new and "pluggy" not in new
+
+
+def _imports(package_dir: Path, path: Path, module: str) -> set[str]:
+    """The package modules ``module`` imports anywhere in its source, lazily included."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            # ``from pkg import name``: a submodule when one exists, else pkg itself.
+            targets = [
+                f"{base}.{a.name}" if _is_module(package_dir, f"{base}.{a.name}") else base
+                for a in node.names
+            ]
+        else:
+            continue
+        found.update(t for t in targets if t.split(".")[0] == NAME and t != module)
+    return found
+
+
+def _is_module(package_dir: Path, name: str) -> bool:
+    rel = package_dir.joinpath(*name.split(".")[1:])
+    return rel.with_suffix(".py").is_file() or (rel / "__init__.py").is_file()
+
+
+def import_graph(package_dir: Path) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (at module level or inside functions)."""
+    graph: dict[str, set[str]] = {}
+    for path in package_dir.rglob("*.py"):
+        parts = path.relative_to(package_dir.parent).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        graph[module] = _imports(package_dir, path, module)
+    return graph
+
+
+def first_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (``[a, b, ..., a]``), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        state[module] = 1
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == 1:
+                return [*path, module, target]
+            if target not in state and (cycle := visit(target, [*path, module])):
+                return cycle
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (cycle := visit(module, [])):
+            return cycle[cycle.index(cycle[-1]) :]
+    return None
+
+
+def test_no_import_cycle_among_the_package_modules() -> None:
+    """Lazy imports count: before issue 14, ``hookspecs.plugin_manager`` imported the
+    built-in warmers, which import ``hookspecs`` (hookspecs -> warmers.triton_jit ->
+    hookspecs); the host owns the manager now."""
+    graph = import_graph(PACKAGE)
+    assert graph[f"{NAME}.warmup"] >= {f"{NAME}.hookspecs", f"{NAME}.warmers.turboquant"}
+    assert first_cycle(graph) is None
+    assert first_cycle({"a": {"b"}, "b": {"c"}, "c": {"b"}}) == ["b", "c", "b"]
