@@ -20,7 +20,8 @@ NAME = tq_warmup_plugin.__name__
 
 # What ``import tq_warmup_plugin; register()`` imported before issue 14 (Python 3.11):
 # the package's modules on the register path, and the top-level names of the standard
-# library modules they pull in. 3.10 parses regular expressions with sre_*.
+# library modules they pull in. 3.10 parses regular expressions with sre_*. Since
+# issue 13 also ``multinode`` (TQ_WARMUP* forwarded to Ray workers, stdlib only).
 REGISTER_MODULES = {
     NAME,
     f"{NAME}.compat",
@@ -29,8 +30,10 @@ REGISTER_MODULES = {
     f"{NAME}.guards.spec_graphs",
     f"{NAME}.guards.v1_cache_dtype",
     f"{NAME}.install",
+    f"{NAME}.multinode",
     f"{NAME}.settings",
 }
+OPTIONAL = {"triton", "torch", "vllm"}  # present beside vLLM, absent in the lint venv
 REGISTER_STDLIB = {
     *("__future__", "ast", "atexit", "collections", "contextlib", "copy", "copyreg"),
     *("dataclasses", "dis", "enum", "functools", "importlib", "inspect", "itertools"),
@@ -59,7 +62,11 @@ def test_public_names_exist_and_are_the_package_objects() -> None:
 def test_every_declared_all_names_objects_of_its_module() -> None:
     declared = 0
     for info in pkgutil.walk_packages([str(PACKAGE)], prefix=f"{NAME}."):
-        module = importlib.import_module(info.name)
+        try:
+            module = importlib.import_module(info.name)
+        except ModuleNotFoundError as exc:  # layered_cache subclasses Triton's manager
+            assert exc.name in OPTIONAL, exc
+            continue
         for name in getattr(module, "__all__", ()):
             assert hasattr(module, name), (info.name, name)
             declared += 1

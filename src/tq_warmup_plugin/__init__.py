@@ -47,6 +47,9 @@ def register() -> None:
     if _registered:
         return
     _registered = True
+    from .multinode import forward_to_ray_workers
+
+    forward_to_ray_workers()  # before the TQ_WARMUP check: TQ_WARMUP=0 must travel too
     settings, problems = parse()
     logger = logging.getLogger("vllm.tq_warmup_plugin")
     for problem in problems:

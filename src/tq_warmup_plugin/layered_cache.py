@@ -1,0 +1,207 @@
+"""A Triton cache manager that reads shipped, read-only cache directories first.
+
+Enabled through Triton's own extension point, in the environment of every process
+that compiles (the plugin does not set it)::
+
+    TRITON_CACHE_MANAGER=tq_warmup_plugin.layered_cache:LayeredCacheManager
+    TQ_WARMUP_CACHE_LAYERS=/opt/triton-cache:/opt/more   # read-only layers, in order
+
+A lookup tries each layer, then Triton's own cache directory (``TRITON_CACHE_DIR``,
+else ``~/.triton/cache``); a miss is compiled and written to that directory only.
+Nothing is ever written into a layer. A directory that is missing or read-only never
+fails a compile: a missing or unreadable layer is ignored, an unwritable cache
+directory is replaced by a per-process temporary one, each with one WARNING per
+directory and process.
+
+Triton interface (``triton.runtime.cache``, identical in 3.6.0, 3.7.1 and 3.8.0 as
+far as this module goes): ``get_cache_manager(key)`` instantiates
+``knobs.cache.manager_class`` (``TRITON_CACHE_MANAGER=module:Class``, whose MRO must
+contain a class named ``CacheManager``) as ``cls(key)``, and the override and dump
+managers as ``cls(key, override=True)`` / ``cls(key, dump=True)``, which this class
+leaves to ``FileCacheManager`` unchanged. ``compile()`` finds a kernel with
+``get_group(f"{name}.json")`` and stores it with ``put`` + ``put_group``; the launcher
+build (``runtime/build.py``) and the autotuner use ``get_file`` / ``put``.
+``FileCacheManager.__init__`` sets ``key``, ``cache_dir`` and ``lock_path`` before its
+``os.makedirs``, in all three releases, which is how an unwritable directory is caught
+here without computing Triton's paths again.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from typing import Any
+
+from triton.runtime.cache import FileCacheManager
+
+LAYERS_ENV = "TQ_WARMUP_CACHE_LAYERS"
+MANAGER = "tq_warmup_plugin.layered_cache:LayeredCacheManager"
+
+# The file that names a compiled kernel's files (``FileCacheManager.put_group``,
+# Triton 3.6-3.8): ``{"child_paths": {file name: absolute path at write time}}``.
+_GROUP_PREFIX = "__grp__"
+
+logger = logging.getLogger("vllm.tq_warmup_plugin")
+
+_lock = threading.Lock()
+_warned: set[tuple[str, str]] = set()
+_unwritable: set[str] = set()  # cache roots that failed a write in this process
+_fallback_root: str | None = None
+
+
+def _warn_once(problem: str, path: str, message: str, *args: object) -> None:
+    with _lock:
+        if (problem, path) in _warned:
+            return
+        _warned.add((problem, path))
+    logger.warning(message, *args)
+
+
+@functools.lru_cache(maxsize=8)
+def layer_roots(value: str) -> tuple[str, ...]:
+    """The usable directories of a ``TQ_WARMUP_CACHE_LAYERS`` value (``os.pathsep``
+    separated, in order, duplicates dropped); each unusable one is warned about once."""
+    roots: list[str] = []
+    for entry in value.split(os.pathsep):
+        if not entry.strip():
+            continue
+        root = os.path.abspath(os.path.expanduser(entry.strip()))
+        if root in roots:
+            continue
+        if not os.path.isdir(root):
+            _warn_once(
+                "layer", root, "tq-warmup: Triton cache layer %s is not a directory; ignored", root
+            )
+        elif not os.access(root, os.R_OK | os.X_OK):
+            _warn_once(
+                "layer", root, "tq-warmup: Triton cache layer %s is not readable; ignored", root
+            )
+        else:
+            roots.append(root)
+    return tuple(roots)
+
+
+def _fallback() -> str:
+    """One private temporary cache directory per process, made on first need."""
+    global _fallback_root
+    with _lock:
+        if _fallback_root is None:
+            _fallback_root = tempfile.mkdtemp(prefix="tq-warmup-triton-cache-")
+            atexit.register(shutil.rmtree, _fallback_root, ignore_errors=True)
+        return _fallback_root
+
+
+class _Layer(FileCacheManager):  # type: ignore[misc]
+    """One key's directory in one read-only layer: Triton's own lookups, no writes.
+
+    ``FileCacheManager.__init__`` is not called: it creates the directory."""
+
+    def __init__(self, root: str, key: str) -> None:
+        self.key = key
+        self.cache_dir = os.path.join(root, key)
+        self.lock_path = None
+
+    def put(self, data: Any, filename: str, binary: bool = True) -> str:
+        raise PermissionError(f"{self.cache_dir} is a read-only cache layer")
+
+    def get_group(self, filename: str) -> dict[str, str] | None:
+        """The group with every file found in this directory, else None.
+
+        Triton records absolute paths at write time, so a layer built in one place
+        and shipped to another would miss (3.8.0 returns None when a recorded path is
+        gone, 3.6.0/3.7.1 a group without it). Each file is looked up here by name
+        instead, and a group with any file missing is a miss in every release.
+        """
+        path = self.get_file(_GROUP_PREFIX + filename)
+        if path is None:
+            return None
+        try:
+            with open(path, encoding="utf-8") as fh:
+                children = json.load(fh).get("child_paths")
+        except (OSError, ValueError, AttributeError):
+            return None
+        if not isinstance(children, dict):
+            return None
+        group: dict[str, str] = {}
+        for name in children:
+            child = self.get_file(name)
+            if child is None:
+                return None
+            group[name] = child
+        return group
+
+
+class LayeredCacheManager(FileCacheManager):  # type: ignore[misc]
+    """``FileCacheManager`` on Triton's cache directory, behind read-only layers."""
+
+    def __init__(self, key: str, override: bool = False, dump: bool = False) -> None:
+        self.layers: list[_Layer] = []
+        if override or dump:  # TRITON_KERNEL_OVERRIDE / TRITON_KERNEL_DUMP: Triton's own
+            super().__init__(key, override=override, dump=dump)
+            return
+        try:
+            super().__init__(key)
+        except OSError:
+            pass  # cache_dir is set; a write will move to the fallback (see put)
+        except RuntimeError:  # TRITON_CACHE_DIR="": Triton has no directory at all
+            self.key, self.cache_dir = key, ""
+        own = self._root()
+        if not self.cache_dir or own in _unwritable:
+            self._use_fallback()
+        roots = layer_roots(os.environ.get(LAYERS_ENV, ""))
+        self.layers = [_Layer(root, key) for root in roots if root != own]
+
+    def _root(self) -> str:
+        return os.path.dirname(os.path.abspath(self.cache_dir)) if self.cache_dir else ""
+
+    def _use_fallback(self) -> None:
+        self.cache_dir = os.path.join(_fallback(), self.key)
+        self.lock_path = os.path.join(self.cache_dir, "lock")
+
+    def get_file(self, filename: str) -> str | None:
+        for layer in self.layers:
+            path: str | None = layer.get_file(filename)
+            if path is not None:
+                return path
+        own: str | None = super().get_file(filename)
+        return own
+
+    def get_group(self, filename: str) -> dict[str, str] | None:
+        for layer in self.layers:
+            group: dict[str, str] | None = layer.get_group(filename)
+            if group is not None:
+                return group
+        own: dict[str, str] | None = super().get_group(filename)
+        return own
+
+    def put(self, data: Any, filename: str, binary: bool = True) -> str:
+        try:
+            path: str = super().put(data, filename, binary)
+            return path
+        except OSError as exc:
+            own = self._root()
+            if own == _fallback_root:
+                raise
+            with _lock:
+                _unwritable.add(own)
+            self._use_fallback()
+            _warn_once(
+                "cache dir",
+                own,
+                "tq-warmup: cannot write Triton's cache directory %s (%s); this process "
+                "writes new kernels to %s instead, removed when it exits",
+                own,
+                exc,
+                _fallback(),
+            )
+            path = super().put(data, filename, binary)
+            return path
+
+
+__all__ = ["LAYERS_ENV", "MANAGER", "LayeredCacheManager", "layer_roots"]

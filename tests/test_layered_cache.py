@@ -1,0 +1,372 @@
+"""The layered Triton cache manager (``layered_cache``).
+
+Unit tests drive Triton's own ``get_cache_manager`` over temporary directories. The
+``real_vllm`` tests compile vLLM's real TurboQuant kernels for sm90 on the CPU with
+the manager active, in a child process whose shipped layer is a real read-only bind
+mount (a private mount namespace: ``unshare -m``), or, where that is not allowed, a
+child that drops root for ``nobody`` and finds the layer unwritable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+MANAGER = "tq_warmup_plugin.layered_cache:LayeredCacheManager"
+KEY = "ab" * 32  # a hex digest, as Triton passes it to get_cache_manager
+
+
+@pytest.fixture
+def lc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
+    """The module with fresh per-process state and its environment variables set."""
+    pytest.importorskip("triton")
+    import tempfile
+
+    from tq_warmup_plugin import layered_cache
+
+    monkeypatch.setattr(layered_cache, "_warned", set())
+    monkeypatch.setattr(layered_cache, "_unwritable", set())
+    monkeypatch.setattr(layered_cache, "_fallback_root", None)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    layered_cache.layer_roots.cache_clear()
+    monkeypatch.setenv("TRITON_CACHE_MANAGER", MANAGER)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "own"))
+    monkeypatch.delenv(layered_cache.LAYERS_ENV, raising=False)
+    yield layered_cache
+    layered_cache.layer_roots.cache_clear()
+
+
+def _manager(key: str = KEY) -> Any:
+    from triton.runtime.cache import get_cache_manager
+
+    return get_cache_manager(key)
+
+
+def _store(manager: Any, name: str = "k", data: bytes = b"cubin") -> dict[str, str]:
+    """What ``compile()`` stores for one kernel: files, then the group naming them."""
+    group = {
+        f"{name}.cubin": manager.put(data, f"{name}.cubin"),
+        f"{name}.json": manager.put(json.dumps({"name": name}), f"{name}.json", binary=False),
+    }
+    manager.put_group(f"{name}.json", group)
+    return group
+
+
+def _build_layer(root: Path, monkeypatch: pytest.MonkeyPatch, key: str = KEY) -> None:
+    """A cache directory written by Triton's plain ``FileCacheManager``."""
+    from triton.runtime.cache import FileCacheManager, _base32
+
+    with monkeypatch.context() as m:
+        m.setenv("TRITON_CACHE_DIR", str(root))
+        _store(FileCacheManager(_base32(key)))
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_triton_takes_it_through_its_extension_point(lc: Any) -> None:
+    assert isinstance(_manager(), lc.LayeredCacheManager)
+
+
+def test_a_shipped_layer_is_read_and_a_miss_goes_to_the_own_directory(
+    lc: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Built in one place and shipped to another: the group's recorded paths are stale.
+    _build_layer(tmp_path / "build", monkeypatch)
+    shutil.move(tmp_path / "build", tmp_path / "shipped")
+    monkeypatch.setenv(lc.LAYERS_ENV, str(tmp_path / "shipped"))
+    shipped = _files(tmp_path / "shipped")
+
+    group = _manager().get_group("k.json")
+    assert group is not None and set(group) == {"k.cubin", "k.json"}
+    assert all(
+        p.startswith(str(tmp_path / "shipped")) and os.path.exists(p) for p in group.values()
+    )
+    assert _manager().get_file("k.cubin") == group["k.cubin"]
+
+    assert _manager().get_group("other.json") is None
+    written = _store(_manager(), "other")
+    assert all(p.startswith(str(tmp_path / "own")) for p in written.values())
+    assert _manager().get_group("other.json") == written
+    assert _files(tmp_path / "shipped") == shipped
+    assert not [f for f in _files(tmp_path / "own") if f.split("/")[-1].startswith("k.")]
+
+
+def test_layers_are_searched_in_order_before_the_own_directory(
+    lc: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("a", "b", "own"):
+        _build_layer(tmp_path / name, monkeypatch)
+    monkeypatch.setenv(lc.LAYERS_ENV, f"{tmp_path / 'b'}{os.pathsep}{tmp_path / 'a'}")
+    group = _manager().get_group("k.json")
+    assert group is not None and group["k.cubin"].startswith(str(tmp_path / "b"))
+
+
+def test_an_incomplete_group_in_a_layer_is_a_miss(
+    lc: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _build_layer(tmp_path / "layer", monkeypatch)
+    (cubin,) = (tmp_path / "layer").rglob("k.cubin")
+    cubin.unlink()
+    (grp,) = (tmp_path / "layer").rglob("__grp__k.json")
+    monkeypatch.setenv(lc.LAYERS_ENV, str(tmp_path / "layer"))
+    assert _manager().get_group("k.json") is None
+    grp.write_text("{not json")
+    assert _manager().get_group("k.json") is None
+
+
+def test_a_missing_layer_is_ignored_with_one_warning(
+    lc: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv(
+        lc.LAYERS_ENV, os.pathsep.join([str(tmp_path / "gone"), "", str(tmp_path / "a_file")])
+    )
+    caplog.set_level(logging.WARNING, logger="vllm.tq_warmup_plugin")
+    for key in ("ab" * 32, "cd" * 32):
+        assert _manager(key).layers == []
+        _store(_manager(key))
+    lc.layer_roots.cache_clear()  # a new value of the variable is parsed again
+    _manager()
+    warnings = _warnings(caplog)
+    assert len(warnings) == 2, warnings
+    assert "gone is not a directory" in warnings[0] and "a_file is not a directory" in warnings[1]
+
+
+def test_an_unwritable_own_directory_moves_writes_to_a_private_one(
+    lc: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A regular file where the directory should be: unwritable even for root.
+    (tmp_path / "blocked").write_text("")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "blocked"))
+    caplog.set_level(logging.WARNING, logger="vllm.tq_warmup_plugin")
+    first = _store(_manager("ab" * 32))
+    second = _store(_manager("cd" * 32))
+    fallback = str(tmp_path / "tmp")
+    assert all(p.startswith(fallback) for p in [*first.values(), *second.values()])
+    assert _manager("ab" * 32).get_group("k.json") == first  # found again in this process
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1 and "cannot write Triton's cache directory" in warnings[0]
+
+
+def test_override_and_dump_managers_are_tritons_own(
+    lc: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from triton.runtime.cache import get_dump_manager, get_override_manager
+
+    monkeypatch.setenv(lc.LAYERS_ENV, str(tmp_path))
+    monkeypatch.setenv("TRITON_DUMP_DIR", str(tmp_path / "dump"))
+    monkeypatch.setenv("TRITON_OVERRIDE_DIR", str(tmp_path / "override"))
+    dump, override = get_dump_manager(KEY), get_override_manager(KEY)
+    assert dump.layers == [] and dump.cache_dir.startswith(str(tmp_path / "dump"))
+    assert override.layers == [] and override.cache_dir.startswith(str(tmp_path / "override"))
+
+
+# --- real vLLM, real Triton: compiles for sm90 on the CPU in a child process ---------
+
+SHIPPED, OTHER = "turboquant_4bit_nc", "turboquant_k8v4"
+KERNELS = {
+    "_tq_decode_stage1",
+    "_fwd_kernel_stage2",
+    "_tq_full_dequant_kv",
+    "_tq_fused_store_mse",
+    "_tq_fused_store_fp8",
+}
+
+
+def _child() -> None:
+    """For each run of ``TQ_TEST_RUNS`` (``{"presets": [...], "env": {...}}``): set the
+    run's Triton variables, clear Triton's in-memory caches, warm real impls of the
+    presets through the plugin; print the reports and the plugin's warnings as JSON."""
+    import vllm.logger  # noqa: F401 (its logging config would drop a handler added before)
+    from realvllm import activate_compile_only_driver, make_impl
+    from test_real_vllm import fake_worker
+
+    from tq_warmup_plugin import compat
+    from tq_warmup_plugin.settings import Settings
+    from tq_warmup_plugin.warmup import run
+
+    activate_compile_only_driver()
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("vllm.tq_warmup_plugin").addHandler(handler)
+    feats = compat.release_features(compat.installed_vllm_version())
+    out = []
+    for spec in json.loads(os.environ["TQ_TEST_RUNS"]):
+        for name in ("TRITON_CACHE_DIR", "TRITON_CACHE_MANAGER", "TQ_WARMUP_CACHE_LAYERS"):
+            os.environ.pop(name, None)
+        os.environ.update(spec["env"])
+        for name in compat.KERNEL_MODULES:
+            compat.kernel_function(name).device_caches.clear()
+        impls = {
+            f"layers.{i}.attn": make_impl(p, 128, 8, 2, 32, 1024)
+            for i, p in enumerate(spec["presets"])
+        }
+        report = run(fake_worker(impls, feats, 64), Settings(threads=1))
+        out.append({**json.loads(report.to_json()), "warnings": list(warnings)})
+        warnings.clear()
+    print("RESULT " + json.dumps(out))
+
+
+def _readonly_method() -> str | None:
+    """How a child process gets a read-only directory, root being able to write
+    anywhere: ``mount``, a read-only bind mount in a private mount namespace (the
+    host's mounts stay as they are); else ``setpriv``, root without the capabilities
+    that override file permissions, over a copy mode 0555; ``chmod`` when not root;
+    None: none works. ``TQ_TEST_READONLY=setpriv`` forces the second."""
+    if os.geteuid() != 0:
+        return "chmod"
+    if os.environ.get("TQ_TEST_READONLY") != "setpriv":
+        probe = (
+            "d=$(mktemp -d) && mount --bind $d $d && mount -o remount,ro,bind $d && ! touch $d/x"
+        )
+        try:
+            if (
+                subprocess.run(["unshare", "-m", "sh", "-c", probe], capture_output=True).returncode
+                == 0
+            ):
+                return "mount"
+        except OSError:
+            pass
+    return "setpriv" if shutil.which("setpriv") else None
+
+
+def _run_child(
+    tmp: Path, runs: list[dict[str, Any]], readonly: dict[Path, Path]
+) -> list[dict[str, Any]]:
+    """Run ``_child`` seeing each source directory of ``readonly`` read-only at its target."""
+    method = _readonly_method()
+    if method is None:
+        pytest.skip(
+            "cannot make a directory read-only for root here (no unshare/mount, no setpriv)"
+        )
+    (tmp / "home").mkdir(exist_ok=True)
+    env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "",
+        "TQ_TEST_RUNS": json.dumps(runs),
+        "HOME": str(tmp / "home"),
+        "TMPDIR": str(tmp / "home"),  # the manager's fallback directory, if any
+        "PYTHONPATH": os.pathsep.join(p for p in sys.path[1:] if p),
+    }
+    code = [sys.executable, "-c", "from test_layered_cache import _child; _child()"]
+    if method == "mount":
+        for dst in readonly.values():
+            dst.mkdir(exist_ok=True)
+        binds = "".join(
+            f"mount --bind '{src}' '{dst}' && mount -o remount,ro,bind '{dst}' && "
+            for src, dst in readonly.items()
+        )
+        code = ["unshare", "-m", "sh", "-c", binds + 'exec "$0" "$@"', *code]
+    else:  # a copy at the target, without write permission for anyone
+        for src, dst in readonly.items():
+            shutil.copytree(src, dst, dirs_exist_ok=True)
+            for path in [dst, *dst.rglob("*")]:
+                path.chmod(0o555 if path.is_dir() else 0o444)
+        if method == "setpriv":
+            caps = "-dac_override,-dac_read_search"
+            code = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", *code]
+    done = subprocess.run(code, env=env, capture_output=True, text=True, timeout=540)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, (method, done.stdout[-3000:], done.stderr[-3000:])
+    result: list[dict[str, Any]] = json.loads(lines[-1][len("RESULT ") :])
+    return result
+
+
+def _snapshot(root: Path) -> list[tuple[str, int, int]]:
+    return sorted(
+        (str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")
+    )
+
+
+def _cubins(root: Path) -> set[str]:
+    return {p.stem for p in root.rglob("*.cubin")}
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """A cache directory with one preset's kernels, compiled by plain Triton."""
+    tmp = tmp_path_factory.mktemp("shipped")
+    build = tmp / "build"
+    (one,) = _run_child(tmp, [{"presets": [SHIPPED], "env": {"TRITON_CACHE_DIR": str(build)}}], {})
+    assert one["status"] == "ok" and one["compiled"] == one["distinct"] > 0, one
+    return build, one
+
+
+@pytest.mark.real_vllm
+def test_real_kernels_load_from_a_read_only_layer_and_misses_compile_into_the_own_dir(
+    shipped: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    build, one = shipped
+    before = _snapshot(build)
+    layer, own = tmp_path / "opt-triton-cache", tmp_path / "own"
+    env = {
+        "TRITON_CACHE_MANAGER": MANAGER,
+        "TQ_WARMUP_CACHE_LAYERS": os.pathsep.join([str(tmp_path / "missing"), str(layer)]),
+        "TRITON_CACHE_DIR": str(own),
+    }
+    first = {**env, "TRITON_CACHE_DIR": str(tmp_path / "own-first")}
+    hit, mixed = _run_child(
+        tmp_path,
+        [{"presets": [SHIPPED], "env": first}, {"presets": [SHIPPED, OTHER], "env": env}],
+        {build: layer},  # shipped somewhere else than where it was built
+    )
+    # The shipped preset: every kernel read from the layer, nothing compiled or written.
+    assert hit["status"] == "ok" and hit["failed"] == 0, hit
+    assert hit["compiled"] == 0 and hit["loaded"] == one["distinct"], hit
+    assert not [p for p in (tmp_path / "own-first").rglob("*") if p.is_file()]
+    # Another preset too: its own kernels compile into the writable directory.
+    assert mixed["status"] == "ok" and mixed["failed"] == 0, mixed
+    assert mixed["loaded"] == one["distinct"], mixed
+    assert mixed["compiled"] == mixed["distinct"] - one["distinct"] > 0, mixed
+    assert _cubins(own) and _cubins(own) <= KERNELS
+    assert _snapshot(build) == before  # the layer: not one file written or touched
+    assert len(hit["warnings"]) == 1 and "missing is not a directory" in hit["warnings"][0]
+    assert mixed["warnings"] == []  # once per process
+
+
+@pytest.mark.real_vllm
+def test_a_read_only_cache_dir_fails_nothing_with_the_manager_and_fails_plain_triton(
+    shipped: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    # The image's cache itself as TRITON_CACHE_DIR, read-only at run time.
+    build, one = shipped
+    before = _snapshot(build)
+    ro = tmp_path / "opt-triton-cache"
+    layered, plain = _run_child(
+        tmp_path,
+        [
+            {
+                "presets": [SHIPPED, OTHER],
+                "env": {"TRITON_CACHE_MANAGER": MANAGER, "TRITON_CACHE_DIR": str(ro)},
+            },
+            {"presets": [SHIPPED, OTHER], "env": {"TRITON_CACHE_DIR": str(ro)}},
+        ],
+        {build: ro},
+    )
+    assert layered["status"] == "ok" and layered["failed"] == 0, layered
+    assert layered["loaded"] == one["distinct"], layered
+    assert layered["compiled"] == layered["distinct"] - one["distinct"] > 0, layered
+    assert len(layered["warnings"]) == 1, layered["warnings"]
+    assert "cannot write Triton's cache directory" in layered["warnings"][0]
+    # Triton's own FileCacheManager: every miss fails on the read-only directory.
+    assert plain["loaded"] == one["distinct"], plain
+    assert plain["failed"] == plain["distinct"] - one["distinct"] > 0, plain
+    assert any("Read-only" in e or "Permission" in e for e in plain["errors"]), plain["errors"]
+    assert _snapshot(build) == before
