@@ -6,9 +6,6 @@ from __future__ import annotations
 import ast
 import importlib.util
 import logging
-import os
-import subprocess
-import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +15,6 @@ from typing import Any
 import pytest
 from conftest import Log
 
-import tq_warmup_plugin
 from tq_warmup_plugin import compat, guards
 from tq_warmup_plugin.guards import v1_cache_dtype as guard
 from tq_warmup_plugin.settings import Settings
@@ -291,28 +287,3 @@ def test_real_v1_runner_bug_and_fix(
     assert real_backend.TurboQuantAttentionImpl.__init__ is own_init
     with pytest.raises(ValueError, match="Unknown TurboQuant cache dtype: 'auto'"):
         backend.get_kv_cache_shape(64, 16, hk, d, cache_dtype_str=given)
-
-
-@pytest.mark.real_vllm
-@pytest.mark.parametrize(
-    ("env", "guarded"),
-    [({}, True), ({"TQ_WARMUP_SPEC_GUARD": "0"}, True), ({"TQ_WARMUP": "0"}, False)],
-)
-def test_vllms_plugin_loader_installs_it_where_the_gate_is_on(
-    vllm_env: compat.Features, env: dict[str, str], guarded: bool
-) -> None:
-    code = (
-        "from vllm.plugins import load_general_plugins; load_general_plugins()\n"
-        "from vllm.v1.attention.backends import turboquant_attn as m\n"
-        "from tq_warmup_plugin.guards import v1_cache_dtype; print(v1_cache_dtype.installed(m))\n"
-    )
-    base = {k: v for k, v in os.environ.items() if not k.startswith("TQ_WARMUP")}
-    src = str(Path(tq_warmup_plugin.__file__).parents[1])
-    base["PYTHONPATH"] = os.pathsep.join(filter(None, [src, base.get("PYTHONPATH")]))
-    env = {**base, **env, "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    expected = guarded and vllm_env.v1_tq_cache_dtype_lost
-    assert done.stdout.strip().splitlines()[-1] == str(expected)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import json
 import logging
 import os
 import subprocess
@@ -221,14 +222,25 @@ def test_real_builder_and_vllms_mode_resolution(real_backend: Any, k: int) -> No
 
 @pytest.mark.real_vllm
 @pytest.mark.parametrize(
-    ("env", "guarded"),
-    [({}, True), ({"TQ_WARMUP_SPEC_GUARD": "0"}, False), ({"TQ_WARMUP": "0"}, False)],
+    ("env", "spec_guards", "plugin"),
+    [
+        ({}, True, True),
+        ({"TQ_WARMUP_SPEC_GUARD": "0"}, False, True),
+        ({"TQ_WARMUP": "0"}, False, False),
+    ],
 )
-def test_vllms_plugin_loader_guards_the_real_backend(env: dict[str, str], guarded: bool) -> None:
+def test_vllms_plugin_loader_installs_each_guard_where_its_gate_is_on(
+    vllm_env: compat.Features, env: dict[str, str], spec_guards: bool, plugin: bool
+) -> None:
+    """Through vLLM's own plugin loader, then vLLM importing each guarded module: the
+    speculative-decoding guards follow TQ_WARMUP_SPEC_GUARD, the V1 cache-dtype fix only
+    the plugin switch, each only in the releases its gate names."""
     code = (
+        "import importlib, json\n"
         "from vllm.plugins import load_general_plugins; load_general_plugins()\n"
-        "from vllm.v1.attention.backends import turboquant_attn as m\n"
-        "from tq_warmup_plugin.guards import spec_graphs; print(spec_graphs.installed(m))\n"
+        "from tq_warmup_plugin import guards\n"
+        "print(json.dumps({g.__name__.rsplit('.', 1)[1]: "
+        "g.installed(importlib.import_module(g.MODULE)) for g in guards.every()}))\n"
     )
     base = {k: v for k, v in os.environ.items() if not k.startswith("TQ_WARMUP")}
     src = str(Path(tq_warmup_plugin.__file__).parents[1])
@@ -238,4 +250,8 @@ def test_vllms_plugin_loader_guards_the_real_backend(env: dict[str, str], guarde
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == str(guarded)
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {
+        "spec_graphs": spec_guards and vllm_env.spec_graphs_unsafe,
+        "v1_cache_dtype": plugin and vllm_env.v1_tq_cache_dtype_lost,
+        "draft_seq_lens": spec_guards and vllm_env.draft_cpu_seq_lens_stale,
+    }
