@@ -13,7 +13,6 @@ import pytest
 from tq_warmup_plugin import compat, launches, warmup
 from tq_warmup_plugin.discovery import PREFILL_ONLY_PATHS, discover
 from tq_warmup_plugin.settings import Settings
-from tq_warmup_plugin.warmup import plugin_manager
 
 FEATS = compat.features((0, 26))
 
@@ -97,32 +96,15 @@ def test_run_on_a_pooling_worker(
     monkeypatch: pytest.MonkeyPatch, chunked: bool, cached: bool
 ) -> None:
     manager = Recorder()
-    compiled: list[str] = []
-
-    class Compiler:
-        from tq_warmup_plugin.hookspecs import hookimpl
-
-        @hookimpl
-        def tq_warmup_compile(self, key: Any) -> bool:
-            compiled.append(key.kernel)
-            return True
-
-    class NoCounter:
-        compiled = loaded = 0
-
-        def __enter__(self) -> Any:
-            return self
-
-        def __exit__(self, *exc: object) -> None:
-            pass
-
+    warmer = fakes.RecordingWarmer(None)
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
     monkeypatch.setattr(compat, "workspace_manager", lambda *a, **k: manager)
     monkeypatch.setattr(compat, "preallocate_prefill_buffers", lambda *a: 0)
-    monkeypatch.setattr(warmup, "CompileCounter", NoCounter)
-    pm = plugin_manager(load_entry_points=False)
-    pm.register(Compiler())
-    report = warmup.run(pooling_worker(chunked, cached), Settings(launch=False), pm)
+    monkeypatch.setattr(warmup, "CompileCounter", fakes.StubCounter)
+    report = warmup.run(
+        pooling_worker(chunked, cached), Settings(launch=False), fakes.manager(warmer)
+    )
+    compiled = [key.kernel for key in warmer.seen]
     assert report.status == "ok" and report.errors == [], report.line()
     if cached:  # a prefix-cache hit continues: decode kernels, dequant, workspace
         assert set(report.keys) == {"decode", "continuation", "dequant", "store"}

@@ -12,27 +12,9 @@ import pytest
 
 from tq_warmup_plugin import compat, launches, warmup
 from tq_warmup_plugin.discovery import Discovery
-from tq_warmup_plugin.hookspecs import hookimpl
 from tq_warmup_plugin.settings import Settings
-from tq_warmup_plugin.warmup import plugin_manager
 
 torch = pytest.importorskip("torch")
-
-
-class Compiler:
-    @hookimpl
-    def tq_warmup_compile(self, key: Any) -> bool:
-        return True
-
-
-class NoCounter:
-    compiled = loaded = 0
-
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
 
 
 @pytest.mark.parametrize(
@@ -58,12 +40,11 @@ def test_second_warmup_makes_no_launch_twice(
     monkeypatch.setattr(compat, "preallocate_prefill_buffers", lambda *a: 0)
     monkeypatch.setattr(compat, "flash_attn_available", lambda: True)
     monkeypatch.setattr(warmup, "discover", lambda worker, feats: found)
-    monkeypatch.setattr(warmup, "CompileCounter", NoCounter)
+    monkeypatch.setattr(warmup, "CompileCounter", fakes.StubCounter)
     monkeypatch.setattr(launches, "_launch", lambda x, impl, dev: made.append((str(dev), x)))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(launches, "_LAUNCHED", set())
-    pm = plugin_manager(load_entry_points=False)
-    pm.register(Compiler())
+    pm = fakes.manager(fakes.RecordingWarmer(None))
 
     first = warmup.run(object(), Settings(), pm)
     planned = len(launches.plan(found.geometries))

@@ -10,9 +10,7 @@ import fakes
 import pytest
 
 from tq_warmup_plugin import compat, install, warmup, workspace
-from tq_warmup_plugin.hookspecs import hookimpl
 from tq_warmup_plugin.settings import Settings
-from tq_warmup_plugin.warmup import plugin_manager
 
 torch = pytest.importorskip("torch")
 
@@ -81,12 +79,6 @@ def test_oom_warning_is_one_line_naming_the_settings() -> None:
     assert "131071 tokens" in line and "256 sequences" in line
 
 
-class Compiler:
-    @hookimpl
-    def tq_warmup_compile(self, key: Any) -> bool:
-        return True
-
-
 def worker() -> Any:
     return fakes.worker(
         {"tq": fakes.layer(compat.features((0, 26)))}, [fakes.table(64)], max_model_len=1024
@@ -100,19 +92,8 @@ def oom_run(monkeypatch: pytest.MonkeyPatch) -> OomManager:
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
     monkeypatch.setattr(compat, "workspace_manager", lambda feats: manager)
     monkeypatch.setattr(compat, "preallocate_prefill_buffers", lambda *a: 0)
-
-    class NoCounter:
-        compiled = loaded = 0
-
-        def __enter__(self) -> Any:
-            return self
-
-        def __exit__(self, *exc: object) -> None:
-            pass
-
-    monkeypatch.setattr(warmup, "CompileCounter", NoCounter)
-    pm = plugin_manager(load_entry_points=False)
-    pm.register(Compiler())
+    monkeypatch.setattr(warmup, "CompileCounter", fakes.StubCounter)
+    pm = fakes.manager(fakes.RecordingWarmer(None))
     real_run = warmup.run
     monkeypatch.setattr(warmup, "run", lambda w, s, pm_=None: real_run(w, s, pm))
     return manager
