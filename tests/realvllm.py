@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from tq_warmup_plugin import compat
+from tq_warmup_plugin.geometry import Geometry
 
 MAX_NUM_SEQS = 8
 # (q_len, cached_len) per request. Rows 0..4 of an odd-width table cover both row
@@ -50,6 +51,36 @@ def recorded_keys() -> Iterator[set[tuple[str, str]]]:
         yield seen
     finally:
         knobs.runtime.jit_cache_hook = previous
+
+
+def impl_geometry(
+    feats: compat.Features,
+    impl: Any,
+    width: int,
+    block_size: int,
+    kv_strides: tuple[int, int, int] = (0, 0, 0),
+    dtype: str = "bfloat16",
+    batched_tokens: int = 2048,
+) -> Geometry:
+    """The geometry a worker with this real impl would discover: heads, scale and splits
+    from the impl, a ``width``-block table of ``block_size``-token blocks."""
+    return Geometry(
+        cache_dtype=impl.kv_cache_dtype,
+        head_size=impl.head_size,
+        num_heads=impl.num_heads,
+        num_kv_heads=impl.num_kv_heads,
+        block_size=block_size,
+        scale=impl.scale,
+        kv_strides=kv_strides,
+        model_dtype=dtype,
+        block_table_width=width,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_model_len=width * block_size,
+        max_num_batched_tokens=batched_tokens,
+        num_kv_splits=impl.max_num_kv_splits,
+        fp8_e4b15=0,
+        features=feats,
+    )
 
 
 def make_impl(cache_dtype: str, d: int, hq: int, hk: int, splits: int, max_len: int) -> Any:

@@ -13,7 +13,13 @@ import math
 from typing import Any
 
 import pytest
-from realvllm import MAX_NUM_SEQS, layer_kv_cache, make_impl, recorded_keys, run_backend
+from realvllm import (
+    impl_geometry,
+    layer_kv_cache,
+    make_impl,
+    recorded_keys,
+    run_backend,
+)
 
 from tq_warmup_plugin import compat, keys
 from tq_warmup_plugin.geometry import PRESETS as ALL_PRESETS
@@ -29,22 +35,15 @@ BATCHED_TOKENS = 2048
 
 
 def geometry(feats: compat.Features, impl: Any, kv_view: Any, width: int, dtype: str) -> Geometry:
-    return Geometry(
-        cache_dtype=impl.kv_cache_dtype,
-        head_size=impl.head_size,
-        num_heads=impl.num_heads,
-        num_kv_heads=impl.num_kv_heads,
-        block_size=kv_view.shape[1],
-        scale=impl.scale,
-        kv_strides=tuple(kv_view.stride()[:3]),  # type: ignore[arg-type]
-        model_dtype=dtype,
-        block_table_width=width,
-        max_num_seqs=MAX_NUM_SEQS,
-        max_model_len=width * kv_view.shape[1],
-        max_num_batched_tokens=BATCHED_TOKENS,
-        num_kv_splits=impl.max_num_kv_splits,
-        fp8_e4b15=0,
-        features=feats,
+    strides = tuple(kv_view.stride()[:3])
+    return impl_geometry(
+        feats,
+        impl,
+        width,
+        kv_view.shape[1],
+        strides,
+        dtype,
+        BATCHED_TOKENS,  # type: ignore[arg-type]
     )
 
 

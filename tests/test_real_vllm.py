@@ -15,6 +15,7 @@ import fakes
 import pytest
 from realvllm import (
     MAX_NUM_SEQS,
+    impl_geometry,
     layer_kv_cache,
     make_flash_impl,
     make_impl,
@@ -23,7 +24,7 @@ from realvllm import (
 )
 
 from tq_warmup_plugin import compat, install, launches, workspace
-from tq_warmup_plugin.geometry import PRESETS, Geometry
+from tq_warmup_plugin.geometry import PRESETS
 from tq_warmup_plugin.settings import Settings
 from tq_warmup_plugin.warmup import run
 
@@ -163,23 +164,7 @@ def test_reservation_survives_the_workspace_lock(vllm_env: compat.Features, rese
     ws.reset_workspace_manager()
     ws.init_workspace_manager(torch.device("cpu"))
     try:
-        g = Geometry(
-            "turboquant_4bit_nc",
-            128,
-            8,
-            2,
-            bs,
-            impl.scale,
-            (0, 0, 0),
-            "bfloat16",
-            width,
-            MAX_NUM_SEQS,
-            width * bs,
-            2048,
-            32,
-            0,
-            vllm_env,
-        )
+        g = impl_geometry(vllm_env, impl, width, bs)
         if reserve:
             assert workspace.reserve(workspace.plan_reservation([g]), vllm_env) > 0
         ws.lock_workspace()
@@ -224,23 +209,7 @@ def test_planned_gemms_are_the_backends_gemms(vllm_env: compat.Features, cache_d
     kv = layer_kv_cache(vllm_env, width, bs, 2, impl.tq_config.slot_size_aligned)
     with recorded_keys(), Gemms():
         run_backend(impl, kv, width, torch.bfloat16)
-    g = Geometry(
-        cache_dtype,
-        d,
-        8,
-        2,
-        bs,
-        impl.scale,
-        (0, 0, 0),
-        "bfloat16",
-        width,
-        MAX_NUM_SEQS,
-        width * bs,
-        2048,
-        32,
-        0,
-        vllm_env,
-    )
+    g = impl_geometry(vllm_env, impl, width, bs)
     planned = {(x.dtype, x.cols) for x in launches.launches(g) if x.kind == "gemm"}
     assert seen == planned
 

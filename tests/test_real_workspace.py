@@ -10,7 +10,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from realvllm import MAX_NUM_SEQS, layer_kv_cache, make_impl, recorded_keys, run_backend
+from realvllm import (
+    MAX_NUM_SEQS,
+    impl_geometry,
+    layer_kv_cache,
+    make_impl,
+    recorded_keys,
+    run_backend,
+)
 
 from tq_warmup_plugin import compat, workspace
 from tq_warmup_plugin.geometry import Geometry
@@ -38,10 +45,7 @@ def in_slot(ubatch: int, lane: int) -> Iterator[None]:
 
 
 def geometry(impl: Any, feats: compat.Features) -> Geometry:
-    return Geometry(
-        "turboquant_4bit_nc", 128, 8, 2, BS, impl.scale, (0, 0, 0), "bfloat16", WIDTH,
-        MAX_NUM_SEQS, WIDTH * BS, 2048, 32, 0, feats,
-    )  # fmt: skip
+    return impl_geometry(feats, impl, WIDTH, BS)
 
 
 @pytest.mark.parametrize("mode", ["every slot", "slot 0 only", "none"])
