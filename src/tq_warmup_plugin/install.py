@@ -2,6 +2,7 @@
 
 It wraps vLLM's ``kernel_warmup`` wherever vLLM calls it, installs the import-time
 guards, and puts everything back.
+
 ``register()`` must stay cheap and may run before vLLM's worker modules exist, so
 each module we adjust is patched right after it is first imported (one meta-path
 hook), or at once if it already is: the ``kernel_warmup`` module, whose name every
