@@ -30,7 +30,7 @@ import pluggy
 from . import compat, launches, warmup
 from .geometry import DTYPE_BYTES, PRESETS, Geometry, preset
 from .report import Report
-from .settings import load
+from .settings import load, parse
 
 __all__ = ["CliError", "Planned", "geometries_from_report", "geometry_from_args", "main"]
 
@@ -51,7 +51,7 @@ def doctor(_: argparse.Namespace) -> int:
     """Versions, support, settings and whether vLLM will load the plugin."""
     vllm_version = compat.installed_vllm_version()
     problem = compat.support_problem(compat.parse_version(vllm_version))
-    settings = load()
+    settings, problems = parse()
     plugins = os.environ.get("VLLM_PLUGINS")
     filtered_out = plugins is not None and "tq_warmup" not in plugins.split(",")
     visible = _entry_point_visible()
@@ -69,6 +69,8 @@ def doctor(_: argparse.Namespace) -> int:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    for line in problems:  # the WARNING lines register() logs in every vLLM process
+        print(line)
     return 0
 
 
