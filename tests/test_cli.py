@@ -54,40 +54,6 @@ def test_inspect_plans_what_the_h200_startup_discovered(capsys: pytest.CaptureFi
     assert from_report["paths"] == planned["paths"]
 
 
-def test_inspect_reads_a_model_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    (tmp_path / "config.json").write_text(
-        json.dumps(
-            {
-                "num_attention_heads": 32,
-                "num_key_value_heads": 8,
-                "hidden_size": 4096,
-                "num_hidden_layers": 32,
-                "max_position_embeddings": 8192,
-                "torch_dtype": "float16",
-            }
-        )
-    )
-    out = inspect_json(
-        capsys,
-        "--model",
-        str(tmp_path),
-        "--kv-cache-dtype",
-        "turboquant_k8v4",
-        "-tp",
-        "2",
-        "--vllm-version",
-        "0.33.0",
-    )
-    geometry = out["geometry"]
-    assert isinstance(geometry, dict)
-    assert (geometry["head_size"], geometry["num_heads"], geometry["num_kv_heads"]) == (128, 16, 4)
-    assert geometry["model_dtype"] == "float16" and geometry["max_model_len"] == 8192
-    assert out["turboquant_layers"] == 28
-    paths = out["paths"]
-    assert isinstance(paths, dict) and set(paths) == {"decode", "continuation", "dequant", "store"}
-    assert all("_tq_fused_store_fp8" in k for k in paths["store"])
-
-
 def test_inspect_text_counts_keys(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["inspect", *H200_FLAGS]) == 0
     text = capsys.readouterr().out
@@ -95,9 +61,73 @@ def test_inspect_text_counts_keys(capsys: pytest.CaptureFixture[str]) -> None:
     assert "\ncontinuation: 4\n" in text
 
 
-def test_inspect_refuses_unsupported_release() -> None:
-    with pytest.raises(SystemExit, match="outside the supported releases"):
-        cli.main(["inspect", *H200_FLAGS[:-2], "--vllm-version", "0.34.0"])
+def test_inspect_refuses_unsupported_release(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["inspect", *H200_FLAGS[:-2], "--vllm-version", "0.34.0"]) == 2
+    err = capsys.readouterr().err
+    assert err == "tq-warmup: vLLM 0.34 is outside the supported releases 0.20-0.33\n"
+
+
+def test_a_reports_layers_are_counted(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["inspect", "--geometry-json", str(H200_REPORT)]) == 0
+    assert capsys.readouterr().out.startswith("6 distinct kernel keys for 2 TurboQuant layers ")
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["-tp", "3"], "32 query heads do not divide over tensor parallel size 3"),
+        (["-tp", "64"], "32 query heads do not divide over tensor parallel size 64"),
+        (["-tp", "-2"], "argument --tensor-parallel-size/-tp: -2 is less than 1"),
+        (["-tp", "0"], "argument --tensor-parallel-size/-tp: 0 is less than 1"),
+        (["--max-model-len", "0"], "argument --max-model-len: 0 is less than 1"),
+        (["--max-model-len", "-5"], "argument --max-model-len: -5 is less than 1"),
+        (["--block-size", "0"], "argument --block-size: 0 is less than 1"),
+        (["--kv-splits", "0"], "argument --kv-splits: 0 is less than 1"),
+        (["--num-heads", "-32"], "argument --num-heads: -32 is less than 1"),
+        (["--scale", "nan"], "argument --scale: nan is not a positive finite number"),
+        (["--arch", "0"], "argument --arch: sm0 is not a target Triton compiles for"),
+        (["--num-kv-heads", "5"], "32 query heads are not a multiple of 5 KV heads"),
+        (["--vllm-version", "0.19.0"], "vLLM 0.19 is outside the supported releases 0.20-0.33"),
+    ],
+)
+def test_nonsense_flags_are_refused_in_one_line(
+    argv: list[str], line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = [
+        *H200_FLAGS[:4],
+        "--num-heads",
+        "32",
+        "--num-kv-heads",
+        "8",
+        "--vllm-version",
+        "0.26.0",
+    ]
+    try:
+        rc = cli.main(["inspect", *flags, *argv])
+    except SystemExit as exc:  # argparse
+        rc = exc.code  # type: ignore[assignment]
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"tq-warmup: {line}") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    ("content", "line"),
+    [
+        (None, "no such file"),
+        ("{", "not valid JSON"),
+        ("[]", "not a tq-warmup report"),
+        ('{"geometries": [{"head_size": 128}], "vllm_version": "0.26.0"}', "lacks block_size"),
+    ],
+)
+def test_bad_geometry_json_is_one_line(
+    content: str | None, line: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    file = tmp_path / "report.json"
+    if content is not None:
+        file.write_text(content)
+    assert cli.main(["inspect", "--geometry-json", str(file)]) == 2
+    err = capsys.readouterr().err
+    assert line in err and err.count("\n") == 1, err
 
 
 def test_doctor_reports_versions_and_settings(
@@ -108,7 +138,15 @@ def test_doctor_reports_versions_and_settings(
     assert cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "enabled=False" in out and "VLLM_PLUGINS  other" in out
-    assert out.rstrip().endswith("will warm     no")
+    assert "will warm     no" in out
+
+
+def test_doctor_prints_the_settings_problems(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TQ_WARMUP_LAUNCH", "maybe")
+    assert cli.main(["doctor"]) == 0
+    assert "tq-warmup: TQ_WARMUP_LAUNCH='maybe' is not one of" in capsys.readouterr().out
 
 
 def test_effective_block_size_rule() -> None:
@@ -147,7 +185,8 @@ def test_precompile_builds_sm90_cubins(tmp_path: Path, capsys: pytest.CaptureFix
     }
     again = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert f"0 built, {n} already there" in again.stdout
-    manifest = json.loads((tmp_path / "tq-warmup-manifest-turboquant_4bit_nc.json").read_text())
+    (manifest_file,) = tmp_path.glob("tq-warmup-manifest-*.json")
+    manifest = json.loads(manifest_file.read_text())
     assert len(manifest["keys"]) == n and manifest["arch"] == 90
 
 
@@ -215,6 +254,7 @@ def test_precompile_reports_failures_with_the_workers_error_lines(
     for var in ("TRITON_CACHE_DIR", "CUDA_VISIBLE_DEVICES"):  # precompile sets both
         monkeypatch.setenv(var, "")
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
+    monkeypatch.setattr(cli, "_dist_version", lambda name: "3.6.0")
     monkeypatch.setattr(precompile, "use_compile_only_target", lambda arch: None)
     monkeypatch.setattr(warmup, "plugin_manager", lambda: fakes.manager(warmer))
     monkeypatch.setattr(warmup, "CompileCounter", fakes.StubCounter)
@@ -225,3 +265,81 @@ def test_precompile_reports_failures_with_the_workers_error_lines(
     worker_lines = warmup.compile_all(fakes.manager(fakes.RecordingWarmer()), failed, 1)
     assert worker_lines == ["_tq_full_dequant_kv: RuntimeError: ptxas died"]
     assert err.splitlines() == [f"  failed: {line}" for line in worker_lines]
+
+
+@pytest.fixture
+def stubbed_precompile(monkeypatch: pytest.MonkeyPatch) -> fakes.RecordingWarmer:
+    """precompile without vLLM or Triton: vLLM 0.26.0 and Triton 3.6.0 'installed', the
+    fake warmer compiling."""
+    from tq_warmup_plugin import compat, precompile, warmup
+
+    warmer = fakes.RecordingWarmer()
+    for var in ("TRITON_CACHE_DIR", "CUDA_VISIBLE_DEVICES"):  # precompile sets both
+        monkeypatch.setenv(var, "")
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
+    monkeypatch.setattr(cli, "_dist_version", lambda name: "3.6.0")
+    monkeypatch.setattr(precompile, "use_compile_only_target", lambda arch: None)
+    monkeypatch.setattr(warmup, "plugin_manager", lambda: fakes.manager(warmer))
+    monkeypatch.setattr(warmup, "CompileCounter", fakes.StubCounter)
+    return warmer
+
+
+def test_one_manifest_per_plan(
+    tmp_path: Path, stubbed_precompile: fakes.RecordingWarmer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = [*H200_FLAGS[:-2], "--cache-dir", str(tmp_path), "--image-vllm", "v0.26.0"]
+    for extra in ([], ["--arch", "80"], [], ["--dtype", "float16"]):
+        cli.main(["precompile", *flags, *extra])
+    manifests = [json.loads(p.read_text()) for p in tmp_path.glob("tq-warmup-manifest-*.json")]
+    assert sorted((m["arch"], m["geometries"][0]["model_dtype"]) for m in manifests) == [
+        (80, "bfloat16"),
+        (90, "bfloat16"),
+        (90, "float16"),
+    ]
+    assert not list(tmp_path.glob(".tq-warmup*"))  # no temporary file left behind
+    out = capsys.readouterr().out
+    assert "(compile " in out and " s in all with the vLLM import;" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (
+            ["--vllm-version", "0.33.0"],
+            "refusing: --vllm-version 0.33.0 but vLLM 0.26.0 is installed",
+        ),
+        (
+            ["--image-vllm", "0.33.0"],
+            "refusing: the image runs vllm 0.33.0 but 0.26.0 is installed",
+        ),
+        (["--image-triton", "3.8.0"], "refusing: the image runs triton 3.8.0 but 3.6.0"),
+        (["--image-triton-wheel", "/nonexistent/triton-3.6.0-cp312.whl"], "no such file"),
+        (["--image-triton-wheel", "WHEEL:odd.whl"], "not a Triton wheel name"),
+        (["--image-triton-wheel", "WHEEL:triton-3.6.0-cp312-cp312-linux.whl"], "not a readable"),
+        (["--geometry-json", "REPORT033"], "comes from vLLM 0.33.0 but vLLM 0.26.0 is installed"),
+        (["--cache-dir", "FILE"], "exists and is not a directory"),
+    ],
+)
+def test_precompile_refuses_in_one_line(
+    argv: list[str],
+    line: str,
+    tmp_path: Path,
+    stubbed_precompile: fakes.RecordingWarmer,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    report = json.loads(H200_REPORT.read_text())
+    (tmp_path / "r.json").write_text(json.dumps({**report, "vllm_version": "0.33.0"}))
+    (tmp_path / "file").write_text("")
+    args = []
+    for arg in argv:
+        if arg.startswith("WHEEL:"):
+            arg = str(tmp_path / arg.removeprefix("WHEEL:"))
+            Path(arg).write_text("not a zip")
+        args.append(
+            {"REPORT033": str(tmp_path / "r.json"), "FILE": str(tmp_path / "file")}.get(arg, arg)
+        )
+    flags = [*H200_FLAGS[:-2], "--cache-dir", str(tmp_path / "cache"), *args]
+    assert cli.main(["precompile", *flags]) == 2
+    err = capsys.readouterr().err
+    assert line in err and err.count("\n") == 1, err
+    assert not stubbed_precompile.seen  # refused before compiling anything

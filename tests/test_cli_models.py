@@ -1,0 +1,131 @@
+"""``tq-warmup inspect --model`` against vLLM's own reading of real model configs
+(``tests/data/models``: the fields that matter of each family's public config.json).
+
+Families planned: Llama-3, Qwen2.5, Mistral, Gemma-2 (its own scale), Falcon (MQA),
+ChatGLM3 (vLLM's own config class), Phi-3, Jamba (hybrid), Qwen3-Next (hybrid, where
+vLLM can import its code). Refused: DeepSeek-V2-Lite (MLA), BERT (encoder-only).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tq_warmup_plugin import cli, compat
+
+MODELS = Path(__file__).parent / "data" / "models"
+
+# family: (tp, head size, query heads/rank, KV heads/rank, TurboQuant layers, scale, dtype),
+# from each model's public config: Gemma-2 scales by query_pre_attn_scalar 144, not 128;
+# Qwen3-Next has 12 full-attention layers of 48 and Jamba 4 of 32, hybrids skip none.
+PLANNED: dict[str, tuple[int, int, int, int, int, float, str]] = {
+    "llama-3-8b": (2, 128, 16, 4, 28, 128**-0.5, "bfloat16"),
+    "qwen2.5-7b": (2, 128, 14, 2, 24, 128**-0.5, "bfloat16"),
+    "mistral-7b-v0.3": (2, 128, 16, 4, 28, 128**-0.5, "bfloat16"),
+    "gemma-2-27b": (2, 128, 16, 8, 42, 144**-0.5, "bfloat16"),
+    "falcon-7b": (1, 64, 71, 1, 28, 64**-0.5, "bfloat16"),
+    "chatglm3-6b": (2, 128, 16, 1, 24, 128**-0.5, "float16"),
+    "phi-3-mini": (2, 96, 16, 16, 28, 96**-0.5, "bfloat16"),
+    "jamba-v0.1": (2, 128, 16, 4, 4, 128**-0.5, "bfloat16"),
+    "qwen3-next-80b-a3b": (2, 256, 8, 1, 12, 256**-0.5, "bfloat16"),
+}
+REFUSED = {
+    "deepseek-v2-lite": "uses multi-head latent attention (MLA)",
+    "bert-base": "is encoder-only",
+}
+
+
+def vllm_reading(directory: Path, tp: int) -> dict[str, Any]:
+    """What vLLM itself computes: ModelConfig's heads per rank and head size, and the
+    boundary layers ``create_engine_config`` adds (0.21+: from the ModelConfig)."""
+    from vllm.config import ModelConfig, ParallelConfig
+    from vllm.model_executor.layers.quantization.turboquant import config as tq
+
+    model = ModelConfig(model=str(directory), skip_tokenizer_init=True)
+    parallel = ParallelConfig(tensor_parallel_size=tp)
+    skip = {int(i) for i in tq.TurboQuantConfig.get_boundary_skip_layers(model)}
+    if model.is_hybrid:
+        attention = set(tq._get_full_attention_layer_indices(model))
+    else:
+        attention = set(range(model.hf_text_config.num_hidden_layers))
+    return {
+        "head_size": model.get_head_size(),
+        "num_heads": model.get_num_attention_heads(parallel),
+        "num_kv_heads": model.get_num_kv_heads(parallel),
+        "layers": len(attention - skip),
+        "model_dtype": str(model.dtype).removeprefix("torch."),
+    }
+
+
+def inspect(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = cli.main(["inspect", "--kv-cache-dtype", "turboquant_4bit_nc", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.real_vllm
+@pytest.mark.parametrize("family", sorted(PLANNED))
+def test_planned_geometry_is_vllms(family: str, capsys: pytest.CaptureFixture[str]) -> None:
+    tp, d, hq, hk, layers, scale, dtype = PLANNED[family]
+    rc, out, err = inspect(capsys, "--model", str(MODELS / family), "-tp", str(tp), "--json")
+    if rc == 2 and "vLLM cannot import its" in err:  # a dependency the CI venv lacks
+        assert err.count("\n") == 1
+        pytest.skip(err.strip())
+    assert rc == 0, err
+    planned = json.loads(out)
+    g = planned["geometry"]
+    ours = {
+        "head_size": g["head_size"],
+        "num_heads": g["num_heads"],
+        "num_kv_heads": g["num_kv_heads"],
+        "layers": planned["turboquant_layers"],
+        "model_dtype": g["model_dtype"],
+    }
+    assert ours == vllm_reading(MODELS / family, tp)
+    assert (g["head_size"], g["num_heads"], g["num_kv_heads"]) == (d, hq, hk)
+    assert (planned["turboquant_layers"], g["scale"], g["model_dtype"]) == (layers, scale, dtype)
+    hybrid = family in ("jamba-v0.1", "qwen3-next-80b-a3b")
+    boundary_decodes = [x for x in planned["launches"] if x.startswith("paged_decode")]
+    assert bool(boundary_decodes) is not hybrid  # hybrids keep no boundary layers
+
+
+@pytest.mark.real_vllm
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_models_vllm_runs_without_turboquant_are_refused(
+    family: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, out, err = inspect(capsys, "--model", str(MODELS / family))
+    assert rc == 2 and not out and err.count("\n") == 1 and REFUSED[family] in err, err
+
+
+@pytest.mark.real_vllm
+def test_a_float32_model_needs_a_dtype(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = json.loads((MODELS / "llama-3-8b" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}))
+    rc, _, err = inspect(capsys, "--model", str(tmp_path))
+    assert rc == 2 and "config.json says float32" in err and err.count("\n") == 1
+    rc, out, _ = inspect(capsys, "--model", str(tmp_path), "--dtype", "float16", "--json")
+    assert rc == 0 and json.loads(out)["geometry"]["model_dtype"] == "float16"
+
+
+@pytest.mark.real_vllm
+def test_a_config_file_of_another_name_and_bad_tp(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    file = tmp_path / "llama.json"
+    file.write_text((MODELS / "llama-3-8b" / "config.json").read_text())
+    assert inspect(capsys, "--model", str(file))[0] == 0
+    rc, _, err = inspect(capsys, "--model", str(file), "-tp", "3")
+    assert rc == 2 and "must be divisible by tensor parallel size (3)" in err
+
+
+def test_boundary_rule_per_release() -> None:
+    old, new = compat.features((0, 20)), compat.features((0, 26))
+    assert compat.boundary_layers(new, 32, hybrid=False) == (0, 1, 30, 31)
+    assert compat.boundary_layers(new, 3, hybrid=False) == (0, 2)
+    assert compat.boundary_layers(new, 48, hybrid=True) == ()
+    with pytest.raises(compat.UnsupportedModel, match=r"0\.20 refuses"):
+        compat.boundary_layers(old, 48, hybrid=True)
