@@ -27,6 +27,7 @@ REGISTER_MODULES = {
     f"{NAME}.compat",
     f"{NAME}.guards",
     f"{NAME}.guards.draft_seq_lens",
+    f"{NAME}.guards.gate",
     f"{NAME}.guards.spec_graphs",
     f"{NAME}.guards.v1_cache_dtype",
     f"{NAME}.install",

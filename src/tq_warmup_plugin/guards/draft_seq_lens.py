@@ -29,7 +29,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from .. import compat
+from .gate import install_where_needed
 
 __all__ = ["CALL_SITES", "MODULE", "bumped", "in_place", "install", "installed", "remove"]
 
@@ -82,20 +82,21 @@ def _rebind(old: Any, new: Any) -> None:
 def install(utils: ModuleType) -> bool:
     """Wrap ``utils.extend_all_queries_by_N`` when the installed release needs it.
     Returns whether the guard is in place; never raises into vLLM's import."""
-    try:
-        feats = compat.release_features(compat.installed_vllm_version())
-        if not feats.draft_cpu_seq_lens_stale:
-            return False
-        current = getattr(utils, NAME)
-        if hasattr(current, _ORIGINAL_ATTR):
-            return True
-        guarded = _guard(current)
-        setattr(utils, NAME, guarded)
-        _rebind(current, guarded)
+    return install_where_needed(
+        "draft-pass sequence-length",
+        lambda feats: feats.draft_cpu_seq_lens_stale,
+        lambda: _apply(utils),
+    )
+
+
+def _apply(utils: ModuleType) -> bool:
+    current = getattr(utils, NAME)
+    if hasattr(current, _ORIGINAL_ATTR):
         return True
-    except Exception as exc:  # an unknown release or layout: vLLM starts unguarded
-        logger.warning("tq-warmup: draft-pass sequence-length guard not installed: %s", exc)
-        return False
+    guarded = _guard(current)
+    setattr(utils, NAME, guarded)
+    _rebind(current, guarded)
+    return True
 
 
 def installed(utils: ModuleType) -> bool:

@@ -26,6 +26,7 @@ from types import ModuleType
 from typing import Any
 
 from .. import compat
+from .gate import install_where_needed
 
 __all__ = ["MODULE", "capped_support", "install", "installed", "remove"]
 
@@ -99,21 +100,20 @@ def _init_subclass_guarded(cls: Any, /, **kwargs: Any) -> None:
 def install(backend: ModuleType) -> bool:
     """Guard the backend module's builder class when the installed release needs it.
     Returns whether the guard is in place; never raises into vLLM's import."""
-    try:
-        feats = compat.release_features(compat.installed_vllm_version())
-        if not feats.spec_graphs_unsafe:
-            return False
-        builder: type = getattr(backend, compat.BUILDER_CLASS)
-        if builder.__dict__.get(_GUARD_ATTR):
-            return True
-        _guard_class(builder)
-        if "__init_subclass__" not in builder.__dict__:  # none in 0.20-0.33
-            builder.__init_subclass__ = classmethod(_init_subclass_guarded)  # type: ignore[method-assign, assignment]
-        setattr(builder, _GUARD_ATTR, True)
+    return install_where_needed(
+        "speculative-decoding", lambda feats: feats.spec_graphs_unsafe, lambda: _apply(backend)
+    )
+
+
+def _apply(backend: ModuleType) -> bool:
+    builder: type = getattr(backend, compat.BUILDER_CLASS)
+    if builder.__dict__.get(_GUARD_ATTR):
         return True
-    except Exception as exc:  # an unknown release or layout: vLLM starts unguarded
-        logger.warning("tq-warmup: speculative-decoding guard not installed: %s", exc)
-        return False
+    _guard_class(builder)
+    if "__init_subclass__" not in builder.__dict__:  # none in 0.20-0.33
+        builder.__init_subclass__ = classmethod(_init_subclass_guarded)  # type: ignore[method-assign, assignment]
+    setattr(builder, _GUARD_ATTR, True)
+    return True
 
 
 def installed(backend: ModuleType) -> bool:

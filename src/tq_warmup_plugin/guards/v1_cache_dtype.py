@@ -30,6 +30,7 @@ from types import ModuleType
 from typing import Any
 
 from .. import compat
+from .gate import install_where_needed
 
 __all__ = ["MODULE", "install", "installed", "remove", "substitute"]
 
@@ -155,23 +156,22 @@ def _restore(cls: type, name: str) -> None:
 def install(backend: ModuleType) -> bool:
     """Guard the backend's shape function where the installed release needs it.
     Returns whether the guard is in place; never raises into vLLM's import."""
-    try:
-        feats = compat.release_features(compat.installed_vllm_version())
-        if not feats.v1_tq_cache_dtype_lost:
-            return False
-        if installed(backend):
-            return True
-        backend_cls: type = getattr(backend, BACKEND_CLASS)
-        impl_cls: type = getattr(backend, IMPL_CLASS)
-        # A staticmethod in 0.25-0.26; reading it through the class gives the function.
-        shape = staticmethod(_guard_shape(backend_cls.get_kv_cache_shape))  # type: ignore[attr-defined]
-        init = _recording_init(impl_cls.__init__)  # type: ignore[misc]
-        _replace(backend_cls, "get_kv_cache_shape", shape)
-        _replace(impl_cls, "__init__", init)
+    return install_where_needed(
+        "V1 cache-dtype", lambda feats: feats.v1_tq_cache_dtype_lost, lambda: _apply(backend)
+    )
+
+
+def _apply(backend: ModuleType) -> bool:
+    if installed(backend):
         return True
-    except Exception as exc:  # an unknown release or layout: vLLM starts unguarded
-        logger.warning("tq-warmup: V1 cache-dtype guard not installed: %s", exc)
-        return False
+    backend_cls: type = getattr(backend, BACKEND_CLASS)
+    impl_cls: type = getattr(backend, IMPL_CLASS)
+    # A staticmethod in 0.25-0.26; reading it through the class gives the function.
+    shape = staticmethod(_guard_shape(backend_cls.get_kv_cache_shape))  # type: ignore[attr-defined]
+    init = _recording_init(impl_cls.__init__)  # type: ignore[misc]
+    _replace(backend_cls, "get_kv_cache_shape", shape)
+    _replace(impl_cls, "__init__", init)
+    return True
 
 
 def installed(backend: ModuleType) -> bool:
