@@ -36,6 +36,18 @@ def _without_the_callers_tq_warmup() -> Iterator[None]:
         yield
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """Each test leaves ``os.environ`` as it found it. ``cli.main()`` run in-process sets
+    ``VLLM_LOGGING_LEVEL=ERROR`` and ``TRITON_CACHE_DIR`` for its own (normally
+    short-lived) process; left behind, the first silenced the plugin's WARNING lines in
+    later tests' child processes."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="module")
 def vllm_env() -> Any:
     from realvllm import activate_compile_only_driver

@@ -263,7 +263,8 @@ def _run_child(
         "TQ_TEST_RUNS": json.dumps(runs),
         "HOME": str(tmp / "home"),
         "TMPDIR": str(tmp / "home"),  # the manager's fallback directory, if any
-        "PYTHONPATH": os.pathsep.join(p for p in sys.path[1:] if p),
+        # This directory (the child imports this module) and what this process sees.
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *(p for p in sys.path if p)]),
     }
     code = [sys.executable, "-c", "from test_layered_cache import _child; _child()"]
     if method == "mount":
