@@ -27,6 +27,9 @@ from .report import CompileCounter, Report, error_line
 from .settings import Settings
 from .warmers import triton_jit, turboquant
 
+# A child of vLLM's "vllm" logger inherits its handlers and format.
+logger = logging.getLogger("vllm.tq_warmup_plugin")
+
 __all__ = [
     "Plan",
     "compile_all",
@@ -205,7 +208,7 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
         feats, method, async_scheduling, compat.worker_uses_v2(worker), draft_seq_lens.in_place()
     )
     if problem:  # a warning, not an error: strict mode must not refuse it
-        logging.getLogger("vllm.tq_warmup_plugin").warning(problem)
+        logger.warning(problem)
 
     if pm is None:
         pm = plugin_manager()
@@ -223,9 +226,7 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
         )
     except workspace.ReservationError as exc:  # strict mode fails startup on the error
         report.workspace_bytes = exc.reserved
-        logging.getLogger("vllm.tq_warmup_plugin").warning(
-            workspace.oom_warning(exc, found.geometries.values())
-        )
+        logger.warning(workspace.oom_warning(exc, found.geometries.values()))
         report.errors.append(f"workspace: out of memory for {exc.needed / 2**20:.1f} MiB")
         report.failed += 1
     if feats.prefill_buffers_cached and found.device is not None:

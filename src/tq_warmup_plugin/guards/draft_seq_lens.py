@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import sys
 from collections.abc import Callable
 from types import ModuleType
@@ -33,7 +32,6 @@ from .gate import install_where_needed
 
 __all__ = ["CALL_SITES", "MODULE", "bumped", "in_place", "install", "installed", "remove"]
 
-logger = logging.getLogger("vllm.tq_warmup_plugin")
 
 MODULE = "vllm.v1.spec_decode.utils"
 """Defines ``extend_all_queries_by_N`` in 0.20-0.33."""

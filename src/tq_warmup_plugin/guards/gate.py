@@ -9,6 +9,8 @@ from .. import compat
 
 __all__ = ["install_where_needed"]
 
+logger = logging.getLogger("vllm.tq_warmup_plugin")
+
 
 def install_where_needed(
     what: str, needed: Callable[[compat.Features], bool], apply: Callable[[], bool]
@@ -21,7 +23,5 @@ def install_where_needed(
             return False
         return apply()
     except Exception as exc:
-        logging.getLogger("vllm.tq_warmup_plugin").warning(
-            "tq-warmup: %s guard not installed: %s", what, exc
-        )
+        logger.warning("tq-warmup: %s guard not installed: %s", what, exc)
         return False
