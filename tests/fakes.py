@@ -5,11 +5,12 @@ Nothing heavy at import: helpers that need torch import it when called.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import threading
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -226,3 +227,20 @@ def fresh_python(code: str) -> str:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     return done.stdout
+
+
+@contextlib.contextmanager
+def package_on_path(tmp_path: Path, monkeypatch: Any, name: str, source: str) -> Iterator[None]:
+    """``pkg.mod`` (``name``) with ``source``, importable inside the block and dropped from
+    ``sys.modules`` after it: a module for the plugin's import hook to patch on import."""
+    package, module = name.split(".")
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / package / f"{module}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, package, raising=False)
+    try:
+        yield
+    finally:
+        sys.modules.pop(name, None)
+        sys.modules.pop(package, None)

@@ -16,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
+import fakes
 import pytest
 from conftest import Log
 
@@ -148,10 +149,7 @@ def test_import_hook_guards_the_backend_when_it_is_imported(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake: types.ModuleType, enabled: bool
 ) -> None:
     name = "tqfake_backend_pkg.turboquant_attn"
-    package = tmp_path / "tqfake_backend_pkg"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "turboquant_attn.py").write_text(
+    source = (
         "class TurboQuantMetadataBuilder:\n"
         "    _cudagraph_support = 'UNIFORM_BATCH'\n"
         "    @classmethod\n"
@@ -159,15 +157,13 @@ def test_import_hook_guards_the_backend_when_it_is_imported(
         "        return cls._cudagraph_support\n"
     )
     monkeypatch.setattr(guard, "MODULE", name)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    install.install(Settings(spec_guard=enabled))
-    try:
-        module = importlib.import_module(name)
-        assert guard.installed(module) is enabled
-    finally:
-        install.uninstall()
-        sys.modules.pop(name, None)
-        sys.modules.pop("tqfake_backend_pkg", None)
+    with fakes.package_on_path(tmp_path, monkeypatch, name, source):
+        install.install(Settings(spec_guard=enabled))
+        try:
+            module = importlib.import_module(name)
+            assert guard.installed(module) is enabled
+        finally:
+            install.uninstall()
     assert not guard.installed(module)
 
 

@@ -101,27 +101,21 @@ def test_import_hook_patches_a_module_imported_later(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sites: SimpleNamespace
 ) -> None:
     name = "tqfake_vllm_pkg.kernel_warmup"
-    package = tmp_path / "tqfake_vllm_pkg"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "kernel_warmup.py").write_text(
+    source = (
         "def kernel_warmup(worker, *args, **kwargs):\n    return ('original', worker, kwargs)\n"
     )
     monkeypatch.setattr(compat, "WARMUP_MODULE", name)
     monkeypatch.setattr(compat, "CALL_SITE_MODULES", (name,))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "tqfake_vllm_pkg", raising=False)
-    install.install(Settings())
-    try:
-        module = importlib.import_module(name)
-        assert install.installed()
-        result = module.kernel_warmup("w", process_local_only=True)
-        assert result == ("original", "w", {"process_local_only": True})
-        assert sites.calls == [("warm", "w")]
-    finally:
-        install.uninstall()
-        sys.modules.pop(name, None)
-        sys.modules.pop("tqfake_vllm_pkg", None)
+    with fakes.package_on_path(tmp_path, monkeypatch, name, source):
+        install.install(Settings())
+        try:
+            module = importlib.import_module(name)
+            assert install.installed()
+            result = module.kernel_warmup("w", process_local_only=True)
+            assert result == ("original", "w", {"process_local_only": True})
+            assert sites.calls == [("warm", "w")]
+        finally:
+            install.uninstall()
     assert not hasattr(module.kernel_warmup, "__tq_warmup_original__")
 
 
