@@ -210,3 +210,46 @@ def test_summary_keeps_series_that_have_no_raw_run_any_more(tmp_path: Path) -> N
     rows = collect.regenerate(tmp_path)["phases"]
     assert {(r["series"], tuple(r["ratio"])) for r in rows} == {("old", (3.0,)), ("new", (2.0,))}
     assert summary.span([2.0], "{:.1f}") == "2.0"
+
+
+def test_summary_pairs_a_warm_run_with_the_warm_auto_run(tmp_path: Path) -> None:
+    """Warm beside warm: the cold auto run's ratio is not the baseline of a warm row."""
+    raw = tmp_path / "raw"
+    runs = [
+        *_run_records("w", "auto", "on", {"long": (0.4, 0.1)}),
+        *_run_records("w", "auto", "on", {"long": (0.12, 0.1)}, triton_cache="warm"),
+        *_run_records("w", "turboquant_4bit_nc", "on", {"long": (0.8, 0.1)}),
+        *_run_records("w", "turboquant_4bit_nc", "on", {"long": (0.13, 0.1)}, triton_cache="warm"),
+    ]
+    for r in runs:
+        r["run_id"] += f"-{r['triton_cache']}"
+    collect.file_runs(raw, runs)
+    rows = {
+        r["variant"]: r["auto_ratio"]
+        for r in collect.regenerate(tmp_path)["phases"]
+        if r["preset"] == "4bit_nc"
+    }
+    assert rows == {"on-cold": [4.0], "on-warm": [1.2]}
+
+
+def test_matrix_runs_the_auto_baseline_in_each_cache_state(tmp_path: Path) -> None:
+    from benchmarks.tqbench import cli, matrix
+
+    def auto_units(variants: str) -> list[list[str]]:
+        argv = [
+            "matrix",
+            "--presets",
+            "turboquant_4bit_nc",
+            "--modes",
+            "cudagraph",
+            "--geometries",
+            "128x16x8",
+        ]
+        argv += ["--variants", variants, "--results-dir", str(tmp_path)]
+        args = cli.build_parser().parse_args([*argv, "--work-dir", str(tmp_path)])
+        units = matrix.Matrix(args).specs()
+        return [[s.variant for s in unit] for unit in units if unit[0].preset == "auto"]
+
+    assert auto_units("on-cold,on-warm") == [["on-cold", "on-warm"]]
+    assert auto_units("on-cold,off-cold") == [["on-cold"]]
+    assert auto_units("off-cold") == [["on-cold"]]

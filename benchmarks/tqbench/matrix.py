@@ -141,8 +141,9 @@ class Matrix:
         )
 
     def specs(self) -> list[list[RunSpec]]:
-        """Units of work: [on-cold, on-warm] chains (in order), then single runs
-        (off-cold, and the ``auto`` baseline of every mode and geometry)."""
+        """Units of work: [on-cold, on-warm] chains (in order), the ``auto`` baseline of
+        every mode and geometry among them (cold, and warm when on-warm runs), then the
+        off-cold single runs."""
         a = self.args
         chains: list[list[RunSpec]] = []
         singles: list[list[RunSpec]] = []
@@ -157,8 +158,11 @@ class Matrix:
                     chain = [s for s in chain if s.variant != "off-cold"]
                     if chain:
                         chains.append(chain)
-        if not a.no_auto:
-            singles.extend([self._spec(AUTO, m, g, "on-cold")] for m in modes for g in geometries)
+        if not a.no_auto:  # the baseline in each Triton-cache state the presets run in
+            auto = [v for v in variants if v != "off-cold"] or ["on-cold"]
+            chains.extend(
+                [self._spec(AUTO, m, g, v) for v in auto] for m in modes for g in geometries
+            )
         # Longer chains first so they are not the stragglers.
         return chains + singles
 

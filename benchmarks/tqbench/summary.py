@@ -81,6 +81,11 @@ def _key(row: dict[str, Any]) -> tuple[Any, ...]:
     return tuple(str(row.get(f)) for f in GROUP_FIELDS)
 
 
+def _baseline_key(row: dict[str, Any], variant: str) -> tuple[Any, ...]:
+    fields = ("series", "release", "mode", "geometry", "tp", "phase")
+    return (*(row[f] for f in fields), variant)
+
+
 def summarize(records: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """``{"phases": [...], "startup": [...]}`` rows of the records (one record per run+phase)."""
     by_phase: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
@@ -93,14 +98,12 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any
         run = (r.get("run_id"), r.get("config_id"), r.get("plugin"), r.get("triton_cache"))
         by_run.setdefault(gkey, {}).setdefault(run, r)
     phase_rows = [_phase_row(dict(k[:-1]), str(k[-1]), v) for k, v in by_phase.items()]
-    auto = {
-        (row["series"], row["release"], row["mode"], row["geometry"], row["tp"], row["phase"]): row
-        for row in phase_rows
-        if row["preset"] == AUTO
-    }
+    auto = {_baseline_key(row, row["variant"]): row for row in phase_rows if row["preset"] == AUTO}
     for row in phase_rows:
-        base = auto.get(
-            (row["series"], row["release"], row["mode"], row["geometry"], row["tp"], row["phase"])
+        # The auto run in the same Triton-cache state (warm beside warm), else its cold run.
+        cache = "warm" if row["variant"].endswith("-warm") else "cold"
+        base = auto.get(_baseline_key(row, f"on-{cache}")) or auto.get(
+            _baseline_key(row, "on-cold")
         )
         if base is not None and row["preset"] != AUTO:
             row["auto_ratio"] = base["ratio"]
