@@ -232,11 +232,12 @@ def test_inspect_lists_the_first_launches(capsys: pytest.CaptureFixture[str]) ->
     assert out["launches"] == [
         "gemm float32 16x128",
         "gemm float32 512x128",
-        # the key un-rotation: 8 KV heads x cached 1, 8, 64, 512 and 4096 - 129 tokens
+        # the key un-rotation: 8 KV heads x cached 1, 8, 64, 512, 4096 - 129 tokens, and
+        # each multiple of the 512-token chunk budget a fresh prompt's chunks cache
         "gemm float16 8x128",
         "gemm float16 64x128",
         "gemm float16 512x128",
-        "gemm float16 4096x128",
+        *(f"gemm float16 {8 * 512 * k}x128" for k in range(1, 8)),
         "gemm float16 31736x128",
         "attention bfloat16 512x512 (heads 16/8, d=128)",
         "attention bfloat16 512x1024 (heads 16/8, d=128)",

@@ -33,7 +33,7 @@ def test_mse_keys_add_the_query_rotation_and_the_key_unrotation(
     assert launches.launches(g) == [
         Launch("gemm", "float32", 8, 128),
         Launch("gemm", "float32", 32, 128),
-        *[Launch("gemm", unrotate, 2 * c, 128) for c in (1, 8, 64, 512, 3967)],
+        *[Launch("gemm", unrotate, 2 * c, 128) for c in (1, 8, 64, *range(512, 3585, 512), 3967)],
         Launch("attention", "bfloat16", 512, 512, 8, 2, 128),
         Launch("attention", "bfloat16", 512, 1024, 8, 2, 128),
     ]
@@ -177,11 +177,12 @@ def test_paged_decode_runs_on_a_scratch_paged_cache(monkeypatch: pytest.MonkeyPa
 @pytest.mark.parametrize(
     ("hk", "d", "max_len", "version", "rows"),
     [
-        # cached 1, 8, 64, 512, 4096, 32768 and the longest, 131072 - 129
-        (8, 128, 131072, (0, 26), [8, 64, 512, 4096, 32768, 65536]),  # capped at 16 MiB
-        (1, 128, 131072, (0, 26), [1, 8, 64, 512, 4096, 32768, 65536]),
-        (2, 64, 1000, (0, 26), [2, 16, 128, 1024, 2 * 871]),
-        (2, 128, 4096, (0, 20), [2, 16, 128, 1024, 2 * 3967]),  # fp32: 32768-row cap
+        # cached 1, 8, 64, 512, 4096, 32768 and the longest, 131072 - 129, and the
+        # multiples of the 2048-token chunk budget (fakes.geometry) under the cap
+        (8, 128, 131072, (0, 26), [8, 64, 512, 4096, 16384, 32768, 49152, 65536]),
+        (1, 128, 131072, (0, 26), sorted({1, 8, 64, 512, *range(2048, 65537, 2048)})),
+        (2, 64, 1000, (0, 26), [2, 16, 128, 1024, 2 * 871]),  # the chunk is the whole prompt
+        (2, 128, 4096, (0, 20), [2, 16, 128, 1024, 2 * 2048, 2 * 3967]),  # fp32 cap: 32768
         (4, 128, 130, (0, 26), [4]),  # one cached token at most
         (4, 128, 129, (0, 26), []),  # no room for a cached prefix
     ],

@@ -47,17 +47,20 @@ PAGE_TOKENS = 16
 # and cuBLAS picks its kernel by shape: cached_len runs from 1 to
 # ``max_model_len - 129`` (the chunk itself is over 128 tokens). Launched: cached lengths
 # on a x8 ladder from 1 (1, 8, 64, ...: cuBLAS's heuristics switch tiles at size classes
-# of M, not at every M) plus the longest, with the rows capped where the scratch operand
-# reaches GEMM_SCRATCH_BYTES (16 MiB: 65536 rows at D=128 in fp16): by then the grid is
-# many waves of the largest tile on any GPU, and beyond it the kernel is assumed not to
-# change. That assumption, and the ladder's coverage, need a GPU run with cuBLASLt
-# logging (CUBLASLT_LOG_LEVEL=2) per cached length to confirm.
+# of M, not at every M) plus the longest, and the exact lengths a fresh chunked prompt
+# runs (every multiple of the chunk budget: cuBLAS also pays its heuristic once per exact
+# shape; on the H200, 0.26.0, the first long prompt of a warm engine still spent +2.5 ms
+# in aten::mm over the next one, with 8192 rows off the ladder). Rows are capped where the
+# scratch operand reaches GEMM_SCRATCH_BYTES (16 MiB: 65536 rows at D=128 in fp16): by
+# then the grid is many waves of the largest tile on any GPU, and beyond it the kernel is
+# assumed not to change.
 UNROTATE_LADDER = 8
 GEMM_SCRATCH_BYTES = 16 * 2**20
 
 
 def unrotate_rows(g: Geometry) -> list[int]:
-    """GEMM rows of the key un-rotations a layer's long continuations run."""
+    """GEMM rows of the key un-rotations a layer's long continuations run: a ladder of
+    size classes, and each cached length of a fresh prompt's chunks, under the cap."""
     hk, d = g.num_kv_heads, g.head_size
     longest = g.max_model_len - CONTINUATION_DECODE_THRESHOLD - 1
     if longest < 1:
@@ -68,6 +71,8 @@ def unrotate_rows(g: Geometry) -> list[int]:
     while cached[-1] * UNROTATE_LADDER < longest:
         cached.append(cached[-1] * UNROTATE_LADDER)
     cached.append(longest)
+    chunk = min(g.max_num_batched_tokens, g.max_model_len)
+    cached += range(chunk, min(longest, cap // hk) + 1, chunk)
     return sorted({min(hk * c, cap) for c in cached})
 
 
