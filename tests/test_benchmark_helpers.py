@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -253,3 +254,21 @@ def test_matrix_runs_the_auto_baseline_in_each_cache_state(tmp_path: Path) -> No
     assert auto_units("on-cold,on-warm") == [["on-cold", "on-warm"]]
     assert auto_units("on-cold,off-cold") == [["on-cold"]]
     assert auto_units("off-cold") == [["on-cold"]]
+
+
+def test_matrix_refuses_plugin_on_runs_vllm_could_not_load_the_plugin_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from benchmarks.tqbench import cli, entry_point, matrix
+
+    monkeypatch.setattr(entry_point, "found", lambda: False)
+    argv = ["matrix", "--presets", "turboquant_4bit_nc", "--modes", "eager"]
+    argv += ["--geometries", "128x16x8", "--work-dir", str(tmp_path)]
+    with pytest.raises(SystemExit, match="entry point is not installed"):
+        matrix.cmd_matrix(cli.build_parser().parse_args([*argv, "--variants", "on-cold"]))
+    # with the stub, each child finds the entry point first on its path
+    args = cli.build_parser().parse_args([*argv, "--entry-point-stub"])
+    m = matrix.Matrix(args)
+    env = m.child_env(m.specs()[0][0])
+    stub = Path(env["PYTHONPATH"].split(os.pathsep)[0])
+    assert (stub / "tq_warmup_plugin_stub-0.dist-info" / "entry_points.txt").is_file()

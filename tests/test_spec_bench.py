@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.tqbench import records, spec, tables  # noqa: E402
+from benchmarks.tqbench import entry_point, records, spec, tables  # noqa: E402
 
 
 def _row(
@@ -279,7 +279,7 @@ def test_child_env_and_engine_kwargs(tmp_path: Path) -> None:
 
 
 def test_entry_point_stub_is_discoverable(tmp_path: Path) -> None:
-    root = spec.write_entry_point_stub(tmp_path / "ep")
+    root = entry_point.write_stub(tmp_path / "ep")
     code = (
         "from importlib.metadata import entry_points; "
         "print([e.value for e in entry_points(group='vllm.general_plugins') "

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.tqbench import logs, phases, records, tables
+from benchmarks.tqbench import entry_point, logs, phases, records, tables
 from benchmarks.tqbench.cli import Option, add_options, new_parser
 from benchmarks.tqbench.phases import AUTO, PHASES, Geometry
 from benchmarks.tqbench.run import add_common_options
@@ -118,6 +118,10 @@ class Matrix:
         self.fallback_vllm = _installed_vllm_version()
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.stopping = False
+        # Where the children find the plugin's entry point when it is not installed.
+        self.stub: list[str] = []
+        if args.entry_point_stub and not entry_point.found():
+            self.stub = [str(entry_point.write_stub(self.work_root / "entry-point"))]
 
     def remaining(self) -> float | None:
         if not self.args.deadline_s:
@@ -224,7 +228,7 @@ class Matrix:
 
     def child_env(self, spec: RunSpec) -> dict[str, str]:
         env = dict(os.environ)
-        path = [str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])]
+        path = [*self.stub, str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])]
         env.update(
             PYTHONPATH=os.pathsep.join(path),
             PYTHONUNBUFFERED="1",
@@ -414,6 +418,13 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         if geom.q_heads % args.tp or geom.kv_heads % args.tp:
             raise SystemExit(f"geometry {g}: heads must be divisible by --tp {args.tp}")
     phases.plan_phases(args.budget, 16, args.max_tokens)  # validates the budget
+    plugin_on = any(v.startswith("on") for v in phases.parse_list(args.variants, phases.VARIANTS))
+    if plugin_on and not args.entry_point_stub and not entry_point.found():
+        raise SystemExit(
+            "matrix: the plugin's entry point is not installed, so vLLM would run every "
+            "'plugin on' configuration without it: pip install --no-deps . or pass "
+            "--entry-point-stub"
+        )
     return Matrix(args).run()
 
 
@@ -434,6 +445,11 @@ MATRIX_OPTIONS: tuple[Option, ...] = (
         "caches and model configs (default: a tmp dir, removed afterwards; a given dir is kept)",
     ),
     ("--keep-caches", False, "keep the default tmp work dir"),
+    (
+        "--entry-point-stub",
+        False,
+        "if the plugin's entry point is not installed, declare it for the children",
+    ),
 )
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.tqbench import logs, phases, recorder, records, tables
+from benchmarks.tqbench import entry_point, logs, phases, recorder, records, tables
 from benchmarks.tqbench.cli import Option, add_options, new_parser
 from benchmarks.tqbench.phases import AUTO, PHASES, Geometry, PhasePlan
 
@@ -234,15 +234,6 @@ def _pick_rank0(reports: dict[str, Any]) -> dict[str, Any] | None:
     return rep if isinstance(rep, dict) else None
 
 
-def _plugin_entry_point_found() -> bool:
-    from importlib.metadata import entry_points
-
-    try:
-        return any(ep.name == "tq_warmup" for ep in entry_points(group="vllm.general_plugins"))
-    except Exception:
-        return False
-
-
 def _gpu_name() -> str:
     with contextlib.suppress(Exception):
         from vllm.platforms import current_platform
@@ -283,7 +274,7 @@ def start_engine(ctx: RunContext, rec: recorder.JitRecorder) -> Any | None:
         import torch
 
         base["torch_version"] = torch.__version__
-    base["plugin_entry_point_found"] = _plugin_entry_point_found()
+    base["plugin_entry_point_found"] = entry_point.found()
     monitor_module, monitor_has_mode = jit_monitor_support(vllm.__version__)
     if not monitor_has_mode:
         base["jit_monitor_mode"] = "warn (no jit_monitor_mode before 0.25)"

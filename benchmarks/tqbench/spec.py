@@ -55,7 +55,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.tqbench import logs, phases, records, tables
+from benchmarks.tqbench import entry_point, logs, phases, records, tables
 from benchmarks.tqbench.cli import Option, add_options, new_parser
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -435,29 +435,6 @@ def engine_kwargs(
     return kwargs
 
 
-def entry_point_found() -> bool:
-    """Whether vLLM can discover the plugin (``vllm.general_plugins`` / ``tq_warmup``)."""
-    from importlib.metadata import entry_points
-
-    with contextlib.suppress(Exception):
-        return any(ep.name == "tq_warmup" for ep in entry_points(group="vllm.general_plugins"))
-    return False
-
-
-def write_entry_point_stub(root: Path) -> Path:
-    """A dist-info under ``root`` that declares the plugin's entry point (for a tree where
-    the plugin is importable from ``src`` but not installed); put ``root`` on the path."""
-    info = root / "tq_warmup_plugin_stub-0.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: tq-warmup-plugin-stub\nVersion: 0\n"
-    )
-    (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\ntq_warmup = tq_warmup_plugin:register\n"
-    )
-    return root
-
-
 # --------------------------------------------------------------------------------------
 # Child: one configuration in this process (imports vLLM)
 # --------------------------------------------------------------------------------------
@@ -496,7 +473,7 @@ def run_child(spec_path: Path) -> int:
     spec = json.loads(spec_path.read_text())
     cfg, opts, work = SpecConfig(**spec["config"]), spec["options"], Path(spec["work"])
     out = Path(spec["result"])
-    res: dict[str, Any] = {"status": "importing", "entry_point_found": entry_point_found()}
+    res: dict[str, Any] = {"status": "importing", "entry_point_found": entry_point.found()}
 
     def save(**fields: Any) -> None:
         res.update(fields)
@@ -622,9 +599,9 @@ class SpecBench:
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.lock = threading.Lock()
         self.pythonpath = [str(REPO_ROOT)]
-        self.entry_point = "installed" if entry_point_found() else "missing"
+        self.entry_point = "installed" if entry_point.found() else "missing"
         if self.entry_point == "missing" and args.entry_point_stub:
-            self.pythonpath.insert(0, str(write_entry_point_stub(self.work_root / "entry-point")))
+            self.pythonpath.insert(0, str(entry_point.write_stub(self.work_root / "entry-point")))
             self.entry_point = "stub"
         opts = {
             k: getattr(args, k)

@@ -1,0 +1,38 @@
+"""Whether vLLM can load the plugin in the benchmark's children, and a stub when not.
+
+vLLM loads general plugins through their ``vllm.general_plugins`` entry point only, so
+a checkout on ``PYTHONPATH`` (the GPU machine gets the working tree, not an install)
+runs every "plugin on" configuration without the plugin, silently. Seen on the H200
+(0.26.0, 2026-12-01): a matrix whose plugin-on runs compiled TurboQuant kernels after
+startup and had no plugin report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+__all__ = ["found", "write_stub"]
+
+
+def found() -> bool:
+    """Whether vLLM can discover the plugin (``vllm.general_plugins`` / ``tq_warmup``)."""
+    from importlib.metadata import entry_points
+
+    with contextlib.suppress(Exception):
+        return any(ep.name == "tq_warmup" for ep in entry_points(group="vllm.general_plugins"))
+    return False
+
+
+def write_stub(root: Path) -> Path:
+    """A dist-info under ``root`` that declares the plugin's entry point (for a tree where
+    the plugin is importable from ``src`` but not installed); put ``root`` on the path."""
+    info = root / "tq_warmup_plugin_stub-0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: tq-warmup-plugin-stub\nVersion: 0\n"
+    )
+    (info / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\ntq_warmup = tq_warmup_plugin:register\n"
+    )
+    return root
