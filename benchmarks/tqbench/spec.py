@@ -423,6 +423,8 @@ def engine_kwargs(
         "seed": 0,
         "disable_log_stats": False,  # LLM.get_metrics(): the acceptance counters
     }
+    if opts.get("budget"):  # the chunked-prefill budget a precompiled plan was made for
+        kwargs["max_num_batched_tokens"] = opts["budget"]
     if opts["kv_cache_gib"] > 0:
         kwargs["kv_cache_memory_bytes"] = int(opts["kv_cache_gib"] * (1 << 30))
     if cfg.cudagraph_mode is not None:

@@ -1,0 +1,388 @@
+"""The ``shipped`` command: serve from a Triton cache built elsewhere, mounted read-only.
+
+The proof the layered cache and its manifest (issue 13) are asked for: a layer built by
+``tq-warmup precompile`` on a CPU machine is mounted read-only, and for each preset
+
+``ref``
+    an engine with a fresh Triton cache and no layer: its greedy tokens are the reference;
+``shipped``
+    an engine with ``TRITON_CACHE_MANAGER`` = the layered cache over the read-only layer and
+    a fresh writable ``TRITON_CACHE_DIR``: the plugin's report (compiled / from the shipped
+    cache / from Triton's disk cache), the TurboQuant compiles after startup (0 expected),
+    the warmup time, and whether its tokens equal ``ref``'s.
+
+For ``--corrupt PRESET``, one file of that preset's decode kernel (the ``.cubin`` of the
+first ``_tq_decode_stage1`` key directory its ``ref`` engine compiled: the same key
+directory as in the layer) is changed in a read-only copy of the layer, then
+
+``corrupt``
+    the layered cache over that copy: the WARNING naming the file is expected, the kernel
+    compiled into the writable directory, and the tokens equal ``ref``'s;
+``corrupt-unverified`` (with ``--unverified-src``)
+    the same read-only corrupted layer through a plugin build without the manifest check
+    (its ``src/``): what happens without the check (the bug the check exists for).
+
+The layer is made read-only with a read-only bind mount where the process may mount
+(root with CAP_SYS_ADMIN), else with ``chmod -R a-w`` (which root ignores), and every
+file's sha256 is compared before and after: ``layer_unchanged``. Engines run one at a
+time, eager, in-process (``spec --child``), each with its own log. The parent imports
+neither vLLM nor torch; it prints a table and writes the rows as JSON Lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from benchmarks.tqbench import entry_point, phases, records, spec, tables
+from benchmarks.tqbench.cli import Option, add_options, new_parser
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_OUT_DIR = REPO_ROOT / "benchmarks" / "results" / "shipped"
+MANAGER = "tq_warmup_plugin.layered_cache:LayeredCacheManager"
+DECODE_KERNEL = "_tq_decode_stage1"
+
+
+def file_hashes(root: Path) -> dict[str, str]:
+    """``relative path: sha256`` of every file under ``root``."""
+    out = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        out[str(path.relative_to(root))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+@contextlib.contextmanager
+def read_only(src: Path, at: Path) -> Iterator[str]:
+    """``src`` visible read-only at ``at``; yields how (``bind mount`` or ``chmod``)."""
+    at.mkdir(parents=True, exist_ok=True)
+    mounted = (
+        subprocess.run(["mount", "--bind", str(src), str(at)], capture_output=True).returncode == 0
+    )
+    if mounted and (
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(at)], capture_output=True).returncode
+        == 0
+    ):
+        try:
+            yield "read-only bind mount"
+        finally:
+            subprocess.run(["umount", str(at)], check=False)
+        return
+    if mounted:
+        subprocess.run(["umount", str(at)], check=False)
+    at.rmdir()
+    shutil.copytree(src, at)
+    subprocess.run(["chmod", "-R", "a-w", str(at)], check=True)
+    yield "chmod -R a-w (root can still write)"
+
+
+def decode_cubin(triton_dir: Path) -> Path | None:
+    """The first (sorted) ``_tq_decode_stage1.cubin`` under a Triton cache directory."""
+    found = sorted(triton_dir.glob(f"*/{DECODE_KERNEL}.cubin"))
+    return found[0] if found else None
+
+
+def corrupt(file: Path) -> None:
+    """Flip 64 bytes in the middle of ``file`` (same size, different content)."""
+    data = bytearray(file.read_bytes())
+    mid = len(data) // 2
+    for i in range(mid, min(mid + 64, len(data))):
+        data[i] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def warnings_in(log: str) -> list[str]:
+    """The plugin's WARNING lines of a child's log."""
+    return [
+        line.strip()[:400] for line in log.splitlines() if re.search(r"WARNING.*tq-warmup", line)
+    ]
+
+
+class Shipped:
+    """Runs the children and keeps one row per engine."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.run_id = dt.datetime.now().strftime("%Y%m%dT%H%M%S")
+        self.work = Path(args.work_dir or tempfile.mkdtemp(prefix="tq-shipped-")).resolve()
+        self.log_dir = Path(args.log_dir or self.work / "logs").resolve()
+        self.out = Path(args.out or DEFAULT_OUT_DIR / f"{self.run_id}{records.RAW_SUFFIX}")
+        self.prompts = spec.spec_prompts(args.prompts, 0)
+        self.pythonpath = [str(REPO_ROOT)]
+        if args.entry_point_stub and not entry_point.found():
+            self.pythonpath.insert(0, str(entry_point.write_stub(self.work / "entry-point")))
+        self.rows: list[dict[str, Any]] = []
+
+    def options(self, preset: str) -> dict[str, Any]:
+        a = self.args
+        return {
+            "preset": preset,
+            "geometry": a.geometry,
+            "layers": a.layers,
+            "max_model_len": a.max_model_len,
+            "max_num_seqs": a.max_num_seqs,
+            "budget": a.budget,
+            "kv_cache_gib": a.kv_cache_gib,
+            "gpu_mem_util": 0.3,
+            "jit_monitor_mode": "warn",
+            "weight_scale": a.weight_scale,
+            "max_tokens": a.max_tokens,
+            "logprobs": 2,
+        }
+
+    def child(
+        self, preset: str, variant: str, env_extra: dict[str, str], src: str = ""
+    ) -> dict[str, Any]:
+        """One engine; its row (the child's result plus what its log shows). ``src``: a
+        plugin source tree imported before the caller's (the build without the check)."""
+        name = f"{preset}.{variant}"
+        work = self.work / name
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        cfg = spec.SpecConfig(spec.REFERENCE)
+        records.write_json_atomic(
+            work / "spec.json",
+            {
+                "config": asdict(cfg),
+                "options": self.options(preset),
+                "prompts": self.prompts,
+                "work": str(work),
+                "result": str(work / "result.json"),
+            },
+        )
+        env = {**os.environ, **spec.child_env(cfg, work, False), **env_extra}
+        path = [*self.pythonpath[:-1], *filter(None, [src]), self.pythonpath[-1]]
+        env["PYTHONPATH"] = os.pathsep.join([*path, env.get("PYTHONPATH", "")])
+        log = self.log_dir / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        print(f"[shipped] start {name} (log {log})", flush=True)
+        argv = [
+            sys.executable,
+            "-m",
+            "benchmarks.tqbench",
+            "spec",
+            "--child",
+            str(work / "spec.json"),
+        ]
+        with log.open("wb") as logf:
+            try:
+                rc: int | None = subprocess.run(
+                    argv,
+                    cwd=REPO_ROOT,
+                    env=env,
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    timeout=self.args.timeout,
+                ).returncode
+            except subprocess.TimeoutExpired:
+                rc = None
+        result: dict[str, Any] = {}
+        with contextlib.suppress(OSError, ValueError):
+            result = json.loads((work / "result.json").read_text())
+        report = result.get("plugin_report") or {}
+        row = {
+            "preset": preset,
+            "variant": variant,
+            "rc": rc,
+            "status": result.get("status", "no result"),
+            "error": result.get("error"),
+            "startup_s": result.get("startup_s"),
+            "warmup_s": report.get("warmup_s"),
+            "compiled": report.get("compiled"),
+            "shipped": report.get("shipped"),
+            "disk": report.get("loaded"),
+            "plugin_line": report and report.get("status"),
+            "tq_compiles_after_startup": result.get("tq_compiles_after_startup"),
+            "tokens": result.get("tokens"),
+            "warnings": warnings_in(log.read_text(errors="replace")),
+            "triton_cache_dir": env["TRITON_CACHE_DIR"],
+            "log": str(log),
+            "vllm_version": result.get("vllm_version"),
+            "triton_version": result.get("triton_version"),
+            "gpu": result.get("gpu"),
+        }
+        self.rows.append(row)
+        print(f"[shipped] done  {name}: {row['status']} rc={rc}", flush=True)
+        return row
+
+    def run(self) -> int:
+        a = self.args
+        layer = Path(a.layer).resolve()
+        before = file_hashes(layer)
+        presets = phases.parse_list(a.presets, phases.TQ_PRESETS)
+        layered = {"TRITON_CACHE_MANAGER": MANAGER}
+        with read_only(layer, self.work / "layer-ro") as how:
+            for preset in presets:
+                ref = self.child(preset, "ref", {})
+                self.child(
+                    preset,
+                    "shipped",
+                    {**layered, "TQ_WARMUP_CACHE_LAYERS": str(self.work / "layer-ro")},
+                )
+                if preset == a.corrupt:
+                    self.corrupted(layer, preset, ref)
+            after = file_hashes(self.work / "layer-ro")  # what the engines could write to
+        for row in self.rows:
+            row.update(layer_mode=how, layer_files=len(before), layer_unchanged=before == after)
+            ref_tokens = next(
+                (
+                    r["tokens"]
+                    for r in self.rows
+                    if r["preset"] == row["preset"] and r["variant"] == "ref"
+                ),
+                None,
+            )
+            row["tokens_equal_ref"] = (
+                None
+                if row["variant"] == "ref"
+                else (row["tokens"] is not None and row["tokens"] == ref_tokens)
+            )
+        self.save()
+        return (
+            0
+            if all(r["status"] == "ok" for r in self.rows if r["variant"] != "corrupt-unverified")
+            else 1
+        )
+
+    def corrupted(self, layer: Path, preset: str, ref: dict[str, Any]) -> None:
+        cubin = decode_cubin(Path(ref["triton_cache_dir"]))
+        if cubin is None:
+            print(f"[shipped] {preset}: its ref engine compiled no {DECODE_KERNEL}", flush=True)
+            return
+        relative = cubin.relative_to(Path(ref["triton_cache_dir"]))
+        bad = self.work / "layer-corrupt"
+        shutil.rmtree(bad, ignore_errors=True)
+        shutil.copytree(layer, bad)
+        if not (bad / relative).is_file():
+            print(f"[shipped] {relative} is not in the layer: keys differ", flush=True)
+            return
+        corrupt(bad / relative)
+        with read_only(bad, self.work / "layer-corrupt-ro"):
+            row = self.child(
+                preset,
+                "corrupt",
+                {
+                    "TRITON_CACHE_MANAGER": MANAGER,
+                    "TQ_WARMUP_CACHE_LAYERS": str(self.work / "layer-corrupt-ro"),
+                },
+            )
+        rebuilt = Path(row["triton_cache_dir"]) / relative
+        row["corrupted_file"] = str(relative)
+        row["rebuilt_in_writable_dir"] = rebuilt.is_file()
+        row["rebuilt_equals_ref"] = rebuilt.is_file() and rebuilt.read_bytes() == cubin.read_bytes()
+        if self.args.unverified_src:  # the same layer, read by a build without the check
+            with read_only(bad, self.work / "layer-corrupt-ro"):
+                layers = {"TQ_WARMUP_CACHE_LAYERS": str(self.work / "layer-corrupt-ro")}
+                unverified = self.child(
+                    preset,
+                    "corrupt-unverified",
+                    {"TRITON_CACHE_MANAGER": MANAGER, **layers},
+                    src=str(Path(self.args.unverified_src).resolve()),
+                )
+            unverified["corrupted_file"] = str(relative)
+
+    def save(self) -> None:
+        run_fields = {
+            "run_id": self.run_id,
+            "series": self.args.series,
+            **{
+                k: getattr(self.args, k)
+                for k in (
+                    "layer",
+                    "geometry",
+                    "layers",
+                    "max_model_len",
+                    "max_num_seqs",
+                    "budget",
+                    "weight_scale",
+                )
+            },
+        }
+        records.write_run(self.out, run_fields, self.rows)
+        cols = (
+            "preset",
+            "variant",
+            "status",
+            "startup_s",
+            "warmup_s",
+            "compiled",
+            "shipped",
+            "disk",
+            "tq jit after startup",
+            "tokens = ref",
+            "warnings",
+        )
+        table = [
+            [
+                tables.short_preset(r["preset"]),
+                r["variant"],
+                r["status"],
+                r["startup_s"],
+                r["warmup_s"],
+                r["compiled"],
+                r["shipped"],
+                r["disk"],
+                ",".join(r["tq_compiles_after_startup"] or []) or "0",
+                r["tokens_equal_ref"],
+                len(r["warnings"]),
+            ]
+            for r in self.rows
+        ]
+        cells = [["-" if c is None else str(c) for c in row] for row in table]
+        print(tables.render(cols, cells), flush=True)
+        for r in self.rows:
+            for w in r["warnings"]:
+                print(f"  {r['preset']}.{r['variant']}: {w}")
+        first = self.rows[0] if self.rows else {}
+        mode, same = first.get("layer_mode", "-"), first.get("layer_unchanged", "-")
+        print(f"[shipped] layer: {mode}, unchanged: {same}; rows in {self.out}", flush=True)
+
+
+def cmd_shipped(args: argparse.Namespace) -> int:
+    if not Path(args.layer).is_dir():
+        raise SystemExit(f"shipped: --layer {args.layer}: not a directory")
+    if args.corrupt and args.corrupt not in phases.parse_list(args.presets, phases.TQ_PRESETS):
+        raise SystemExit(f"shipped: --corrupt {args.corrupt} is not among --presets")
+    return Shipped(args).run()
+
+
+SHIPPED_OPTIONS: tuple[Option, ...] = (
+    ("--layer", "", "the Triton cache directory tq-warmup precompile built (required)"),
+    ("--presets", "all", f"comma list of {phases.TQ_PRESETS} or 'all'"),
+    ("--corrupt", "", "corrupt one decode kernel file of this preset's keys in a copy"),
+    ("--unverified-src", "", "a plugin src/ without the manifest check, for the corrupt layer"),
+    ("--geometry", "128x16x8", "HEADSIZExQHEADSxKVHEADS (as precompile was given)"),
+    ("--layers", 6, "hidden layers"),
+    ("--max-model-len", 4096, "as precompile was given"),
+    ("--max-num-seqs", 32, "as precompile was given"),
+    ("--budget", 512, "max_num_batched_tokens, as precompile was given"),
+    ("--kv-cache-gib", 2.0, "KV cache size of each engine"),
+    ("--weight-scale", 200.0, "scale vLLM's dummy weights so greedy tokens are decided"),
+    ("--max-tokens", 32, "tokens generated per prompt"),
+    ("--prompts", 8, "prompts"),
+    ("--timeout", 600.0, "seconds per engine"),
+    ("--work-dir", "", "default: a tmp dir"),
+    ("--log-dir", "", "default: <work-dir>/logs"),
+    ("--out", "", "raw rows (JSON Lines); default benchmarks/results/shipped/<run id>.jsonl"),
+    ("--series", "shipped cache", "a name for this run"),
+    ("--entry-point-stub", False, "declare the plugin's entry point if it is not installed"),
+)
+
+
+def add_parser(subparsers: Any) -> None:
+    """The ``shipped`` subcommand."""
+    p = new_parser(subparsers, "shipped", "serve from a shipped read-only Triton cache", __doc__)
+    add_options(p, SHIPPED_OPTIONS)
+    p.set_defaults(func=cmd_shipped)
