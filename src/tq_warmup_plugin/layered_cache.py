@@ -4,7 +4,7 @@ Enabled through Triton's own extension point, in the environment of every proces
 that compiles (the plugin does not set it)::
 
     TRITON_CACHE_MANAGER=tq_warmup_plugin.layered_cache:LayeredCacheManager
-    TQ_WARMUP_CACHE_LAYERS=/opt/triton-cache:/opt/more   # read-only layers, in order
+    TQ_WARMUP_CACHE_LAYERS=/opt/tq-warmup/cache:/opt/more   # read-only layers, in order
 
 A lookup tries each layer, then Triton's own cache directory (``TRITON_CACHE_DIR``,
 else ``~/.triton/cache``); a miss is compiled and written to that directory only.

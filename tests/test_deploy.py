@@ -1,0 +1,136 @@
+"""``deploy/``: the Containerfile, the Kubernetes manifest, the build script and the README's
+Deploy section name the same variables and paths as ``layered_cache`` (read from its source:
+no Triton needed), the manifest parses, the script passes ``bash -n`` and ``shellcheck``."""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = "deploy/build-layer.sh"
+
+
+def _constants(repo: Path) -> dict[str, str]:
+    tree = ast.parse((repo / "src/tq_warmup_plugin/layered_cache.py").read_text())
+    return {
+        node.targets[0].id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.targets[0], ast.Name)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+    }
+
+
+def _image_env(containerfile: str) -> dict[str, str]:
+    """The ``ENV`` of the Containerfile's last stage (``NAME=value`` pairs)."""
+    last = containerfile.split("\nFROM ")[-1].replace("\\\n", " ")
+    env: dict[str, str] = {}
+    for line in last.splitlines():
+        if line.startswith("ENV "):
+            for pair in line[4:].split():
+                name, _, value = pair.partition("=")
+                env[name] = value
+    return env
+
+
+def problems(repo: Path) -> list[str]:
+    """Every disagreement between the deploy files; empty when they agree."""
+    const = _constants(repo)
+    layers_env, manager = const["LAYERS_ENV"], const["MANAGER"]
+    out: list[str] = []
+    containerfile = (repo / "deploy/Containerfile").read_text()
+    env = _image_env(containerfile)
+    layer, own = env.get(layers_env, "?"), env.get("TRITON_CACHE_DIR", "?")
+    want = {"TRITON_CACHE_MANAGER": manager, layers_env: layer, "TRITON_CACHE_DIR": own}
+    if env != want or "?" in (layer, own):
+        out.append(f"Containerfile ENV {env}, want {want}")
+    for line in (
+        f"COPY --from=layer {layer} {layer}",
+        f"chmod -R a-w {layer}",
+        f"RUN /src/tq-warmup-plugin/{SCRIPT}",
+    ):
+        if line not in containerfile:
+            out.append(f"Containerfile lacks {line!r}")
+
+    script = (repo / SCRIPT).read_text()
+    default = re.search(r"CACHE=\$\{CACHE:-([^}]*)\}", script)
+    if default is None or default.group(1) != layer:
+        out.append(f"{SCRIPT}: default CACHE is not {layer}")
+    for step in ('tq-warmup" precompile', 'tq-warmup" verify --cache-dir "$CACHE"'):
+        if step not in script:
+            out.append(f"{SCRIPT} lacks {step!r}")
+
+    pod = yaml.safe_load((repo / "deploy/kubernetes.yaml").read_text())["spec"]["template"]["spec"]
+    (server,) = pod["containers"]
+    (init,) = pod["initContainers"]
+    if {e["name"]: e["value"] for e in server["env"]} != want:
+        out.append(f"kubernetes.yaml: env {server['env']}, want {want}")
+    if (
+        init["command"] != ["tq-warmup", "verify", "--cache-dir", layer]
+        or init["image"] != server["image"]
+    ):
+        out.append(f"kubernetes.yaml: init container {init}")
+    if server["securityContext"].get("readOnlyRootFilesystem") is not True:
+        out.append("kubernetes.yaml: the server's root file system is not read-only")
+    mounts = {m["mountPath"]: m for m in server["volumeMounts"]}
+    empty = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
+    if own not in mounts or mounts[own]["name"] not in empty or mounts[own].get("readOnly"):
+        out.append(f"kubernetes.yaml: {own} is not a writable emptyDir")
+
+    readme = (repo / "README.md").read_text()
+    deploy = readme[readme.find("## Deploy") :]
+    deploy = deploy[: deploy.find("\n## ", 1)]
+    files = ["deploy/Containerfile", "deploy/kubernetes.yaml", SCRIPT]
+    for text in [f"{k}={v}" for k, v in want.items()] + files + [f"verify --cache-dir {layer}"]:
+        if text not in deploy:
+            out.append(f"README Deploy section lacks {text!r}")
+    return out
+
+
+def test_deploy_files_agree_with_the_layered_cache() -> None:
+    assert problems(REPO) == []
+
+
+@pytest.mark.parametrize(
+    ("path", "old", "new"),
+    [
+        ("deploy/kubernetes.yaml", "value: /var/cache/triton", "value: /var/cache/other"),
+        (
+            "deploy/Containerfile",
+            "TQ_WARMUP_CACHE_LAYERS=/opt/tq-warmup/cache",
+            "TQ_WARMUP_CACHE_LAYERS=/opt/x",
+        ),
+        (SCRIPT, "CACHE=${CACHE:-/opt/tq-warmup/cache}", "CACHE=${CACHE:-/opt/cache}"),
+        ("README.md", "TRITON_CACHE_DIR=/var/cache/triton", "TRITON_CACHE_DIR=/tmp/triton"),
+        (
+            "src/tq_warmup_plugin/layered_cache.py",
+            'LAYERS_ENV = "TQ_WARMUP_CACHE_LAYERS"',
+            'LAYERS_ENV = "TQ_LAYERS"',
+        ),
+    ],
+)
+def test_a_disagreement_is_reported(tmp_path: Path, path: str, old: str, new: str) -> None:
+    for name in ("deploy", "README.md", "src/tq_warmup_plugin/layered_cache.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy
+        copy(REPO / name, tmp_path / name)
+    text = (tmp_path / path).read_text()
+    assert old in text
+    (tmp_path / path).write_text(text.replace(old, new))
+    assert problems(tmp_path)
+
+
+def test_the_build_script_is_valid_bash() -> None:
+    subprocess.run(["bash", "-n", str(REPO / SCRIPT)], check=True)
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed")
+    done = subprocess.run(["shellcheck", str(REPO / SCRIPT)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout
