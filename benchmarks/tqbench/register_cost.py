@@ -40,11 +40,11 @@ print(json.dumps({"first_ms": 1e3 * (t1 - t0), "again_us": 1e6 * (t2 - t1), "hea
 """
 
 
-def sample() -> dict[str, Any]:
-    """One fresh interpreter's measurement."""
+def sample(probe: str = _PROBE, *argv: str) -> dict[str, Any]:
+    """One fresh interpreter's measurement: the JSON last line of ``probe``'s output."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
     out = subprocess.run(
-        [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", probe, *argv], env=env, capture_output=True, text=True, check=True
     )
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
