@@ -15,7 +15,6 @@ Prints a table and writes JSON (default ``benchmarks/results/layer-check-cost.js
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 
 from benchmarks.tqbench.cli import new_parser
 from benchmarks.tqbench.matrix import DEFAULT_RESULTS_DIR
-from benchmarks.tqbench.register_cost import sample
+from benchmarks.tqbench.register_cost import sample, write_summary
 
 _PROBE = """
 import json, sys, time
@@ -84,9 +83,7 @@ def cmd_layer_check_cost(args: argparse.Namespace) -> int:
     for text, name in rows:
         med, top = summary[f"{name}_median"], summary[f"{name}_max"]
         print(f"{text:<40}{med:>8.2f}ms{top:>8.2f}ms")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=2) + "\n")
+    write_summary(args.out, summary)
     return 0
 
 

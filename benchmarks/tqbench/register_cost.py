@@ -74,10 +74,15 @@ def cmd_register_cost(args: argparse.Namespace) -> int:
     print(f"{'first register(), max':<28}{max(first):>10.2f} ms")
     print(f"{'repeat register(), median':<28}{statistics.median(again):>10.1f} us")
     print(f"{'torch/triton imported':<28}{len(heavy):>12}")
-    out = Path(args.out)
+    write_summary(args.out, summary)
+    return 0
+
+
+def write_summary(path: str, summary: dict[str, Any]) -> None:
+    """The JSON summary a cost command leaves under ``benchmarks/results``."""
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2) + "\n")
-    return 0
 
 
 def add_parser(subparsers: Any) -> None:
