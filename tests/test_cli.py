@@ -340,3 +340,23 @@ def test_precompile_refuses_in_one_line(
     err = capsys.readouterr().err
     assert line in err and err.count("\n") == 1, err
     assert not stubbed_precompile.seen  # refused before compiling anything
+
+
+def test_an_image_wheel_sets_the_manifests_triton_build_and_python_abi(
+    tmp_path: Path, stubbed_precompile: fakes.RecordingWarmer
+) -> None:
+    import zipfile
+
+    from tq_warmup_plugin import manifest
+
+    wheel = tmp_path / "triton-3.6.0-cp312-cp312-manylinux_2_27_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("triton/runtime/cache.py", "")
+    target = cli._target_stack(90, str(wheel), "the wheel's triton_key()")
+    assert target == dataclasses.replace(
+        fakes.STACK,
+        arch=90,
+        python_abi="cp312",
+        triton_build=manifest.digest("the wheel's triton_key()"),
+    )
+    assert cli._target_stack(80, None, None) == dataclasses.replace(fakes.STACK, arch=80)
