@@ -243,6 +243,24 @@ def test_a_manifest_for_another_gpu_beside_one_for_this_gpu_is_silent(
     assert _warnings(caplog) == []
 
 
+def test_a_stack_that_cannot_be_read_leaves_the_file_check(
+    lc: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    dirs = _shipped_layer(tmp_path / "layer", monkeypatch, triton_build="e" * 64)
+    (tmp_path / "layer" / dirs[1] / "k.cubin").write_bytes(b"flipped")
+
+    def unreadable() -> Any:
+        raise PermissionError("vllm/v1/attention/ops")
+
+    monkeypatch.setattr(lc, "_running_stack", unreadable)
+    monkeypatch.setenv(lc.LAYERS_ENV, str(tmp_path / "layer"))
+    caplog.set_level(logging.WARNING, logger="vllm.tq_warmup_plugin")
+    assert _served(lc, "ab" * 32, "cd" * 32) == [True, False]
+    first, second = _warnings(caplog)
+    assert "cannot read this process's vLLM/Triton stack (vllm/v1/attention/ops)" in first
+    assert f"{dirs[1]}/k.cubin" in second
+
+
 def test_a_layer_without_a_manifest_is_served_unverified_with_one_warning(
     lc: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
