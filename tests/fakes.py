@@ -6,6 +6,7 @@ Nothing heavy at import: helpers that need torch import it when called.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from typing import Any
 import pluggy
 
 import tq_warmup_plugin
-from tq_warmup_plugin import compat
+from tq_warmup_plugin import compat, manifest
 from tq_warmup_plugin.geometry import PRESETS, Geometry, preset
 from tq_warmup_plugin.hookspecs import hookimpl
 from tq_warmup_plugin.keys import KernelKey
@@ -202,7 +203,8 @@ class RecordingWarmer:
 
 class StubCounter:
     def __enter__(self) -> StubCounter:
-        self.compiled, self.loaded = 3, 4
+        self.compiled, self.shipped, self.loaded = 3, 2, 4
+        self.dirs: set[str] = set()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -244,3 +246,36 @@ def package_on_path(tmp_path: Path, monkeypatch: Any, name: str, source: str) ->
     finally:
         sys.modules.pop(name, None)
         sys.modules.pop(package, None)
+
+
+# A stack a test's process "runs" (tests patch the functions that read the real one).
+STACK = manifest.Stack(
+    vllm="0.26.0",
+    kernel_sources="a" * 64,
+    triton="3.6.0",
+    triton_build="b" * 64,
+    python_abi="cp311",
+    arch=90,
+)
+
+
+def key_dir(root: Path, key: str, kernel: str = "k", cubin: bytes = b"cubin") -> dict[str, str]:
+    """A Triton cache key directory as ``compile()`` leaves it (a kernel's files, then the
+    group naming them by absolute path); returns its files' sha256."""
+    directory = root / key
+    directory.mkdir(parents=True)
+    (directory / f"{kernel}.cubin").write_bytes(cubin)
+    (directory / f"{kernel}.json").write_text(json.dumps({"name": kernel}))
+    children = {n: str(directory / n) for n in (f"{kernel}.cubin", f"{kernel}.json")}
+    (directory / f"__grp__{kernel}.json").write_text(json.dumps({"child_paths": children}))
+    return manifest.key_dir_hashes(directory)
+
+
+def write_manifest(
+    root: Path, files: dict[str, dict[str, str]], stack: manifest.Stack = STACK
+) -> Path:
+    """A manifest for these key directories, as ``precompile`` writes it."""
+    data = manifest.build(stack, {"keys": sorted(files)}, files)
+    path = root / manifest.file_name(data)
+    path.write_text(json.dumps(data))
+    return path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -245,44 +246,39 @@ def test_inspect_lists_the_first_launches(capsys: pytest.CaptureFixture[str]) ->
     ]
 
 
-def test_precompile_reports_failures_with_the_workers_error_lines(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """precompile compiles through the worker's path: a failure is the worker's line."""
-    from tq_warmup_plugin import compat, precompile, warmup
-
-    warmer = fakes.RecordingWarmer()
-    for var in ("TRITON_CACHE_DIR", "CUDA_VISIBLE_DEVICES"):  # precompile sets both
-        monkeypatch.setenv(var, "")
-    monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
-    monkeypatch.setattr(cli, "_dist_version", lambda name: "3.6.0")
-    monkeypatch.setattr(precompile, "use_compile_only_target", lambda arch: None)
-    monkeypatch.setattr(warmup, "plugin_manager", lambda: fakes.manager(warmer))
-    monkeypatch.setattr(warmup, "CompileCounter", fakes.StubCounter)
-    assert cli.main(["precompile", *H200_FLAGS[:-2], "--cache-dir", str(tmp_path)]) == 1
-    out, err = capsys.readouterr()
-    assert "6 keys for sm90" in out and "3 built, 4 already there, 1 failed" in out
-    failed = [k for k in warmer.seen if k.kernel == fakes.FAILING][:1]
-    worker_lines = warmup.compile_all(fakes.manager(fakes.RecordingWarmer()), failed, 1)
-    assert worker_lines == ["_tq_full_dequant_kv: RuntimeError: ptxas died"]
-    assert err.splitlines() == [f"  failed: {line}" for line in worker_lines]
-
-
 @pytest.fixture
 def stubbed_precompile(monkeypatch: pytest.MonkeyPatch) -> fakes.RecordingWarmer:
     """precompile without vLLM or Triton: vLLM 0.26.0 and Triton 3.6.0 'installed', the
     fake warmer compiling."""
-    from tq_warmup_plugin import compat, precompile, warmup
+    from tq_warmup_plugin import compat, manifest, precompile, warmup
 
     warmer = fakes.RecordingWarmer()
     for var in ("TRITON_CACHE_DIR", "CUDA_VISIBLE_DEVICES"):  # precompile sets both
         monkeypatch.setenv(var, "")
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
     monkeypatch.setattr(cli, "_dist_version", lambda name: "3.6.0")
+    monkeypatch.setattr(
+        manifest, "installed_stack", lambda arch=None: dataclasses.replace(fakes.STACK, arch=arch)
+    )
     monkeypatch.setattr(precompile, "use_compile_only_target", lambda arch: None)
     monkeypatch.setattr(warmup, "plugin_manager", lambda: fakes.manager(warmer))
     monkeypatch.setattr(warmup, "CompileCounter", fakes.StubCounter)
     return warmer
+
+
+def test_precompile_reports_failures_with_the_workers_error_lines(
+    tmp_path: Path, stubbed_precompile: fakes.RecordingWarmer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """precompile compiles through the worker's path: a failure is the worker's line."""
+    from tq_warmup_plugin import warmup
+
+    assert cli.main(["precompile", *H200_FLAGS[:-2], "--cache-dir", str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
+    assert "6 keys for sm90" in out and "3 built, 4 already there, 1 failed" in out
+    failed = [k for k in stubbed_precompile.seen if k.kernel == fakes.FAILING][:1]
+    worker_lines = warmup.compile_all(fakes.manager(fakes.RecordingWarmer()), failed, 1)
+    assert worker_lines == ["_tq_full_dequant_kv: RuntimeError: ptxas died"]
+    assert err.splitlines() == [f"  failed: {line}" for line in worker_lines]
 
 
 def test_one_manifest_per_plan(
@@ -297,7 +293,8 @@ def test_one_manifest_per_plan(
         (90, "bfloat16"),
         (90, "float16"),
     ]
-    assert not list(tmp_path.glob(".tq-warmup*"))  # no temporary file left behind
+    # no temporary file or stage left behind (the lock file stays)
+    assert [p.name for p in tmp_path.glob(".tq-warmup*")] == [".tq-warmup.lock"]
     out = capsys.readouterr().out
     assert "(compile " in out and " s in all with the vLLM import;" in out
 
@@ -344,3 +341,23 @@ def test_precompile_refuses_in_one_line(
     err = capsys.readouterr().err
     assert line in err and err.count("\n") == 1, err
     assert not stubbed_precompile.seen  # refused before compiling anything
+
+
+def test_an_image_wheel_sets_the_manifests_triton_build_and_python_abi(
+    tmp_path: Path, stubbed_precompile: fakes.RecordingWarmer
+) -> None:
+    import zipfile
+
+    from tq_warmup_plugin import manifest
+
+    wheel = tmp_path / "triton-3.6.0-cp312-cp312-manylinux_2_27_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("triton/runtime/cache.py", "")
+    target = cli._target_stack(90, str(wheel), "the wheel's triton_key()")
+    assert target == dataclasses.replace(
+        fakes.STACK,
+        arch=90,
+        python_abi="cp312",
+        triton_build=manifest.digest("the wheel's triton_key()"),
+    )
+    assert cli._target_stack(80, None, None) == dataclasses.replace(fakes.STACK, arch=80)

@@ -3,7 +3,6 @@ vLLM's real ``extend_all_queries_by_N``, builder and TurboQuant impl."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import logging
@@ -217,8 +216,7 @@ def test_warmup_warns_once_on_turboquant_workers(
     monkeypatch.setattr(compat, "workspace_manager", lambda feats: None)
     monkeypatch.setattr(warmup, "discover", lambda worker, feats: found)
     monkeypatch.setattr(warmup, "compile_all", lambda pm, todo, threads, progress: [])
-    counter = SimpleNamespace(compiled=0, loaded=0)  # no Triton here
-    monkeypatch.setattr(warmup, "CompileCounter", lambda: contextlib.nullcontext(counter))
+    monkeypatch.setattr(warmup, "CompileCounter", fakes.StubCounter)  # no Triton here
     found = Discovery(geometries={"layers.0.attn": fakes.geometry()})
     worker = SimpleNamespace(
         use_v2_model_runner=False,

@@ -9,6 +9,7 @@ child that drops root for ``nobody`` and finds the layer unwritable.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -19,7 +20,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import fakes
 import pytest
+
+from tq_warmup_plugin import manifest
 
 MANAGER = "tq_warmup_plugin.layered_cache:LayeredCacheManager"
 KEY = "ab" * 32  # a hex digest, as Triton passes it to get_cache_manager
@@ -34,6 +38,8 @@ def lc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
     from tq_warmup_plugin import layered_cache
 
     monkeypatch.setattr(layered_cache, "_warned", set())
+    monkeypatch.setattr(layered_cache, "_trusts", {})
+    monkeypatch.setattr(layered_cache, "_running_stack", lambda: fakes.STACK)
     monkeypatch.setattr(layered_cache, "_unwritable", set())
     monkeypatch.setattr(layered_cache, "_fallback_root", None)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
@@ -164,6 +170,116 @@ def test_an_unwritable_own_directory_moves_writes_to_a_private_one(
     assert len(warnings) == 1 and "cannot write Triton's cache directory" in warnings[0]
 
 
+def _key_dir(key: str = KEY) -> str:
+    from triton.runtime.cache import _base32
+
+    return str(_base32(key))
+
+
+def _shipped_layer(root: Path, monkeypatch: pytest.MonkeyPatch, **stack: Any) -> list[str]:
+    """Two kernels built by Triton, a manifest listing them for ``fakes.STACK`` with
+    ``stack`` changed, and a third kernel no manifest lists; the key directories."""
+    keys = ["ab" * 32, "cd" * 32, "ef" * 32]
+    for key in keys:
+        _build_layer(root, monkeypatch, key)
+    listed = {_key_dir(k): manifest.key_dir_hashes(root / _key_dir(k)) for k in keys[:2]}
+    fakes.write_manifest(root, listed, dataclasses.replace(fakes.STACK, **stack))
+    return [_key_dir(k) for k in keys]
+
+
+def _served(lc: Any, *keys: str) -> list[bool]:
+    return [_manager(key).get_group("k.json") is not None for key in keys]
+
+
+def test_a_layer_serves_what_its_manifest_lists_with_every_file_as_listed(
+    lc: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    dirs = _shipped_layer(tmp_path / "layer", monkeypatch)
+    monkeypatch.setenv(lc.LAYERS_ENV, str(tmp_path / "layer"))
+    caplog.set_level(logging.WARNING, logger="vllm.tq_warmup_plugin")
+    cubin = tmp_path / "layer" / dirs[1] / "k.cubin"
+    cubin.write_bytes(b"flipped")  # corrupt after it was built
+    keys = ["ab" * 32, "cd" * 32, "ef" * 32]
+    assert _served(lc, *keys) == [True, False, False]  # unlisted: not what was shipped
+    assert _served(lc, *keys) == [True, False, False]
+    (warning,) = _warnings(caplog)  # once per process
+    assert f"layer {tmp_path / 'layer'}, {manifest.PREFIX}" in warning
+    assert f": {dirs[1]}/k.cubin: the manifest says sha256 " in warning
+    assert "that kernel is not used and compiles into Triton's cache directory" in warning
+    in_layer = str(tmp_path / "layer" / dirs[0] / "k.cubin")
+    assert lc.served_by_layer(in_layer) is True
+    assert lc.served_by_layer(str(tmp_path / "own" / dirs[0] / "k.cubin")) is False
+    monkeypatch.delenv("TRITON_CACHE_MANAGER")  # Triton's own manager reads no layer
+    assert lc.served_by_layer(in_layer) is False
+
+
+@pytest.mark.parametrize("field", ["triton_build", "vllm", "kernel_sources", "python_abi", "arch"])
+def test_a_manifest_for_another_stack_serves_nothing_with_one_warning(
+    field: str,
+    lc: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    value = 80 if field == "arch" else "e" * 64
+    _shipped_layer(tmp_path / "layer", monkeypatch, **{field: value})
+    monkeypatch.setenv(lc.LAYERS_ENV, str(tmp_path / "layer"))
+    caplog.set_level(logging.WARNING, logger="vllm.tq_warmup_plugin")
+    assert _served(lc, "ab" * 32, "cd" * 32) == [False, False]
+    (warning,) = _warnings(caplog)
+    assert f": {field}: the manifest says {str(value)[:12]}, found " in warning
+    assert warning.endswith("none of its 2 kernels is used")
+
+
+def test_a_manifest_for_another_gpu_beside_one_for_this_gpu_is_silent(
+    lc: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    dirs = _shipped_layer(tmp_path / "layer", monkeypatch, arch=80)
+    listed = {dirs[2]: manifest.key_dir_hashes(tmp_path / "layer" / dirs[2])}
+    fakes.write_manifest(tmp_path / "layer", listed)  # sm90 (the running arch)
+    monkeypatch.setenv(lc.LAYERS_ENV, str(tmp_path / "layer"))
+    caplog.set_level(logging.WARNING, logger="vllm.tq_warmup_plugin")
+    assert _served(lc, "ab" * 32, "ef" * 32) == [False, True]
+    assert _warnings(caplog) == []
+
+
+def test_a_stack_that_cannot_be_read_leaves_the_file_check(
+    lc: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    dirs = _shipped_layer(tmp_path / "layer", monkeypatch, triton_build="e" * 64)
+    (tmp_path / "layer" / dirs[1] / "k.cubin").write_bytes(b"flipped")
+
+    def unreadable() -> Any:
+        raise PermissionError("vllm/v1/attention/ops")
+
+    monkeypatch.setattr(lc, "_running_stack", unreadable)
+    monkeypatch.setenv(lc.LAYERS_ENV, str(tmp_path / "layer"))
+    caplog.set_level(logging.WARNING, logger="vllm.tq_warmup_plugin")
+    assert _served(lc, "ab" * 32, "cd" * 32) == [True, False]
+    first, second = _warnings(caplog)
+    assert "cannot read this process's vLLM/Triton stack (vllm/v1/attention/ops)" in first
+    assert f"{dirs[1]}/k.cubin" in second
+
+
+def test_a_layer_without_a_manifest_is_served_unverified_with_one_warning(
+    lc: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _build_layer(tmp_path / "layer", monkeypatch)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / f"{manifest.PREFIX}x.json").write_text("{")
+    _build_layer(tmp_path / "bad", monkeypatch, "cd" * 32)
+    monkeypatch.setenv(lc.LAYERS_ENV, f"{tmp_path / 'layer'}{os.pathsep}{tmp_path / 'bad'}")
+    caplog.set_level(logging.WARNING, logger="vllm.tq_warmup_plugin")
+    assert _served(lc, KEY, KEY, "cd" * 32) == [True, True, False]
+    assert _warnings(caplog) == [
+        f"tq-warmup: Triton cache layer {tmp_path / 'layer'} has no tq-warmup manifest: its "
+        "kernels are used unverified (tq-warmup precompile writes one)",
+        f"tq-warmup: Triton cache layer {tmp_path / 'bad'}: {manifest.PREFIX}x.json is not a "
+        "usable manifest (not JSON (Expecting property name enclosed in double quotes: line 1 "
+        "column 2 (char 1))); nothing it lists is used",
+    ]
+
+
 def test_override_and_dump_managers_are_tritons_own(
     lc: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -180,6 +296,7 @@ def test_override_and_dump_managers_are_tritons_own(
 # --- real vLLM, real Triton: compiles for sm90 on the CPU in a child process ---------
 
 SHIPPED, OTHER = "turboquant_4bit_nc", "turboquant_k8v4"
+LAYERS, DIR = "TQ_WARMUP_CACHE_LAYERS", "TRITON_CACHE_DIR"
 KERNELS = {
     "_tq_decode_stage1",
     "_fwd_kernel_stage2",
@@ -300,14 +417,29 @@ def _cubins(root: Path) -> set[str]:
     return {p.stem for p in root.rglob("*.cubin")}
 
 
+def precompile(report: dict[str, Any], cache_dir: Path) -> str:
+    """``tq-warmup precompile`` of what a startup's report discovered; its stdout."""
+    report_file = cache_dir.parent / f"{cache_dir.name}-report.json"
+    report_file.write_text(json.dumps(report))
+    cmd = [sys.executable, "-m", "tq_warmup_plugin.cli", "precompile", "--geometry-json"]
+    cmd += [str(report_file), "--cache-dir", str(cache_dir)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, (done.stdout, done.stderr[-3000:])
+    return done.stdout
+
+
 @pytest.fixture(scope="module")
 def shipped(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    """A cache directory with one preset's kernels, compiled by plain Triton."""
+    """A cache directory with one preset's kernels, built by ``tq-warmup precompile``
+    from the report of a startup (plain Triton, another directory)."""
     tmp = tmp_path_factory.mktemp("shipped")
-    build = tmp / "build"
-    (one,) = _run_child(tmp, [{"presets": [SHIPPED], "env": {"TRITON_CACHE_DIR": str(build)}}], {})
+    plain = {"TRITON_CACHE_DIR": str(tmp / "plain")}
+    (one,) = _run_child(tmp, [{"presets": [SHIPPED], "env": plain}], {})
     assert one["status"] == "ok" and one["compiled"] == one["distinct"] > 0, one
-    return build, one
+    out = precompile(one, tmp / "build")
+    assert f"{one['distinct']} built, 0 already there, 0 failed" in out, out
+    return tmp / "build", one
 
 
 @pytest.mark.real_vllm
@@ -330,11 +462,11 @@ def test_real_kernels_load_from_a_read_only_layer_and_misses_compile_into_the_ow
     )
     # The shipped preset: every kernel read from the layer, nothing compiled or written.
     assert hit["status"] == "ok" and hit["failed"] == 0, hit
-    assert hit["compiled"] == 0 and hit["loaded"] == one["distinct"], hit
+    assert (hit["compiled"], hit["shipped"], hit["loaded"]) == (0, one["distinct"], 0), hit
     assert not [p for p in (tmp_path / "own-first").rglob("*") if p.is_file()]
     # Another preset too: its own kernels compile into the writable directory.
     assert mixed["status"] == "ok" and mixed["failed"] == 0, mixed
-    assert mixed["loaded"] == one["distinct"], mixed
+    assert (mixed["shipped"], mixed["loaded"]) == (one["distinct"], 0), mixed
     assert mixed["compiled"] == mixed["distinct"] - one["distinct"] > 0, mixed
     assert _cubins(own) and _cubins(own) <= KERNELS
     assert _snapshot(build) == before  # the layer: not one file written or touched
@@ -371,3 +503,48 @@ def test_a_read_only_cache_dir_fails_nothing_with_the_manager_and_fails_plain_tr
     assert plain["failed"] == plain["distinct"] - one["distinct"] > 0, plain
     assert any("Read-only" in e or "Permission" in e for e in plain["errors"]), plain["errors"]
     assert _snapshot(build) == before
+
+
+@pytest.mark.real_vllm
+def test_a_corrupt_file_or_another_triton_build_is_one_warning_and_compiles_that(
+    shipped: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    build, one = shipped
+    corrupt, other = tmp_path / "corrupt-build", tmp_path / "other-build"
+    shutil.copytree(build, corrupt)
+    shutil.copytree(build, other)
+    cubin = sorted(corrupt.rglob("_tq_full_dequant_kv.cubin"))[0]
+    data = bytearray(cubin.read_bytes())
+    data[100:104] = bytes(b ^ 0xFF for b in data[100:104])
+    cubin.write_bytes(bytes(data))
+    (manifest_file,) = other.glob(f"{manifest.PREFIX}*.json")
+    changed = {**json.loads(manifest_file.read_text()), "triton_build": "0" * 64}
+    manifest_file.write_text(json.dumps(changed))
+    env = {"TRITON_CACHE_MANAGER": MANAGER}
+    layers = {corrupt: tmp_path / "layer-corrupt", other: tmp_path / "layer-other"}
+    bad, mismatched = _run_child(
+        tmp_path,
+        [
+            {
+                "presets": [SHIPPED],
+                "env": {**env, LAYERS: str(layers[corrupt]), DIR: str(tmp_path / "own-c")},
+            },
+            {
+                "presets": [SHIPPED],
+                "env": {**env, LAYERS: str(layers[other]), DIR: str(tmp_path / "own-o")},
+            },
+        ],
+        layers,
+    )
+    # One file changed: that kernel compiles into the writable directory, the rest ship.
+    assert bad["failed"] == 0 and bad["compiled"] == 1, bad
+    assert (bad["shipped"], bad["loaded"]) == (one["distinct"] - 1, 0), bad
+    (warning,) = bad["warnings"]
+    assert f"{cubin.parent.name}/_tq_full_dequant_kv.cubin: the manifest says sha256 " in warning
+    assert _cubins(tmp_path / "own-c") == {"_tq_full_dequant_kv"}
+    # Another Triton build: not one of the manifest's kernels is used.
+    assert mismatched["failed"] == 0, mismatched
+    assert (mismatched["compiled"], mismatched["shipped"]) == (one["distinct"], 0), mismatched
+    (warning,) = mismatched["warnings"]
+    assert "triton_build: the manifest says 000000000000, found " in warning, warning
+    assert warning.endswith(f"none of its {one['distinct']} kernels is used")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ def test_ok_line_has_every_count() -> None:
         keys={"decode": 2, "store": 1},
         distinct=3,
         compiled=2,
+        shipped=5,
         loaded=1,
         failed=0,
         warmup_s=1.2345,
@@ -22,7 +24,8 @@ def test_ok_line_has_every_count() -> None:
     )
     assert report.line() == (
         "tq-warmup: 32 TurboQuant layers, 3 distinct kernel keys (decode 2, store 1): "
-        "2 compiled, 1 from Triton's disk cache, 0 failed; workspace 3.0 MiB; 1234 ms"
+        "2 compiled, 5 from the shipped cache, 1 from Triton's disk cache, 0 failed; "
+        "workspace 3.0 MiB; 1234 ms"
     )
     report.launches, report.launch_s = 6, 0.1714
     assert report.line().endswith("workspace 3.0 MiB; 1234 ms; 6 first launches 171 ms")
@@ -69,3 +72,27 @@ def test_compile_counter_counts_and_chains_the_listener(monkeypatch: pytest.Monk
     assert (counter.compiled, counter.loaded) == (2, 1)
     assert previous == [False, True, False]
     assert knobs.compilation.listener is chained
+
+
+def test_compile_counter_tells_shipped_from_disk_cache_hits_and_names_the_key_dirs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pytest.importorskip("triton")
+    from triton import knobs
+
+    from tq_warmup_plugin import layered_cache
+
+    (tmp_path / "layer").mkdir()
+    monkeypatch.setenv("TRITON_CACHE_MANAGER", layered_cache.MANAGER)
+    monkeypatch.setenv(layered_cache.LAYERS_ENV, str(tmp_path / "layer"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "own"))
+    monkeypatch.setattr(knobs.compilation, "listener", None)
+
+    def group(root: str, key: str) -> dict[str, str]:
+        return {"k.json": str(tmp_path / root / key / "k.json")}
+
+    with CompileCounter() as counter:
+        for hit, root, key in [(True, "layer", "A"), (True, "own", "B"), (False, "own", "C")]:
+            knobs.compilation.listener(cache_hit=hit, metadata_group=group(root, key))
+    assert (counter.compiled, counter.shipped, counter.loaded) == (1, 1, 1)
+    assert counter.dirs == {"A", "B", "C"}

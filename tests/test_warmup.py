@@ -108,7 +108,7 @@ def test_each_distinct_key_compiles_once_and_failures_are_counted(found: Discove
     assert report.keys == expected.count_by_path()
     assert failing and report.failed == len(failing) == len(report.errors)
     assert set(report.errors) == {f"{FAILING}: RuntimeError: ptxas died"}
-    assert (report.compiled, report.loaded, report.workspace_bytes) == (3, 4, 0)
+    assert (report.compiled, report.shipped, report.loaded, report.workspace_bytes) == (3, 2, 4, 0)
 
 
 def test_threads_compile_the_same_set() -> None:

@@ -8,7 +8,8 @@ the engine starts, so the first requests that reach a new kernel path pay a JIT 
 * ``matrix``: one ``run`` subprocess per preset, mode, geometry and variant, plus the
   ``auto`` baseline; raw runs to ``benchmarks/results/raw/``, logs to ``.../logs/``;
 * ``collect``: raw runs -> ``benchmarks/results/SUMMARY.md`` and ``summary.json``;
-* ``register-cost``: what the plugin's ``register()`` costs a process.
+* ``register-cost``: what the plugin's ``register()`` costs a process;
+* ``layer-check-cost``: what the shipped cache's startup check costs a process.
 
 Modules, one job each: ``phases`` (what is requested), ``recorder`` (Triton compiles,
 profiler), ``records`` (raw run files), ``logs`` (log parsing), ``tables`` (text

@@ -18,7 +18,15 @@ Option = tuple[str, Any, str]
 
 PACKAGE = "benchmarks.tqbench"
 # The modules that add a subcommand, in --help order; a missing one is skipped.
-COMMAND_MODULES = ("run", "matrix", "collect", "spec", "shipped", "register_cost")
+COMMAND_MODULES = (
+    "run",
+    "matrix",
+    "collect",
+    "spec",
+    "shipped",
+    "register_cost",
+    "layer_check_cost",
+)
 
 
 def command_modules() -> list[ModuleType]:

@@ -40,11 +40,11 @@ print(json.dumps({"first_ms": 1e3 * (t1 - t0), "again_us": 1e6 * (t2 - t1), "hea
 """
 
 
-def sample() -> dict[str, Any]:
-    """One fresh interpreter's measurement."""
+def sample(probe: str = _PROBE, *argv: str) -> dict[str, Any]:
+    """One fresh interpreter's measurement: the JSON last line of ``probe``'s output."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
     out = subprocess.run(
-        [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", probe, *argv], env=env, capture_output=True, text=True, check=True
     )
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
@@ -74,10 +74,15 @@ def cmd_register_cost(args: argparse.Namespace) -> int:
     print(f"{'first register(), max':<28}{max(first):>10.2f} ms")
     print(f"{'repeat register(), median':<28}{statistics.median(again):>10.1f} us")
     print(f"{'torch/triton imported':<28}{len(heavy):>12}")
-    out = Path(args.out)
+    write_summary(args.out, summary)
+    return 0
+
+
+def write_summary(path: str, summary: dict[str, Any]) -> None:
+    """The JSON summary a cost command leaves under ``benchmarks/results``."""
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2) + "\n")
-    return 0
 
 
 def add_parser(subparsers: Any) -> None:

@@ -1,7 +1,8 @@
-"""The ``tq-warmup`` command: doctor, inspect and precompile.
+"""The ``tq-warmup`` command: doctor, inspect, precompile and verify.
 
 doctor checks the install; inspect prints the plan without a GPU; precompile builds
-the plan into a Triton cache directory for a target GPU, on any machine.
+the plan into a Triton cache directory for a target GPU, on any machine; verify
+checks such a directory's manifests against its files and the installed stack.
 
 ``inspect`` and ``precompile`` build the same ``Geometry`` the worker builds and
 feed it to the same warmers, so what they print or build is what startup warms.
@@ -12,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -23,11 +23,11 @@ import zipfile
 from collections.abc import Callable, Hashable, Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any, NamedTuple, NoReturn
+from typing import NamedTuple, NoReturn
 
 import pluggy
 
-from . import compat, launches, warmup
+from . import compat, launches, manifest, warmup
 from .geometry import DTYPE_BYTES, PRESETS, Geometry, preset
 from .report import Report
 from .settings import load, parse
@@ -374,14 +374,15 @@ def _cache_dir(path: str) -> Path:
     return cache_dir
 
 
-def _wheel_release(path: str) -> str:
-    """The Triton release of ``--image-triton-wheel``, after checking the file is one."""
+def _wheel_tags(path: str) -> tuple[str, str]:
+    """The Triton release and ABI tag (``cp312``) of ``--image-triton-wheel``, after
+    checking the file is one."""
     wheel = Path(path)
     if not wheel.is_file():
         raise CliError(f"--image-triton-wheel {path}: no such file")
     # "triton-3.6.0-cp312-cp312-manylinux_2_27_x86_64.whl": name, version, tags.
     fields = wheel.name.removesuffix(".whl").split("-")
-    if not wheel.name.endswith(".whl") or len(fields) < 3 or fields[0] != "triton":
+    if not wheel.name.endswith(".whl") or len(fields) < 5 or fields[0] != "triton":
         raise CliError(
             f"--image-triton-wheel {path}: not a Triton wheel name "
             "(triton-<version>-<python>-<abi>-<platform>.whl)"
@@ -392,21 +393,18 @@ def _wheel_release(path: str) -> str:
                 raise CliError(f"--image-triton-wheel {path}: has no triton/runtime/cache.py")
     except (zipfile.BadZipFile, OSError) as exc:
         raise CliError(f"--image-triton-wheel {path}: not a readable wheel ({exc})") from None
-    return fields[1]
+    return fields[1], fields[-2]
 
 
-def _manifest_name(manifest: dict[str, Any]) -> str:
-    """One manifest per plan: named by a hash of what was planned and for what."""
-    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
-    return f"tq-warmup-manifest-{digest}.json"
-
-
-def _write_atomically(file: Path, text: str) -> None:
-    with tempfile.NamedTemporaryFile(
-        "w", dir=file.parent, prefix=f".{file.name}.", delete=False
-    ) as f:
-        f.write(text)
-    os.replace(f.name, file)
+def _target_stack(arch: int, wheel: str | None, wheel_key: str | None) -> manifest.Stack:
+    """The stack the image runs: the installed one, with the image's Triton build and
+    Python when ``--image-triton-wheel`` names them."""
+    here = manifest.installed_stack(arch=arch)
+    if wheel is None or wheel_key is None:
+        return here
+    return dataclasses.replace(
+        here, triton_build=manifest.triton_build(wheel_key), python_abi=_wheel_tags(wheel)[1]
+    )
 
 
 def precompile(args: argparse.Namespace) -> int:
@@ -418,7 +416,7 @@ def precompile(args: argparse.Namespace) -> int:
         raise CliError(f"precompile compiles the installed kernels: {missing} not installed")
     image_triton = args.image_triton
     if args.image_triton_wheel is not None:
-        release = _wheel_release(args.image_triton_wheel)
+        release = _wheel_tags(args.image_triton_wheel)[0]
         if image_triton is not None and image_triton.removeprefix("v") != release:
             raise CliError(f"--image-triton {image_triton} but the wheel is Triton {release}")
         image_triton = release
@@ -448,35 +446,42 @@ def precompile(args: argparse.Namespace) -> int:
                 "sources differ between releases"
             )
     args.vllm_version = installed["vllm"]  # compile with, and for, what is installed
-    os.environ["TRITON_CACHE_DIR"] = str(cache_dir)
+    # Triton's own manager on a private directory (precompile.staging): a layered cache
+    # configured in this shell would load kernels that --cache-dir does not hold.
+    os.environ.pop("TRITON_CACHE_MANAGER", None)
     # Without a GPU, vLLM swaps Triton for placeholders unless this is set first.
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     pm = warmup.plugin_manager()
     the_plan, named, planned = _plan(args, pm)
-    geometry = planned.geometry
 
-    from .precompile import cache_keys_for, triton_key_of_wheel, use_compile_only_target
+    from .precompile import (
+        cache_keys_for,
+        install,
+        staging,
+        triton_key_of_wheel,
+        use_compile_only_target,
+    )
 
     use_compile_only_target(args.arch)
     report = Report(vllm_version=installed["vllm"], distinct=len(the_plan.keys))
-    compile_start = time.perf_counter()
     with contextlib.ExitStack() as stack:  # the worker's compile path: same threads, lines
+        wheel_key = None
         if args.image_triton_wheel is not None:
             tmp = stack.enter_context(tempfile.TemporaryDirectory())
-            stack.enter_context(cache_keys_for(triton_key_of_wheel(args.image_triton_wheel, tmp)))
-        warmup.compile_into(report, pm, the_plan.keys, load().threads, _progress)
-    compile_s = time.perf_counter() - compile_start
-    manifest = {
-        "vllm": installed["vllm"],
-        "triton": installed["triton"],
-        "image_triton": image_triton or installed["triton"],
-        "arch": args.arch,
-        "kv_cache_dtype": geometry.cache_dtype,
-        "geometries": [g.to_dict() for g in named.values()],
-        "keys": [warmup.describe(k) for k in the_plan.keys],
-    }
-    manifest_file = cache_dir / _manifest_name(manifest)
-    _write_atomically(manifest_file, json.dumps(manifest, indent=2))
+            wheel_key = triton_key_of_wheel(args.image_triton_wheel, tmp)
+            stack.enter_context(cache_keys_for(wheel_key))
+        target = _target_stack(args.arch, args.image_triton_wheel, wheel_key)
+        stage = stack.enter_context(staging(cache_dir, target))
+        os.environ["TRITON_CACHE_DIR"] = str(stage)
+        compile_start = time.perf_counter()
+        key_dirs = warmup.compile_into(report, pm, the_plan.keys, load().threads, _progress)
+        compile_s = time.perf_counter() - compile_start
+        plan = {
+            "kv_cache_dtype": planned.geometry.cache_dtype,
+            "geometries": [g.to_dict() for g in named.values()],
+            "keys": [warmup.describe(k) for k in the_plan.keys],
+        }
+        manifest_file = install(cache_dir, stage, key_dirs, plan, target)
     print(
         f"tq-warmup: {len(the_plan.keys)} keys for sm{args.arch} in {cache_dir}: "
         f"{report.compiled} built, {report.loaded} already there, {report.failed} failed "
@@ -487,6 +492,45 @@ def precompile(args: argparse.Namespace) -> int:
     for line in report.errors:
         print(f"  failed: {line}", file=sys.stderr)
     return 1 if report.errors else 0
+
+
+def verify(args: argparse.Namespace) -> int:
+    """Check every manifest in ``--cache-dir``: its files, and its stack against what is
+    installed here (what the layered cache checks at startup, offline)."""
+    root = Path(args.cache_dir)
+    if not root.is_dir():
+        raise CliError(f"--cache-dir {args.cache_dir}: not a directory")
+    paths = manifest.manifest_files(root)
+    if not paths:
+        print(f"tq-warmup: no tq-warmup manifest in {root} (not built by tq-warmup precompile)")
+        return 1
+    here = manifest.installed_stack(arch=args.arch)
+    problems, found = 0, {}
+    for path in paths:
+        try:
+            found[path.name] = manifest.read(path)
+        except manifest.ManifestError as exc:
+            print(f"{path.name}: not a usable manifest: {exc}")
+            problems += 1
+    other = manifest.for_other_arch(found, here)
+    for name, shipped in found.items():
+        stack = [] if name in other else manifest.stack_problems(shipped, here)
+        for problem in stack + manifest.file_problems(shipped, root):
+            print(f"{name}: {problem}")
+            problems += 1
+    kernels = sum(len(m.files) for m in found.values())
+    files = sum(len(f) for m in found.values() for f in m.files.values())
+    unchecked = [f for f in manifest.STACK_FIELDS if getattr(here, f) is None]
+    summary = (
+        f"tq-warmup: {root}: {len(paths)} manifests, {kernels} kernels, {files} files: "
+        f"{problems} problem{'' if problems == 1 else 's'}"
+    )
+    if other:
+        summary += f"; {len(other)} for another arch than sm{args.arch}"
+    if unchecked:
+        summary += f"; not checked (not known here): {', '.join(unchecked)}"
+    print(summary)
+    return 1 if problems else 0
 
 
 def _whole(minimum: int) -> Callable[[str], int]:
@@ -593,10 +637,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Triton's cache keys hash its own build, so they are computed "
         "from this wheel (same Triton release only)",
     )
+    p_verify = sub.add_parser(
+        "verify", help="check a precompiled cache dir's files and stack (exit 1 on a problem)"
+    )
+    p_verify.add_argument("--cache-dir", required=True)
+    p_verify.add_argument(
+        "--arch", type=_arch, help="the GPU it is for, e.g. 90 (default: arch is not checked)"
+    )
     args = parser.parse_args(argv)
     # vLLM's import-time warnings (no CUDA here, no vllm._C) are not the CLI's answer.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    handler = {"doctor": doctor, "inspect": inspect, "precompile": precompile}[args.command]
+    handlers = {"doctor": doctor, "inspect": inspect, "precompile": precompile, "verify": verify}
+    handler = handlers[args.command]
     try:
         return handler(args)
     except CliError as exc:

@@ -13,6 +13,15 @@ fails a compile: a missing or unreadable layer is ignored, an unwritable cache
 directory is replaced by a per-process temporary one, each with one WARNING per
 directory and process.
 
+A layer that ``tq-warmup precompile`` built holds manifests (``manifest``): the first
+lookup in a process reads them and checks each against the running stack, and the
+first lookup of each key directory checks that directory's files; only key
+directories listed by a manifest that holds, with every file as listed, are served.
+Each problem is one WARNING naming the layer, the manifest and the field or file, and
+Triton compiles what was not served into its own directory. A layer without any
+manifest (a plain Triton cache) is served as it is, with one WARNING that it is not
+verified.
+
 Triton interface (``triton.runtime.cache``, identical in 3.6.0, 3.7.1 and 3.8.0 as
 far as this module goes): ``get_cache_manager(key)`` instantiates
 ``knobs.cache.manager_class`` (``TRITON_CACHE_MANAGER=module:Class``, whose MRO must
@@ -36,9 +45,13 @@ import os
 import shutil
 import tempfile
 import threading
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from triton.runtime.cache import FileCacheManager
+
+from . import manifest
 
 LAYERS_ENV = "TQ_WARMUP_CACHE_LAYERS"
 MANAGER = "tq_warmup_plugin.layered_cache:LayeredCacheManager"
@@ -87,6 +100,138 @@ def layer_roots(value: str) -> tuple[str, ...]:
     return tuple(roots)
 
 
+@dataclass
+class _Trust:
+    """What one layer may serve in this process."""
+
+    root: str
+    listed: dict[str, list[tuple[str, dict[str, str]]]] | None
+    """Key directory -> (manifest, files) of each manifest that holds here and lists it;
+    ``None``: the layer has no manifest and serves everything."""
+    verdicts: dict[str, bool] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def serves(self, key: str) -> bool:
+        """Whether ``key``'s directory may be read; its files are hashed on the first
+        call for it: a worker reads a few of a layer's keys, 0.5 ms each on the CPU
+        (``python -m benchmarks.tqbench layer-check-cost``)."""
+        if self.listed is None:
+            return True
+        with self.lock:  # compile threads ask for the same key at once
+            if key not in self.verdicts:
+                self.verdicts[key] = self._check(key)
+            return self.verdicts[key]
+
+    def _check(self, key: str) -> bool:
+        assert self.listed is not None
+        checked = [
+            (n, manifest.key_dir_problems(self.root, key, f)) for n, f in self.listed.get(key, [])
+        ]
+        if not checked:  # not listed by a manifest that holds: not part of what was shipped
+            return False
+        if any(not problems for _, problems in checked):
+            return True
+        name, problems = checked[0]
+        for problem in problems:
+            logger.warning(
+                "tq-warmup: Triton cache layer %s, %s: %s; that kernel is not used and "
+                "compiles into Triton's cache directory",
+                self.root,
+                name,
+                problem,
+            )
+        return False
+
+
+_trusts: dict[str, _Trust] = {}
+_trust_lock = threading.Lock()
+
+
+def _running_arch() -> int | str | None:
+    """The target this process compiles for. A cache manager is made by ``compile()``
+    (and the launcher build) after Triton asked its active driver for the target
+    (``compiler.compile``, 3.6-3.8), so the driver is up; ``None`` if it is not."""
+    try:
+        from triton.runtime import driver
+
+        arch: int | str = driver.active.get_current_target().arch
+    except Exception:  # no active driver: arch is not checked (Triton's key has it anyway)
+        return None
+    return arch
+
+
+def _running_stack() -> manifest.Stack:
+    return manifest.installed_stack(arch=_running_arch())
+
+
+def _layer_trust(root: str) -> _Trust:
+    """Read and check ``root``'s manifests, once per process (the first lookup)."""
+    with _trust_lock:
+        if root in _trusts:
+            return _trusts[root]
+        files = manifest.manifest_files(root)
+        if not files:
+            logger.warning(
+                "tq-warmup: Triton cache layer %s has no tq-warmup manifest: its kernels are "
+                "used unverified (tq-warmup precompile writes one)",
+                root,
+            )
+            _trusts[root] = _Trust(root, None)
+            return _trusts[root]
+        found: dict[str, manifest.Manifest] = {}
+        for path in files:
+            try:
+                found[path.name] = manifest.read(path)
+            except manifest.ManifestError as exc:
+                logger.warning(
+                    "tq-warmup: Triton cache layer %s: %s is not a usable manifest (%s); "
+                    "nothing it lists is used",
+                    root,
+                    path.name,
+                    exc,
+                )
+        try:
+            running = _running_stack()
+        except Exception as exc:  # never fail a compile: check the files only
+            logger.warning(
+                "tq-warmup: cannot read this process's vLLM/Triton stack (%s): Triton cache "
+                "layer %s is checked file by file only",
+                exc,
+                root,
+            )
+            running = manifest.Stack()
+        other = manifest.for_other_arch(found, running)
+        listed: dict[str, list[tuple[str, dict[str, str]]]] = {}
+        for name, shipped in found.items():
+            problems = [] if name in other else manifest.stack_problems(shipped, running)
+            for problem in problems:
+                logger.warning(
+                    "tq-warmup: Triton cache layer %s, %s: %s; none of its %d kernels is used",
+                    root,
+                    name,
+                    problem,
+                    len(shipped.files),
+                )
+            if problems or name in other:
+                continue
+            for key, names in shipped.files.items():
+                listed.setdefault(key, []).append((name, dict(names)))
+        _trusts[root] = _Trust(root, listed)
+        return _trusts[root]
+
+
+def served_by_layer(path: str) -> bool:
+    """Whether a file Triton loaded lies in a layer of this manager, when it is Triton's
+    manager (the report's "from the shipped cache")."""
+    if os.environ.get("TRITON_CACHE_MANAGER") != MANAGER:
+        return False
+    from triton import knobs
+
+    own = os.path.abspath(knobs.cache.dir) if knobs.cache.dir else ""  # never a layer
+    roots = layer_roots(os.environ.get(LAYERS_ENV, ""))
+    return any(Path(path).is_relative_to(root) for root in roots if root != own)
+
+
 def _fallback() -> str:
     """One private temporary cache directory per process, made on first need."""
     global _fallback_root
@@ -100,12 +245,20 @@ def _fallback() -> str:
 class _Layer(FileCacheManager):  # type: ignore[misc]
     """One key's directory in one read-only layer: Triton's own lookups, no writes.
 
-    ``FileCacheManager.__init__`` is not called: it creates the directory."""
+    ``FileCacheManager.__init__`` is not called: it creates the directory. A key
+    directory the layer's manifests do not vouch for is not there (``_Trust``)."""
 
     def __init__(self, root: str, key: str) -> None:
         self.key = key
         self.cache_dir = os.path.join(root, key)
         self.lock_path = None
+        self.trust = _layer_trust(root)
+
+    def get_file(self, filename: str) -> str | None:
+        if not self.trust.serves(self.key):
+            return None
+        path: str | None = super().get_file(filename)
+        return path
 
     def put(self, data: Any, filename: str, binary: bool = True) -> str:
         raise PermissionError(f"{self.cache_dir} is a read-only cache layer")
@@ -204,4 +357,4 @@ class LayeredCacheManager(FileCacheManager):  # type: ignore[misc]
             return path
 
 
-__all__ = ["LAYERS_ENV", "MANAGER", "LayeredCacheManager", "layer_roots"]
+__all__ = ["LAYERS_ENV", "MANAGER", "LayeredCacheManager", "layer_roots", "served_by_layer"]

@@ -1,7 +1,8 @@
 """Compiling for a GPU this machine does not have, into a cache another Triton reads.
 
-A compile-only Triton target, and the disk-cache keys another Triton build of the
-same release computes. Used by ``tq-warmup precompile``, the ``real_vllm`` tests and
+A compile-only Triton target, the disk-cache keys another Triton build of the same
+release computes, and the installation of a plan's kernels into a shared cache
+directory. Used by ``tq-warmup precompile``, the ``real_vllm`` tests and
 ``.ci/check-vllm.py``; never by a worker, which compiles for the GPU it runs on
 (``warmers/triton_jit``).
 """
@@ -9,13 +10,35 @@ same release computes. Used by ``tq-warmup precompile``, the ``real_vllm`` tests
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
+import json
+import os
+import shutil
+import tempfile
 import types
+import uuid
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cache_keys_for", "triton_key_of", "triton_key_of_wheel", "use_compile_only_target"]
+from . import manifest
+
+__all__ = [
+    "cache_keys_for",
+    "install",
+    "staging",
+    "triton_key_of",
+    "triton_key_of_wheel",
+    "use_compile_only_target",
+]
+
+STAGE_PREFIX = ".tq-warmup-stage-"
+LOCK_FILE = ".tq-warmup.lock"
+# Triton names a kernel's files in ``__grp__<kernel>.json`` (``FileCacheManager.put_group``,
+# 3.6-3.8): ``{"child_paths": {file name: absolute path at write time}}``.
+_GROUP_GLOB = "__grp__*.json"
 
 
 def use_compile_only_target(arch: int) -> None:
@@ -101,3 +124,123 @@ def cache_keys_for(key: str) -> Iterator[None]:
         yield
     finally:
         triton_cache.triton_key = original
+
+
+# --------------------------------------------------------------------------
+# Installing a plan into a cache directory that others read and write at once
+# --------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _locked(cache_dir: Path) -> Iterator[None]:
+    """Serialize the installs of concurrent precompiles into one directory (compiles
+    run in parallel): each decides what to keep and hashes what it lists while no
+    other replaces a key directory under it."""
+    with open(cache_dir / LOCK_FILE, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock
+
+
+@contextlib.contextmanager
+def staging(cache_dir: Path, target: manifest.Stack) -> Iterator[Path]:
+    """A private directory inside ``cache_dir`` (same file system: ``os.rename``
+    works) for Triton to compile into, removed afterwards whatever happens.
+
+    It starts with hard links to every key directory of ``cache_dir`` that a manifest
+    for ``target`` vouches for, file by file, so Triton finds what an earlier
+    precompile built ("already there") instead of compiling it again; a corrupt one
+    is left out and compiled anew."""
+    stage = Path(tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=cache_dir))
+    try:
+        with _locked(cache_dir):
+            for path in manifest.manifest_files(cache_dir):
+                try:
+                    found = manifest.read(path)
+                except manifest.ManifestError:
+                    continue
+                if manifest.stack_problems(found, target):
+                    continue
+                for key, files in found.files.items():
+                    if (stage / key).exists() or manifest.key_dir_problems(cache_dir, key, files):
+                        continue
+                    (stage / key).mkdir()
+                    for name in files:
+                        try:
+                            os.link(cache_dir / key / name, stage / key / name)
+                        except OSError:  # a file system without hard links
+                            shutil.copy2(cache_dir / key / name, stage / key / name)
+        yield stage
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _point_groups_at(key_dir: Path, final: Path) -> None:
+    """Make the group files name the files where they will be installed: Triton's own
+    manager opens the recorded paths (3.8.0 misses when one is gone, 3.6.0/3.7.1 drop
+    it), and ``TRITON_CACHE_DIR`` at the cache directory must find them. Written as a
+    new file, so a hard link into the cache directory is never changed in place."""
+    for group in key_dir.glob(_GROUP_GLOB):
+        data = json.loads(group.read_text())
+        children = data.get("child_paths")
+        if not isinstance(children, dict):
+            continue
+        moved = {name: str(final / name) for name in children}
+        if moved != children:
+            tmp = group.with_name(f".{group.name}.{uuid.uuid4().hex}")
+            tmp.write_text(json.dumps({**data, "child_paths": moved}))
+            os.replace(tmp, group)
+
+
+def _move_into_place(ours: Path, final: Path, trash: Path) -> None:
+    """One ``os.rename`` of a whole key directory: a reader sees the old directory, none,
+    or ours, never a half-written one. A non-empty old one (corrupt or incomplete:
+    see ``install``) is first renamed away into ``trash``."""
+    for _ in range(3):
+        try:
+            os.rename(ours, final)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(final, trash / f"replaced-{uuid.uuid4().hex}")
+    raise OSError(errno.EEXIST, f"{final} keeps being replaced by another writer")
+
+
+def install(
+    cache_dir: Path,
+    stage: Path,
+    key_dirs: Collection[str],
+    plan: Mapping[str, Any],
+    target: manifest.Stack,
+) -> Path:
+    """Move this plan's key directories from ``stage`` into ``cache_dir`` and write its
+    manifest (a temporary file, then ``os.replace``), listing the installed files.
+
+    A key directory already there is kept when its files equal ours, or equal what
+    a manifest of the directory lists for it (Triton's compile is deterministic: two
+    builds of one key differ only in the paths their group files record, which
+    ``_point_groups_at`` makes equal); otherwise it is incomplete or corrupt and
+    ours replaces it."""
+    with _locked(cache_dir):
+        vouched: dict[str, list[dict[str, str]]] = {}
+        for path in manifest.manifest_files(cache_dir):
+            with contextlib.suppress(manifest.ManifestError):
+                for key, listed in manifest.read(path).files.items():
+                    vouched.setdefault(key, []).append(dict(listed))
+        for key in sorted(key_dirs):
+            ours, final = stage / key, cache_dir / key
+            if not ours.is_dir():
+                continue
+            _point_groups_at(ours, final)
+            there = manifest.key_dir_hashes(final)
+            if there and (there == manifest.key_dir_hashes(ours) or there in vouched.get(key, [])):
+                continue
+            _move_into_place(ours, final, stage)
+        installed = {key: manifest.key_dir_hashes(cache_dir / key) for key in key_dirs}
+        data = manifest.build(target, plan, {k: v for k, v in installed.items() if v})
+        file = cache_dir / manifest.file_name(data)
+        tmp = file.with_name(f".{file.name}.{uuid.uuid4().hex}")
+        tmp.write_text(json.dumps(data, indent=2))
+        os.replace(tmp, file)
+        return file

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -29,8 +31,11 @@ class Report:
     """Distinct keys per kernel path (a key shared by two paths counts in both)."""
     distinct: int = 0
     compiled: int = 0
+    shipped: int = 0
+    """Loaded from a read-only layer of the layered cache (``layered_cache``): a shipped,
+    precompiled cache whose manifest holds here."""
     loaded: int = 0
-    """Loaded from Triton's on-disk cache instead of compiled."""
+    """Loaded from Triton's own on-disk cache instead of compiled."""
     failed: int = 0
     warmup_s: float = 0.0
     """Discovery, Triton compiles and the workspace reservation."""
@@ -59,7 +64,8 @@ class Report:
         paths = ", ".join(f"{path} {n}" for path, n in self.keys.items())
         text = (
             f"tq-warmup: {self.layers} TurboQuant layers, {self.distinct} distinct kernel keys "
-            f"({paths}): {self.compiled} compiled, {self.loaded} from Triton's disk cache, "
+            f"({paths}): {self.compiled} compiled, {self.shipped} from the shipped cache, "
+            f"{self.loaded} from Triton's disk cache, "
             f"{self.failed} failed; workspace {self.workspace_bytes / 2**20:.1f} MiB; "
             f"{self.warmup_s * 1000:.0f} ms"
         )
@@ -76,31 +82,47 @@ class Report:
 
 
 class CompileCounter:
-    """Counts Triton compilations and disk-cache loads while active.
+    """Counts Triton compilations and cache loads while active, and the cache key
+    directories they used.
 
     Chains ``triton.knobs.compilation.listener``, which Triton calls from
-    ``compile()`` with ``cache_hit`` for both outcomes (triton 3.6-3.8). Compiles
-    may run on worker threads, hence the lock.
+    ``compile()`` with ``cache_hit`` for both outcomes and ``metadata_group``, the
+    kernel's file name -> path (triton 3.6-3.8). A hit whose files lie in a layer of
+    the layered cache is ``shipped``, any other hit ``loaded``. Compiles may run on
+    worker threads, hence the lock.
     """
 
     def __init__(self) -> None:
         self.compiled = 0
+        self.shipped = 0
         self.loaded = 0
+        self.dirs: set[str] = set()
+        """Names of the Triton cache key directories of every kernel compiled or loaded."""
         self._lock = threading.Lock()
         self._previous: Any = None
+        self._in_layer: Callable[[str], bool] = lambda path: False
 
     def _listener(self, *, cache_hit: bool, **kwargs: Any) -> None:
+        paths = list((kwargs.get("metadata_group") or {}).values())
+        shipped = cache_hit and bool(paths) and self._in_layer(paths[0])
         with self._lock:
-            if cache_hit:
-                self.loaded += 1
-            else:
+            if paths:  # all files of a kernel lie in its key directory
+                self.dirs.add(os.path.basename(os.path.dirname(paths[0])))
+            if not cache_hit:
                 self.compiled += 1
+            elif shipped:
+                self.shipped += 1
+            else:
+                self.loaded += 1
         if self._previous is not None:
             self._previous(cache_hit=cache_hit, **kwargs)
 
     def __enter__(self) -> CompileCounter:
         from triton import knobs
 
+        from .layered_cache import served_by_layer
+
+        self._in_layer = served_by_layer
         self._previous = knobs.compilation.listener
         knobs.compilation.listener = self._listener
         return self

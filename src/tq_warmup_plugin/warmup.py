@@ -172,15 +172,19 @@ def compile_into(
     todo: Sequence[Hashable],
     threads: int,
     progress: Callable[[int, int], None] | None = None,
-) -> None:
-    """Compile ``todo`` and count it into ``report``: ``compiled``, ``loaded`` (from
-    Triton's disk cache), ``failed`` and one error line per failed key."""
+) -> set[str]:
+    """Compile ``todo`` and count it into ``report``: ``compiled``, ``shipped`` (from a
+    layer of the layered cache), ``loaded`` (from Triton's disk cache), ``failed`` and
+    one error line per failed key. Returns the Triton cache key directories used
+    (what ``precompile`` installs)."""
     with CompileCounter() as counter:
         errors = compile_all(pm, todo, threads, progress)
     report.compiled += counter.compiled
+    report.shipped += counter.shipped
     report.loaded += counter.loaded
     report.failed += len(errors)
     report.errors.extend(errors)
+    return counter.dirs
 
 
 def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None) -> Report:

@@ -1,0 +1,141 @@
+"""``tq-warmup precompile`` installing real sm90 kernels into a shared directory, and
+``tq-warmup verify`` on it, with the installed vLLM and Triton (CPU only).
+
+Several precompiles into one directory at once, of the same and of different plans,
+leave a directory that verifies, no stage behind, and never a key directory that a
+reader could see half-written (the test reads the directory while they run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_cli import H200_FLAGS
+
+from tq_warmup_plugin import cli, manifest, precompile
+
+pytestmark = pytest.mark.real_vllm
+
+PLAN = H200_FLAGS[:-2]  # for the installed release
+
+
+def run_precompile(cache_dir: Path, *extra: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "tq_warmup_plugin.cli", "precompile", *PLAN, *extra]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.Popen(
+        [*cmd, "--cache-dir", str(cache_dir)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cache_dir = tmp_path_factory.mktemp("precompiled") / "cache"
+    out, err = run_precompile(cache_dir).communicate(timeout=540)
+    assert "0 failed" in out, (out, err[-3000:])
+    return cache_dir
+
+
+def verify(capsys: pytest.CaptureFixture[str], cache_dir: Path, *extra: str) -> tuple[int, str]:
+    rc = cli.main(["verify", "--cache-dir", str(cache_dir), *extra])
+    return rc, capsys.readouterr().out
+
+
+def test_verify_checks_the_files_and_the_installed_stack(
+    built: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, out = verify(capsys, built, "--arch", "90")
+    assert rc == 0 and out.endswith(": 0 problems\n"), out  # every field was checkable
+    rc, out = verify(capsys, built)
+    assert rc == 0 and out.endswith("0 problems; not checked (not known here): arch\n"), out
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(built, corrupt)
+    cubin = sorted(corrupt.rglob("*.cubin"))[0]
+    data = bytearray(cubin.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    cubin.write_bytes(bytes(data))
+    sorted(corrupt.rglob("*.ptx"))[0].unlink()
+    rc, out = verify(capsys, corrupt)
+    lines = out.splitlines()
+    assert rc == 1 and len(lines) == 3, out
+    assert f": {cubin.parent.name}/{cubin.name}: the manifest says sha256 " in lines[0]
+    assert lines[1].endswith(", found no such file") and ": 2 problems; " in lines[2]
+
+    other = tmp_path / "other"
+    shutil.copytree(built, other)
+    (file,) = other.glob(f"{manifest.PREFIX}*.json")
+    file.write_text(json.dumps({**json.loads(file.read_text()), "vllm": "0.0.1"}))
+    rc, out = verify(capsys, other)
+    installed = manifest.installed_stack().vllm
+    assert rc == 1 and f"{file.name}: vllm: the manifest says 0.0.1, found {installed}\n" in out
+
+
+def test_tritons_own_manager_finds_the_installed_kernels(
+    built: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compiled in a stage and moved: the group files name the installed files, so
+    ``TRITON_CACHE_DIR`` at the directory works without the layered cache."""
+    from triton.runtime.cache import FileCacheManager
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(built))
+    monkeypatch.delenv("TRITON_CACHE_MANAGER", raising=False)
+    (file,) = manifest.manifest_files(built)
+    for key, files in manifest.read(file).files.items():
+        (group,) = [n.removeprefix("__grp__") for n in files if n.startswith("__grp__")]
+        found = FileCacheManager(key).get_group(group)
+        assert found is not None and set(found) == set(files) - {f"__grp__{group}"}, found
+
+
+def _half_written(cache_dir: Path) -> list[str]:
+    """Visible key directories whose group names a file that is not there."""
+    seen = []
+    for group in cache_dir.glob("[!.]*/__grp__*.json"):
+        try:
+            children = json.loads(group.read_text())["child_paths"]
+        except FileNotFoundError:  # replaced while reading: a whole directory at a time
+            continue
+        missing = [n for n in children if not (group.parent / n).exists()]
+        if missing and group.parent.exists():
+            seen.append(f"{group.parent.name}: {missing}")
+    keys = [p for p in cache_dir.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    seen += [f"{p.name}: no group" for p in keys if not list(p.glob("__grp__*.json"))]
+    return seen
+
+
+def test_concurrent_precompiles_into_one_directory_leave_it_whole(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cache_dir = tmp_path / "cache"
+    plans = [[], [], ["--kv-cache-dtype", "turboquant_k8v4"], ["--dtype", "float16"]]
+    procs = [run_precompile(cache_dir, *extra) for extra in plans]
+    half: list[str] = []
+    while any(p.poll() is None for p in procs):
+        if cache_dir.is_dir():
+            half += _half_written(cache_dir)
+        time.sleep(0.01)
+    outs = [p.communicate() for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert half == []
+    assert [p.name for p in cache_dir.iterdir() if p.name.startswith(".")] == [
+        precompile.LOCK_FILE
+    ], "a stage or temporary file was left behind"
+    rc, out = verify(capsys, cache_dir, "--arch", "90")
+    assert rc == 0 and "3 manifests" in out and out.endswith(": 0 problems\n"), out
+    # The two of the same plan wrote one manifest; each found or built every key.
+    for out_, _ in outs[:2]:
+        keys, built, there = (
+            int(out_.split(word)[0].rsplit(" ", 1)[1])
+            for word in (" keys for", " built, ", " already there")
+        )
+        assert built + there == keys > 0, out_
