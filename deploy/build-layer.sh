@@ -34,9 +34,5 @@ for dtype in $KV_CACHE_DTYPES; do
 done
 rm -rf "$wheels"
 # 5. Check the layer offline against its manifests (exit 1 on a problem).
-if "$VENV/bin/tq-warmup" verify --help >/dev/null 2>&1; then
-  "$VENV/bin/tq-warmup" verify --cache-dir "$CACHE"
-else  # until `verify` (#13) is merged: then this branch goes
-  echo "build-layer: this tq-warmup has no 'verify'; the layer is not checked" >&2
-fi
+"$VENV/bin/tq-warmup" verify --cache-dir "$CACHE"
 echo "build-layer: $CACHE $(du -sh "$CACHE" | cut -f1), $(find "$CACHE" -name '*.cubin' | wc -l) cubins, $((SECONDS - start)) s"
