@@ -130,6 +130,12 @@ class Features(NamedTuple):
     runs on V1 up to 0.30 (V2 refuses it, ``config/vllm.py`` 0.23:2011, 0.30:2844), on
     request (``VLLM_USE_V2_MODEL_RUNNER=0``) in 0.31-0.33; async by default from 0.28, where
     the bound's prefill rows are still exact (``backend.py`` 0.22:405-409): all need it."""
+    v2_ubatches: bool
+    """0.30+: the V2 runner splits batches into microbatches itself
+    (``v1/worker/gpu/ubatch_utils.py``) and copies each one's ``seq_lens`` into a buffer
+    of its own (``_slice_seq_lens``, 0.30:229, 0.33:235). 0.20-0.29 list dual-batch
+    overlap as unsupported by V2 (``config/vllm.py`` 0.20:1803, 0.25:2096, 0.29:2591),
+    so it runs on V1."""
 
 
 def features(version: Version) -> Features:
@@ -146,6 +152,7 @@ def features(version: Version) -> Features:
         v1_tq_cache_dtype_lost=(0, 25) <= version <= (0, 26),
         prefill_buffers_cached=version >= (0, 21),
         draft_cpu_seq_lens_stale=(0, 21) <= version <= (0, 33),
+        v2_ubatches=version >= (0, 30),
     )
 
 
@@ -512,6 +519,43 @@ def prefix_reused(vllm_config: Any) -> bool:
 def worker_uses_v2(worker: Any) -> bool:
     """``Worker.use_v2_model_runner`` exists in 0.20-0.33."""
     return bool(worker.use_v2_model_runner)
+
+
+def ubatching(vllm_config: Any) -> bool:
+    """Whether the worker splits batches into microbatches: ``--enable-dbo`` (dual-batch
+    overlap) or ``--ubatch-size`` over 1, resolved as ``parallel_config.use_ubatching``,
+    a property of ``ParallelConfig`` in 0.20-0.33 (``config/parallel.py`` 0.20:492,
+    0.26:535, 0.33:645). Anything unreadable counts as off."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    return getattr(parallel, "use_ubatching", False) is True
+
+
+UBATCH_VIEWS_V1 = ("block_table", "seq_lens", "slot_mapping")
+
+
+def ubatch_sliced(feats: Features, ubatching: bool, runner_v2: bool) -> tuple[str, ...]:
+    """The attention metadata tensors a microbatch after the first gets as views at the
+    offset where it starts, so their pointers can lose 16-byte alignment (request r of
+    an int32 ``seq_lens`` starts at ``4 * r`` bytes, token t of the int64 slot mapping at
+    ``8 * t``, block-table row r at ``4 * r * width``). Nothing without microbatching.
+
+    V1 (0.20-0.33, ``_make_metadata_with_slice`` in ``v1/worker/ubatch_utils.py``):
+    ``seq_lens[request_slice]`` (0.20-0.29:179, 0.30:282, 0.33:283; a clone only when
+    the microbatch's last request continues in the next one), ``block_table_tensor
+    [request_slice]`` and ``slot_mapping[token_slice]`` (0.20:230-231, 0.21-0.29:232-233,
+    0.30:320-321, 0.33:321-322); the store's slot mapping comes from the forward context,
+    sliced by ``token_slice`` too (``gpu_model_runner.py`` 0.22:3939, 0.33:3890). 0.32+
+    copy a block table whose kernel block size differs into ``kernel_block_table
+    [ubatch]`` (``v1/worker/utils.py`` 0.33:380-392), whose base is also at an offset.
+    V2 (``v2_ubatches``, 0.30-0.33, ``v1/worker/gpu/ubatch_utils.py``): ``seq_lens``
+    copied into a per-microbatch buffer, ``block_table[request_slice]`` and
+    ``slot_mappings[:, token_slice]`` (0.30:361-363, 0.33:367-369).
+    """
+    if not ubatching:
+        return ()
+    if runner_v2:
+        return ("block_table", "slot_mapping") if feats.v2_ubatches else ()
+    return UBATCH_VIEWS_V1
 
 
 def workspace_manager(feats: Features) -> Any | None:

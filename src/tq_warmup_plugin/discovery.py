@@ -38,11 +38,14 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def layer_geometry(layer: Any, block_table: Any, vllm_config: Any, feats: Features) -> Geometry:
+def layer_geometry(
+    layer: Any, block_table: Any, vllm_config: Any, feats: Features, runner_v2: bool = False
+) -> Geometry:
     """The geometry of one live TurboQuant ``Attention`` layer.
 
     Reads the real KV tensor (its strides and base pointer are what the kernels
-    specialize on; hybrid models can pad pages) and the runner's real block table.
+    specialize on; hybrid models can pad pages), the runner's real block table, and
+    whether microbatching (``--enable-dbo``) slices the metadata on this runner.
     """
     impl = layer.impl
     kv = compat.kv_view(layer.kv_cache, feats)
@@ -72,6 +75,7 @@ def layer_geometry(layer: Any, block_table: Any, vllm_config: Any, feats: Featur
         fp8_e4b15=compat.fp8_e4b15(capability),
         features=feats,
         kv_aligned=kv.data_ptr() % 16 == 0,
+        ubatch_sliced=compat.ubatch_sliced(feats, compat.ubatching(vllm_config), runner_v2),
     )
     geometry.check()
     return geometry
@@ -128,7 +132,9 @@ def discover(worker: Any, feats: Features) -> Discovery:
                     found.note = "; ".join(filter(None, [found.note, _local_attention_note(chunk)]))
                 try:
                     table = compat.block_table(runner, group, group.kv_cache_group_id, use_v2)
-                    found.geometries[name] = layer_geometry(layer, table, vllm_config, feats)
+                    found.geometries[name] = layer_geometry(
+                        layer, table, vllm_config, feats, use_v2
+                    )
                     found.impls[name] = impl
                     found.device = layer.kv_cache.device
                 except (AttributeError, ValueError, TypeError, IndexError) as exc:

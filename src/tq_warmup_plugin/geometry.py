@@ -74,6 +74,10 @@ def preset(name: str, head_size: int) -> Preset:
     return Preset(name, head_size, key_bits, value_bits, norm)
 
 
+LATER_FIELDS = ("ubatch_sliced",)
+"""``Geometry`` fields with a default that reports written before them lack."""
+
+
 @dataclass(frozen=True)
 class Geometry:
     """The runtime shape of one TurboQuant layer, as its kernels will see it.
@@ -107,6 +111,10 @@ class Geometry:
     features: Features = field(compare=True)
     kv_aligned: bool = True
     """Whether the KV cache tensor's base pointer is 16-byte aligned."""
+    ubatch_sliced: tuple[str, ...] = ()
+    """Metadata tensors that microbatches after the first get as views at an offset
+    (``compat.ubatch_sliced``): some of ``block_table``, ``seq_lens``, ``slot_mapping``
+    with ``--enable-dbo``; none without microbatching."""
 
     @property
     def preset(self) -> Preset:
@@ -125,13 +133,21 @@ class Geometry:
         return math.ceil(max(0, self.max_model_len - 1) / self.block_size) * self.block_size
 
     def to_dict(self) -> dict[str, object]:
-        """Plain fields, without the release features (the release is recorded apart)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "features"}
+        """Plain fields, without the release features (the release is recorded apart).
+        Fields added since the first reports are left out at their default, so a plain
+        setup writes the report it always did and older readers take it."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name != "features"
+            and not (f.name in LATER_FIELDS and getattr(self, f.name) == f.default)
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], feats: Features) -> Geometry:
         values = dict(data)
         values["kv_strides"] = tuple(values["kv_strides"])
+        values["ubatch_sliced"] = tuple(values.get("ubatch_sliced", ()))
         return cls(**values, features=feats)
 
     def check(self) -> None:

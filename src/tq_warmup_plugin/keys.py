@@ -115,11 +115,23 @@ def _row_alignments(g: Geometry) -> tuple[bool, ...]:
     """Alignments of ``block_table[r]`` over the rows a request can occupy.
 
     Row r starts at ``r * width * 4`` bytes: every row is 16-byte aligned only when
-    the width is a multiple of 4 (or there is a single row).
+    the width is a multiple of 4 (or there is a single row). A microbatch's table can
+    also start behind a whole table of ``max_num_seqs`` rows (0.32+ ``kernel_block_table
+    [ubatch]``), so with microbatching one row is no exemption.
     """
-    if g.block_table_width % 4 == 0 or g.max_num_seqs < 2:
+    single = g.max_num_seqs < 2 and "block_table" not in g.ubatch_sliced
+    if g.block_table_width % 4 == 0 or single:
         return (True,)
     return (True, False)
+
+
+def _sliced_alignments(g: Geometry, view: str, spread: int) -> tuple[bool, ...]:
+    """Alignments of a runner buffer's base as a microbatch gets it: aligned without
+    microbatching; with it, any offset of the ``spread`` requests or tokens a batch
+    can hold (only the first microbatch starts at 0), see ``compat.ubatch_sliced``."""
+    if view in g.ubatch_sliced and spread >= 2:
+        return (True, False)
+    return (True,)
 
 
 # --------------------------------------------------------------------------
@@ -202,13 +214,14 @@ def _stage2(g: Geometry, splits: int, seq_aligned: bool) -> KernelKey:
 
 def decode_keys(g: Geometry) -> tuple[KernelKey, ...]:
     """Plain decode (pure decode batches, the decode part of mixed batches, graph
-    replays): the runner's block table and ``seq_lens`` buffers from their base, and
-    workspace views (256-byte aligned) sized with the configured split count."""
+    replays): the runner's block table and ``seq_lens`` buffers from their base (with
+    microbatching, from the later microbatches' first request), and workspace views
+    (256-byte aligned) sized with the configured split count."""
     s = g.num_kv_splits
-    return (
-        _stage1(g, s, g.block_table_width, bt_aligned=True, seq_aligned=True),
-        _stage2(g, s, seq_aligned=True),
-    )
+    rows = _row_alignments(g) if "block_table" in g.ubatch_sliced else (True,)
+    seqs = _sliced_alignments(g, "seq_lens", g.max_num_seqs)
+    stage1 = [_stage1(g, s, g.block_table_width, bt, seq) for seq in seqs for bt in rows]
+    return (*stage1, *(_stage2(g, s, seq) for seq in seqs))
 
 
 def short_continuation_keys(g: Geometry) -> tuple[KernelKey, ...]:
@@ -277,13 +290,20 @@ def long_continuation_keys(g: Geometry) -> tuple[KernelKey, ...]:
 
 
 def store_keys(g: Geometry) -> tuple[KernelKey, ...]:
-    """The write path. Its cache strides are constexpr, so they enter as exact values."""
+    """The write path. Its cache strides are constexpr, so they enter as exact values.
+    The slot mapping is the runner's buffer from its base, or with microbatching from
+    a later microbatch's first token (one key per alignment)."""
+    slots = _sliced_alignments(g, "slot_mapping", g.max_num_batched_tokens)
+    return tuple(_store(g, slot_aligned) for slot_aligned in slots)
+
+
+def _store(g: Geometry, slot_aligned: bool) -> KernelKey:
     p = g.preset
     d = g.head_size
     kv = g.kv_strides
     common: dict[str, Arg] = {
         "KV_cache_ptr": Ptr("u8", g.kv_aligned),
-        "Slot_mapping_ptr": Ptr("i64"),
+        "Slot_mapping_ptr": Ptr("i64", slot_aligned),
         "stride_cache_block": Const(kv[0]),
         "stride_cache_pos": Const(kv[1]),
         "stride_cache_head": Const(kv[2]),
@@ -308,7 +328,7 @@ def store_keys(g: Geometry) -> tuple[KernelKey, ...]:
             "BLOCK_GRP": grp,
             "FP8_E4B15": Const(g.fp8_e4b15),
         }
-        return (_key("_tq_fused_store_fp8", 4, 1, **args),)
+        return _key("_tq_fused_store_fp8", 4, 1, **args)
     args = {
         "Y_ptr": Ptr("fp32"),
         "Norms_ptr": Ptr("fp32"),
@@ -321,7 +341,7 @@ def store_keys(g: Geometry) -> tuple[KernelKey, ...]:
         "N_CENTROIDS": Const(2**p.key_mse_bits),
         "BLOCK_GRP": grp,
     }
-    return (_key("_tq_fused_store_mse", 4, 1, **args),)
+    return _key("_tq_fused_store_mse", 4, 1, **args)
 
 
 PATHS: dict[str, Callable[[Geometry], tuple[KernelKey, ...]]] = {
