@@ -136,6 +136,13 @@ class Features(NamedTuple):
     of its own (``_slice_seq_lens``, 0.30:229, 0.33:235). 0.20-0.29 list dual-batch
     overlap as unsupported by V2 (``config/vllm.py`` 0.20:1803, 0.25:2096, 0.29:2591),
     so it runs on V1."""
+    rocm_flydsl: bool
+    """0.28+: on ROCm gfx950 with FlyDSL importable, ``TurboQuantAttentionImpl`` sets
+    ``_soa_store = _use_flydsl = is_flydsl_available()`` (``turboquant_attn.py``
+    0.28:398-399, 0.29-0.33:369-370) and then stores, decodes and dequantizes with the
+    SoA Triton and FlyDSL kernels (0.33: ``_store_kv`` :686, continuation :839,
+    ``_continuation_prefill`` :952, ``_decode_attention`` :1129; 0.28: :715, :868, :981,
+    :1158), never the ones warmed here. 0.20-0.27 have no such path."""
 
 
 def features(version: Version) -> Features:
@@ -153,6 +160,7 @@ def features(version: Version) -> Features:
         prefill_buffers_cached=version >= (0, 21),
         draft_cpu_seq_lens_stale=(0, 21) <= version <= (0, 33),
         v2_ubatches=version >= (0, 30),
+        rocm_flydsl=version >= (0, 28),
     )
 
 
@@ -639,6 +647,14 @@ def rewarm_cause(feats: Features) -> str:
     if feats.version >= (0, 27):
         return "elastic EP warms a worker more than once"
     return "kernel_warmup ran again in this process"
+
+
+def flydsl_layer(feats: Features, impl: Any) -> bool:
+    """Whether a ``TurboQuantAttentionImpl`` runs ROCm's SoA/FlyDSL kernels instead of
+    the warmed ones: ``impl._soa_store`` is True (``rocm_flydsl``, 0.28-0.33; the store,
+    the decode and both continuation paths branch on it or on ``_use_flydsl``, set
+    together)."""
+    return feats.rocm_flydsl and getattr(impl, "_soa_store", False) is True
 
 
 def local_attention_chunk(layer: Any) -> int | None:

@@ -27,6 +27,8 @@ class Discovery:
     that never reuses a prefix (``compat.prefix_reused``) only stores and prefills."""
     note: str = ""
     """Why some paths are left out, for the report line."""
+    flydsl: list[str] = field(default_factory=list)
+    """TurboQuant layers left out because they run ROCm's FlyDSL/SoA kernels."""
 
 
 PREFILL_ONLY_PATHS = frozenset({"store"})
@@ -89,12 +91,21 @@ def _local_attention_note(chunk: int) -> str:
     )
 
 
+def _flydsl_note(layers: int) -> str:
+    return (
+        f"ROCm gfx950 with FlyDSL (vLLM 0.28+): {layers} TurboQuant layers store the SoA "
+        "layout and run FlyDSL/SoA Triton kernels, which the plugin does not warm: skipped"
+    )
+
+
 def discover(worker: Any, feats: Features) -> Discovery:
     """All attention layers whose impl is exactly ``TurboQuantAttentionImpl``, and the
     boundary layers TurboQuant leaves uncompressed on plain FlashAttention 2.
 
     Subclasses (UltraQuant, 0.32+) run other kernels; other boundary backends and
-    non-attention layers of hybrid models have other impls. All are left out.
+    non-attention layers of hybrid models have other impls; on ROCm gfx950 with FlyDSL
+    (0.28+) the impl itself runs other kernels (``compat.flydsl_layer``: one note). All
+    are left out.
     Pooling models never decode, but reuse a cached prefix through chunked prefill or
     prefix caching when those are on (``compat.prefix_reused``); without them only
     the prefill paths are kept.
@@ -127,6 +138,9 @@ def discover(worker: Any, feats: Features) -> Discovery:
                         found.boundary[name] = heads
                         found.impls[name] = impl
                     continue
+                if compat.flydsl_layer(feats, impl):
+                    found.flydsl.append(name)
+                    continue
                 chunk = compat.local_attention_chunk(layer)
                 if chunk is not None and "chunked local" not in found.note:
                     found.note = "; ".join(filter(None, [found.note, _local_attention_note(chunk)]))
@@ -139,4 +153,6 @@ def discover(worker: Any, feats: Features) -> Discovery:
                     found.device = layer.kv_cache.device
                 except (AttributeError, ValueError, TypeError, IndexError) as exc:
                     found.refused[name] = f"{type(exc).__name__}: {exc}"
+    if found.flydsl:
+        found.note = "; ".join(filter(None, [found.note, _flydsl_note(len(found.flydsl))]))
     return found

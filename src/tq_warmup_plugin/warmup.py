@@ -197,9 +197,13 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
     distinct = dict.fromkeys(found.geometries.values())
     report.geometries = [g.to_dict() for g in distinct]
     report.errors.extend(f"layer {name}: {why}" for name, why in found.refused.items())
+    if found.note:
+        report.notes.append(found.note)
     if not found.geometries:
         report.status = "skipped"
         report.reason = "no TurboQuant attention layers in this worker"
+        if found.flydsl:  # they exist, but run none of the warmed kernels
+            report.reason = found.note
         if found.refused:
             report.reason += f" ({len(found.refused)} refused: {report.errors[0]})"
         return report
@@ -213,8 +217,6 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
     if pm is None:
         pm = plugin_manager()
     the_plan = plan_keys(pm, found.geometries, found.paths)
-    if found.note:
-        report.notes.append(found.note)
     report.keys = the_plan.count_by_path()
     report.distinct = len(the_plan.keys)
     compile_into(report, pm, the_plan.keys, settings.threads)
