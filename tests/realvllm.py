@@ -101,14 +101,19 @@ def make_impl(cache_dtype: str, d: int, hq: int, hk: int, splits: int, max_len: 
         )
 
 
-def layer_kv_cache(feats: compat.Features, blocks: int, bs: int, hk: int, slot: int) -> Any:
-    """The layer's KV tensor as the release allocates it (see compat.kv_view_strides)."""
+def layer_kv_cache(
+    feats: compat.Features, blocks: int, bs: int, hk: int, slot: int, storage: int = 0
+) -> Any:
+    """The layer's KV tensor as the release allocates it (see compat.kv_view_strides);
+    ``storage``: the bytes of the allocation it is a view of (vLLM's KV tensors are views
+    of one raw buffer), left untouched (the OS maps it lazily)."""
     import torch
 
-    if feats.kv_head_major:
-        return torch.zeros(blocks, hk, bs, slot, dtype=torch.uint8)
-    token_major = torch.zeros(blocks, bs, hk, slot, dtype=torch.uint8)
-    return token_major.transpose(1, 2) if feats.kv_view_transposed else token_major
+    shape = (blocks, hk, bs, slot) if feats.kv_head_major else (blocks, bs, hk, slot)
+    count = blocks * hk * bs * slot
+    flat = torch.empty(max(storage, count), dtype=torch.uint8)[:count]
+    kv = (flat if storage else flat.zero_()).view(shape)
+    return kv.transpose(1, 2) if feats.kv_view_transposed and not feats.kv_head_major else kv
 
 
 def metadata(requests: list[tuple[int, int]], num_decodes: int, table: Any, seq_buf: Any) -> Any:

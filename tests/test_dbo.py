@@ -12,6 +12,7 @@ import fakes
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from test_cli import H200_FLAGS, inspect_json
 from test_keys import geometries
 
 from tq_warmup_plugin import cli, compat, keys
@@ -141,38 +142,20 @@ def test_discovery_reads_microbatching_and_the_runner(
     assert discover(worker, feats).geometries["tq"].ubatch_sliced == views
 
 
-FLAGS = [
-    "--kv-cache-dtype",
-    "turboquant_4bit_nc",
-    "--head-size",
-    "128",
-    "--num-heads",
-    "16",
-    "--num-kv-heads",
-    "8",
-    "--max-model-len",
-    "4000",
-    "--vllm-version",
-    "0.26.0",
-    "--runner",
-    "v1",
-]
+FLAGS = [*H200_FLAGS, "--runner", "v1"]
 
 
 def test_cli_plans_microbatches_and_reads_them_back(
     capsys: pytest.CaptureFixture[str], tmp_path: Any
 ) -> None:
-    assert cli.main(["inspect", *FLAGS, "--json"]) == 0
-    plain = json.loads(capsys.readouterr().out)
-    assert "ubatch_sliced" not in plain["geometry"]  # reports stay as they were
-    assert cli.main(["inspect", *FLAGS, "--enable-dbo", "--json"]) == 0
-    dbo = json.loads(capsys.readouterr().out)
+    plain = inspect_json(capsys, *FLAGS)
+    assert "ubatch_sliced" not in plain["geometry"]  # type: ignore[operator]  # as before
+    dbo: dict[str, Any] = inspect_json(capsys, *FLAGS, "--enable-dbo")
     assert dbo["geometry"]["ubatch_sliced"] == list(V1)
-    assert dbo["distinct"] > plain["distinct"]
+    assert dbo["distinct"] > plain["distinct"]  # type: ignore[operator]
     report = tmp_path / "report.json"
     report.write_text(json.dumps({"vllm_version": "0.26.0", "geometries": [dbo["geometry"]]}))
-    assert cli.main(["inspect", "--geometry-json", str(report), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["distinct"] == dbo["distinct"]
+    assert inspect_json(capsys, "--geometry-json", str(report))["distinct"] == dbo["distinct"]
     report.write_text(
         json.dumps(
             {"vllm_version": "0.26.0", "geometries": [{**dbo["geometry"], "ubatch_sliced": "x"}]}

@@ -225,11 +225,23 @@ def _is_views(value: object) -> bool:
     return isinstance(value, list) and all(isinstance(v, str) and v in views for v in value)
 
 
-# Fields a report may lack (written before they existed): each one's check; the
-# dataclass default stands in for a missing one.
+def _is_size(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_sizes(value: object) -> bool:
+    return isinstance(value, list) and all(_is_size(v) for v in value)
+
+
+# Fields a report may lack (written before they existed, or left out at their default:
+# ``Geometry.to_dict``): each one's check; the dataclass default stands in for it.
 _OPTIONAL_FIELDS: dict[str, Callable[[object], bool]] = {
     "kv_aligned": _is_bool,
     "ubatch_sliced": _is_views,
+    "pointer_ranges": _is_bool,
+    "kv_storage_bytes": _is_size,
+    "block_table_bytes": _is_size,
+    "workspace_bytes": _is_sizes,
 }
 _GEOMETRY_FIELDS = {
     f.name: f.type
@@ -459,7 +471,13 @@ def precompile(args: argparse.Namespace) -> int:
         )
     cache_dir = _cache_dir(args.cache_dir)
     if args.geometry_json is not None:
-        _, _, version = geometries_from_report(args.geometry_json)
+        found, _, version = geometries_from_report(args.geometry_json)
+        if any(g.pointer_ranges for g in found):
+            raise CliError(
+                f"refusing: --geometry-json {args.geometry_json} comes from a ROCm (HIP) "
+                "startup, whose keys carry the storage-size flag; precompile builds for a "
+                "CUDA --arch"
+            )
         if not compat.same_release(version, installed["vllm"]):
             raise CliError(
                 f"refusing: --geometry-json {args.geometry_json} comes from vLLM {version} "

@@ -275,6 +275,46 @@ def block_table_width(feats: Features, max_model_len: int, block_size: int, v2: 
     return -(-blocks // align) * align
 
 
+# Triton 3.6.0, 3.7.1 and 3.8.0 (the releases of vLLM 0.20-0.33): the HIP backend's
+# ``get_tensor_specialization`` (``triton/backends/amd/compiler.py`` 3.6.0:182-186,
+# 3.7.1:187-191, 3.8.0:236-240) adds "S" to a pointer's key when ``knobs.amd.use_buffer_ops``
+# (``AMDGCN_USE_BUFFER_OPS``, default on: ``knobs.py`` 3.6.0/3.7.1:505, 3.8.0:517) and
+# ``is_within_2gb(arg)``: ``arg.untyped_storage().size() <= 2**31 - 1``, the tensor's whole
+# storage in bytes, not its view (3.6.0:164-171, 3.7.1:169-176, 3.8.0:211-225). The
+# compiler then assumes 32-bit offsets (``tt.pointer_range``). CUDA has no such flag.
+POINTER_RANGE_MAX = 2**31 - 1
+AMD_BACKEND_MODULE = "triton.backends.amd.compiler"
+
+
+def pointer_in_range(storage_bytes: int) -> bool:
+    """Triton's HIP "S" answer for a tensor whose storage holds this many bytes."""
+    return storage_bytes <= POINTER_RANGE_MAX
+
+
+def triton_pointer_ranges() -> bool:
+    """Whether the active Triton target keys pointers on their storage size: a HIP
+    target, buffer ops on, and a HIP backend that has ``is_within_2gb`` (3.6-3.8)."""
+    try:
+        from triton import knobs
+        from triton.runtime import driver
+
+        target = driver.active.get_current_target()
+        backend = importlib.import_module(AMD_BACKEND_MODULE).HIPBackend
+    except (ImportError, RuntimeError, AttributeError):  # no Triton, no driver, no AMD
+        return False
+    return (
+        getattr(target, "backend", None) == "hip"
+        and hasattr(backend, "is_within_2gb")
+        and bool(getattr(getattr(knobs, "amd", None), "use_buffer_ops", False))
+    )
+
+
+def storage_bytes(tensor: Any) -> int:
+    """Bytes of a tensor's whole storage, what ``is_within_2gb`` measures (Triton
+    3.6-3.8): a layer's KV view of a larger cache allocation counts it all."""
+    return int(tensor.untyped_storage().size())
+
+
 def fp8_e4b15(capability: tuple[int, int] | None) -> int:
     """``FP8_E4B15`` constexpr: 1 on CUDA devices below SM 8.9, else 0 (0.20-0.33)."""
     return 1 if capability is not None and capability < (8, 9) else 0
@@ -618,6 +658,17 @@ def workspace_slot(ubatch: int, lane: int) -> Iterator[None]:
         if lane:
             stack.enter_context(workspace.use_workspace_lane(lane))
         yield
+
+
+def workspace_buffer_sizes(feats: Features) -> tuple[int, ...]:
+    """Distinct byte sizes of the workspace buffers every ``(ubatch, lane)`` slot holds
+    now (0.21-0.33), the storages decode and dequantization views come from; empty
+    where the release has none or the manager is absent or locked."""
+    manager = workspace_manager(feats)
+    if manager is None:
+        return ()
+    slots = workspace_slots(manager)
+    return tuple(sorted({workspace_slot_bytes(manager, u, lane) for u, lane in slots}))
 
 
 def workspace_slot_bytes(manager: Any, ubatch: int, lane: int) -> int:

@@ -41,13 +41,21 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def layer_geometry(
-    layer: Any, block_table: Any, vllm_config: Any, feats: Features, runner_v2: bool = False
+    layer: Any,
+    block_table: Any,
+    vllm_config: Any,
+    feats: Features,
+    runner_v2: bool = False,
+    pointer_ranges: bool = False,
 ) -> Geometry:
     """The geometry of one live TurboQuant ``Attention`` layer.
 
     Reads the real KV tensor (its strides and base pointer are what the kernels
     specialize on; hybrid models can pad pages), the runner's real block table, and
-    whether microbatching (``--enable-dbo``) slices the metadata on this runner.
+    whether microbatching (``--enable-dbo``) slices the metadata on this runner. On
+    HIP (``pointer_ranges``), Triton also keys on whether each storage is within
+    2 GiB: the KV tensor's and the block table's real sizes are kept (the workspace's
+    after the reservation).
     """
     impl = layer.impl
     kv = compat.kv_view(layer.kv_cache, feats)
@@ -78,6 +86,9 @@ def layer_geometry(
         features=feats,
         kv_aligned=kv.data_ptr() % 16 == 0,
         ubatch_sliced=compat.ubatch_sliced(feats, compat.ubatching(vllm_config), runner_v2),
+        pointer_ranges=pointer_ranges,
+        kv_storage_bytes=compat.storage_bytes(kv) if pointer_ranges else 0,
+        block_table_bytes=compat.storage_bytes(block_table) if pointer_ranges else 0,
     )
     geometry.check()
     return geometry
@@ -121,6 +132,7 @@ def discover(worker: Any, feats: Features) -> Discovery:
     tq_impl = compat.turboquant_impl_class()
     runner = worker.model_runner
     use_v2 = compat.worker_uses_v2(worker)
+    ranges = compat.triton_pointer_ranges()  # HIP: storage sizes are part of the keys
     context = vllm_config.compilation_config.static_forward_context
     for groups in runner.attn_groups:
         for group in groups:
@@ -147,7 +159,7 @@ def discover(worker: Any, feats: Features) -> Discovery:
                 try:
                     table = compat.block_table(runner, group, group.kv_cache_group_id, use_v2)
                     found.geometries[name] = layer_geometry(
-                        layer, table, vllm_config, feats, use_v2
+                        layer, table, vllm_config, feats, use_v2, ranges
                     )
                     found.impls[name] = impl
                     found.device = layer.kv_cache.device

@@ -74,7 +74,13 @@ def preset(name: str, head_size: int) -> Preset:
     return Preset(name, head_size, key_bits, value_bits, norm)
 
 
-LATER_FIELDS = ("ubatch_sliced",)
+LATER_FIELDS = (
+    "ubatch_sliced",
+    "pointer_ranges",
+    "kv_storage_bytes",
+    "block_table_bytes",
+    "workspace_bytes",
+)
 """``Geometry`` fields with a default that reports written before them lack."""
 
 
@@ -115,6 +121,16 @@ class Geometry:
     """Metadata tensors that microbatches after the first get as views at an offset
     (``compat.ubatch_sliced``): some of ``block_table``, ``seq_lens``, ``slot_mapping``
     with ``--enable-dbo``; none without microbatching."""
+    pointer_ranges: bool = False
+    """Triton keys each pointer on whether its storage is within 2 GiB (HIP with buffer
+    ops, ``compat.triton_pointer_ranges``): then the storage sizes below count."""
+    kv_storage_bytes: int = 0
+    """Bytes of the KV tensor's whole storage (``pointer_ranges`` only)."""
+    block_table_bytes: int = 0
+    """Bytes of the block table's whole storage (``pointer_ranges`` only)."""
+    workspace_bytes: tuple[int, ...] = ()
+    """Sizes of the workspace buffers after the reservation (``pointer_ranges`` only;
+    empty: the largest planned request, ``workspace.runtime_requests``)."""
 
     @property
     def preset(self) -> Preset:
@@ -147,7 +163,8 @@ class Geometry:
     def from_dict(cls, data: Mapping[str, Any], feats: Features) -> Geometry:
         values = dict(data)
         values["kv_strides"] = tuple(values["kv_strides"])
-        values["ubatch_sliced"] = tuple(values.get("ubatch_sliced", ()))
+        for name in ("ubatch_sliced", "workspace_bytes"):  # JSON lists
+            values[name] = tuple(values.get(name, ()))
         return cls(**values, features=feats)
 
     def check(self) -> None:
