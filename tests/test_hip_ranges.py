@@ -273,6 +273,8 @@ def hip_case(feats: compat.Features, preset: str, kv_storage: int, workspace: in
         with recorded_keys() as launched:
             drive(impl, kv, WIDTH, torch.bfloat16)
         assert compat.workspace_buffer_sizes(feats) == (workspace,)  # nothing grew it
+        manager.lock()  # what vLLM does after capture; an elastic EP re-warm reads it then
+        assert compat.workspace_buffer_sizes(feats) == (workspace,)
     finally:
         ws.reset_workspace_manager()
         ws.init_workspace_manager(torch.device("cpu"))

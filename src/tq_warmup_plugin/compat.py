@@ -606,8 +606,9 @@ def ubatch_sliced(feats: Features, ubatching: bool, runner_v2: bool) -> tuple[st
     return UBATCH_VIEWS_V1
 
 
-def workspace_manager(feats: Features) -> Any | None:
-    """The current WorkspaceManager while it can still grow, else None.
+def workspace_manager(feats: Features, locked_too: bool = False) -> Any | None:
+    """The current WorkspaceManager while it can still grow (or, ``locked_too``, also
+    after the lock), else None.
 
     0.20 TurboQuant does not use the workspace. 0.21-0.33: the module functions
     ``is_workspace_manager_initialized`` / ``current_workspace_manager`` exist.
@@ -618,7 +619,7 @@ def workspace_manager(feats: Features) -> Any | None:
     if not workspace.is_workspace_manager_initialized():
         return None
     manager = workspace.current_workspace_manager()
-    return None if manager.is_locked() else manager
+    return None if manager.is_locked() and not locked_too else manager
 
 
 def workspace_slots(manager: Any) -> list[tuple[int, int]]:
@@ -662,9 +663,9 @@ def workspace_slot(ubatch: int, lane: int) -> Iterator[None]:
 
 def workspace_buffer_sizes(feats: Features) -> tuple[int, ...]:
     """Distinct byte sizes of the workspace buffers every ``(ubatch, lane)`` slot holds
-    now (0.21-0.33), the storages decode and dequantization views come from; empty
-    where the release has none or the manager is absent or locked."""
-    manager = workspace_manager(feats)
+    now (0.21-0.33), the storages decode and dequantization views come from (locked
+    ones too: elastic EP warms again after the lock); empty where there are none."""
+    manager = workspace_manager(feats, locked_too=True)
     if manager is None:
         return ()
     slots = workspace_slots(manager)
