@@ -101,14 +101,19 @@ def make_impl(cache_dtype: str, d: int, hq: int, hk: int, splits: int, max_len: 
         )
 
 
-def layer_kv_cache(feats: compat.Features, blocks: int, bs: int, hk: int, slot: int) -> Any:
-    """The layer's KV tensor as the release allocates it (see compat.kv_view_strides)."""
+def layer_kv_cache(
+    feats: compat.Features, blocks: int, bs: int, hk: int, slot: int, storage: int = 0
+) -> Any:
+    """The layer's KV tensor as the release allocates it (see compat.kv_view_strides);
+    ``storage``: the bytes of the allocation it is a view of (vLLM's KV tensors are views
+    of one raw buffer), left untouched (the OS maps it lazily)."""
     import torch
 
-    if feats.kv_head_major:
-        return torch.zeros(blocks, hk, bs, slot, dtype=torch.uint8)
-    token_major = torch.zeros(blocks, bs, hk, slot, dtype=torch.uint8)
-    return token_major.transpose(1, 2) if feats.kv_view_transposed else token_major
+    shape = (blocks, hk, bs, slot) if feats.kv_head_major else (blocks, bs, hk, slot)
+    count = blocks * hk * bs * slot
+    flat = torch.empty(max(storage, count), dtype=torch.uint8)[:count]
+    kv = (flat if storage else flat.zero_()).view(shape)
+    return kv.transpose(1, 2) if feats.kv_view_transposed and not feats.kv_head_major else kv
 
 
 def metadata(requests: list[tuple[int, int]], num_decodes: int, table: Any, seq_buf: Any) -> Any:
@@ -189,3 +194,79 @@ def make_flash_impl(hq: int, hk: int, d: int, version: int = 2, **kwargs: Any) -
         return flash_attn.FlashAttentionImpl(
             num_heads=hq, head_size=d, scale=d**-0.5, num_kv_heads=hk, **args
         )
+
+
+def common_metadata(
+    requests: list[tuple[int, int]], table: Any, seq_buf: Any, slot_buf: Any
+) -> Any:
+    """vLLM's ``CommonAttentionMetadata`` of one V1 step, over the runner's persistent
+    buffers (``seq_lens``, block table and slot mapping views from their base)."""
+    import torch
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    q_lens = [q for q, _ in requests]
+    seq_lens = [q + c for q, c in requests]
+    n, tokens = len(requests), sum(q_lens)
+    seq_buf[:n] = torch.tensor(seq_lens, dtype=torch.int32)
+    slot_buf[:tokens] = -1
+    qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    seq_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+    fields = {
+        "query_start_loc": qsl.clone(),
+        "query_start_loc_cpu": qsl,
+        "seq_lens": seq_buf[:n],
+        "num_reqs": n,
+        "num_actual_tokens": tokens,
+        "max_query_len": max(q_lens),
+        "max_seq_len": max(seq_lens),
+        "block_table_tensor": table[:n],
+        "slot_mapping": slot_buf[:tokens],
+        "seq_lens_cpu_upper_bound": seq_cpu,
+        "_seq_lens_cpu": seq_cpu,  # absent from 0.30
+        "_num_computed_tokens_cpu": torch.tensor([c for _, c in requests], dtype=torch.int32),
+    }
+    names = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
+    return CommonAttentionMetadata(**{k: v for k, v in fields.items() if k in names})
+
+
+def run_ubatches(
+    impl: Any,
+    kv: Any,
+    width: int,
+    dtype: Any,
+    batches: list[list[tuple[int, int]]],
+    num_ubatches: int = 2,
+) -> None:
+    """Drive the real backend over each batch as the V1 runner does with microbatching:
+    vLLM's own ``maybe_create_ubatch_slices`` and ``split_attn_metadata`` slice the
+    step's metadata, its builder builds each microbatch's metadata, and each one stores
+    (its slot-mapping slice) and attends in turn."""
+    import numpy as np
+    import torch
+    from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
+    from vllm.v1.attention.backends.turboquant_attn import TurboQuantMetadataBuilder
+    from vllm.v1.worker import ubatch_utils
+
+    hq, hk, d = impl.num_heads, impl.num_kv_heads, impl.head_size
+    layer = torch.nn.Module()
+    layer._tq_centroids = get_centroids(d, impl.tq_config.centroid_bits)
+    table = torch.zeros(MAX_NUM_SEQS, width, dtype=torch.int32)
+    seq_buf = torch.zeros(MAX_NUM_SEQS, dtype=torch.int32)
+    slot_buf = torch.zeros(4096, dtype=torch.int64)
+    builder = TurboQuantMetadataBuilder.__new__(TurboQuantMetadataBuilder)
+    builder.reorder_batch_threshold = 1  # what __init__ sets (_init_reorder_batch_threshold(1))
+    for requests in batches:
+        common = common_metadata(requests, table, seq_buf, slot_buf)
+        scheduled = np.array([q for q, _ in requests], dtype=np.int32)
+        tokens = int(scheduled.sum())
+        slices, _ = ubatch_utils.maybe_create_ubatch_slices(
+            True, scheduled, tokens, len(requests), num_ubatches
+        )
+        for sliced in ubatch_utils.split_attn_metadata(slices, common):
+            n = sliced.num_actual_tokens
+            q = torch.randn(n, hq * d, dtype=dtype)
+            k = torch.randn(n, hk * d, dtype=dtype)
+            v = torch.randn(n, hk * d, dtype=dtype)
+            meta = builder.build(0, sliced)
+            impl.do_kv_cache_update(layer, k, v, kv, sliced.slot_mapping)
+            impl.forward(layer, q, k, v, kv, meta, output=torch.zeros(n, hq * d, dtype=dtype))

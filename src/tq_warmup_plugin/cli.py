@@ -207,6 +207,7 @@ def geometry_from_args(args: argparse.Namespace) -> Planned:
         num_kv_splits=args.kv_splits,
         fp8_e4b15=compat.fp8_e4b15((args.arch // 10, args.arch % 10)),
         features=feats,
+        ubatch_sliced=compat.ubatch_sliced(feats, args.enable_dbo, runner == "v2"),
     )
     try:
         geometry.check()
@@ -215,8 +216,37 @@ def geometry_from_args(args: argparse.Namespace) -> Planned:
     return Planned(geometry, layers, bool(skip) or shape is None, note)
 
 
+def _is_bool(value: object) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_views(value: object) -> bool:
+    views = compat.UBATCH_VIEWS_V1
+    return isinstance(value, list) and all(isinstance(v, str) and v in views for v in value)
+
+
+def _is_size(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_sizes(value: object) -> bool:
+    return isinstance(value, list) and all(_is_size(v) for v in value)
+
+
+# Fields a report may lack (written before they existed, or left out at their default:
+# ``Geometry.to_dict``): each one's check; the dataclass default stands in for it.
+_OPTIONAL_FIELDS: dict[str, Callable[[object], bool]] = {
+    "kv_aligned": _is_bool,
+    "ubatch_sliced": _is_views,
+    "pointer_ranges": _is_bool,
+    "kv_storage_bytes": _is_size,
+    "block_table_bytes": _is_size,
+    "workspace_bytes": _is_sizes,
+}
 _GEOMETRY_FIELDS = {
-    f.name: f.type for f in dataclasses.fields(Geometry) if f.name not in ("features", "kv_aligned")
+    f.name: f.type
+    for f in dataclasses.fields(Geometry)
+    if f.name != "features" and f.name not in _OPTIONAL_FIELDS
 }
 
 
@@ -227,7 +257,7 @@ def _report_geometry(path: str, index: int, raw: object, feats: compat.Features)
     missing = sorted(set(_GEOMETRY_FIELDS) - set(raw))
     if missing:
         raise CliError(f"{where} lacks {', '.join(missing)}")
-    unknown = sorted(set(raw) - set(_GEOMETRY_FIELDS) - {"kv_aligned"})
+    unknown = sorted(set(raw) - set(_GEOMETRY_FIELDS) - set(_OPTIONAL_FIELDS))
     if unknown:
         raise CliError(f"{where} has unknown fields {', '.join(unknown)}")
     for name, kind in _GEOMETRY_FIELDS.items():
@@ -248,8 +278,9 @@ def _report_geometry(path: str, index: int, raw: object, feats: compat.Features)
             )
         if ok is False or (str(kind) == "int" and value < 0):
             raise CliError(f"{where}: {name} {value!r} is not a valid {kind}")
-    if not isinstance(raw.get("kv_aligned", True), bool):
-        raise CliError(f"{where}: kv_aligned {raw['kv_aligned']!r} is not true or false")
+    for name, valid in _OPTIONAL_FIELDS.items():
+        if name in raw and not valid(raw[name]):
+            raise CliError(f"{where}: {name} {raw[name]!r} is not valid")
     try:
         geometry = Geometry.from_dict(raw, feats)
         geometry.check()
@@ -438,7 +469,13 @@ def precompile(args: argparse.Namespace) -> int:
         )
     cache_dir = _cache_dir(args.cache_dir)
     if args.geometry_json is not None:
-        _, _, version = geometries_from_report(args.geometry_json)
+        found, _, version = geometries_from_report(args.geometry_json)
+        if any(g.pointer_ranges for g in found):
+            raise CliError(
+                f"refusing: --geometry-json {args.geometry_json} comes from a ROCm (HIP) "
+                "startup, whose keys carry the storage-size flag; precompile builds for a "
+                "CUDA --arch"
+            )
         if not compat.same_release(version, installed["vllm"]):
             raise CliError(
                 f"refusing: --geometry-json {args.geometry_json} comes from vLLM {version} "
@@ -616,6 +653,11 @@ def _geometry_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", type=_scale, help="attention scale if not the model's own")
     p.add_argument("--arch", type=_arch, default=90, help="target SM, e.g. 90 for H100/H200")
     p.add_argument("--runner", choices=["v1", "v2"], help="model runner (default: release's)")
+    p.add_argument(
+        "--enable-dbo",
+        action="store_true",
+        help="vLLM's --enable-dbo (or --ubatch-size over 1): microbatches' unaligned views",
+    )
     p.add_argument("--vllm-version", help="release to plan for (default: installed)")
 
 

@@ -130,6 +130,19 @@ class Features(NamedTuple):
     runs on V1 up to 0.30 (V2 refuses it, ``config/vllm.py`` 0.23:2011, 0.30:2844), on
     request (``VLLM_USE_V2_MODEL_RUNNER=0``) in 0.31-0.33; async by default from 0.28, where
     the bound's prefill rows are still exact (``backend.py`` 0.22:405-409): all need it."""
+    v2_ubatches: bool
+    """0.30+: the V2 runner splits batches into microbatches itself
+    (``v1/worker/gpu/ubatch_utils.py``) and copies each one's ``seq_lens`` into a buffer
+    of its own (``_slice_seq_lens``, 0.30:229, 0.33:235). 0.20-0.29 list dual-batch
+    overlap as unsupported by V2 (``config/vllm.py`` 0.20:1803, 0.25:2096, 0.29:2591),
+    so it runs on V1."""
+    rocm_flydsl: bool
+    """0.28+: on ROCm gfx950 with FlyDSL importable, ``TurboQuantAttentionImpl`` sets
+    ``_soa_store = _use_flydsl = is_flydsl_available()`` (``turboquant_attn.py``
+    0.28:398-399, 0.29-0.33:369-370) and then stores, decodes and dequantizes with the
+    SoA Triton and FlyDSL kernels (0.33: ``_store_kv`` :686, continuation :839,
+    ``_continuation_prefill`` :952, ``_decode_attention`` :1129; 0.28: :715, :868, :981,
+    :1158), never the ones warmed here. 0.20-0.27 have no such path."""
 
 
 def features(version: Version) -> Features:
@@ -146,6 +159,8 @@ def features(version: Version) -> Features:
         v1_tq_cache_dtype_lost=(0, 25) <= version <= (0, 26),
         prefill_buffers_cached=version >= (0, 21),
         draft_cpu_seq_lens_stale=(0, 21) <= version <= (0, 33),
+        v2_ubatches=version >= (0, 30),
+        rocm_flydsl=version >= (0, 28),
     )
 
 
@@ -258,6 +273,46 @@ def block_table_width(feats: Features, max_model_len: int, block_size: int, v2: 
     else:
         align = 1
     return -(-blocks // align) * align
+
+
+# Triton 3.6.0, 3.7.1 and 3.8.0 (the releases of vLLM 0.20-0.33): the HIP backend's
+# ``get_tensor_specialization`` (``triton/backends/amd/compiler.py`` 3.6.0:182-186,
+# 3.7.1:187-191, 3.8.0:236-240) adds "S" to a pointer's key when ``knobs.amd.use_buffer_ops``
+# (``AMDGCN_USE_BUFFER_OPS``, default on: ``knobs.py`` 3.6.0/3.7.1:505, 3.8.0:517) and
+# ``is_within_2gb(arg)``: ``arg.untyped_storage().size() <= 2**31 - 1``, the tensor's whole
+# storage in bytes, not its view (3.6.0:164-171, 3.7.1:169-176, 3.8.0:211-225). The
+# compiler then assumes 32-bit offsets (``tt.pointer_range``). CUDA has no such flag.
+POINTER_RANGE_MAX = 2**31 - 1
+AMD_BACKEND_MODULE = "triton.backends.amd.compiler"
+
+
+def pointer_in_range(storage_bytes: int) -> bool:
+    """Triton's HIP "S" answer for a tensor whose storage holds this many bytes."""
+    return storage_bytes <= POINTER_RANGE_MAX
+
+
+def triton_pointer_ranges() -> bool:
+    """Whether the active Triton target keys pointers on their storage size: a HIP
+    target, buffer ops on, and a HIP backend that has ``is_within_2gb`` (3.6-3.8)."""
+    try:
+        from triton import knobs
+        from triton.runtime import driver
+
+        target = driver.active.get_current_target()
+        backend = importlib.import_module(AMD_BACKEND_MODULE).HIPBackend
+    except (ImportError, RuntimeError, AttributeError):  # no Triton, no driver, no AMD
+        return False
+    return (
+        getattr(target, "backend", None) == "hip"
+        and hasattr(backend, "is_within_2gb")
+        and bool(getattr(getattr(knobs, "amd", None), "use_buffer_ops", False))
+    )
+
+
+def storage_bytes(tensor: Any) -> int:
+    """Bytes of a tensor's whole storage, what ``is_within_2gb`` measures (Triton
+    3.6-3.8): a layer's KV view of a larger cache allocation counts it all."""
+    return int(tensor.untyped_storage().size())
 
 
 def fp8_e4b15(capability: tuple[int, int] | None) -> int:
@@ -514,8 +569,46 @@ def worker_uses_v2(worker: Any) -> bool:
     return bool(worker.use_v2_model_runner)
 
 
-def workspace_manager(feats: Features) -> Any | None:
-    """The current WorkspaceManager while it can still grow, else None.
+def ubatching(vllm_config: Any) -> bool:
+    """Whether the worker splits batches into microbatches: ``--enable-dbo`` (dual-batch
+    overlap) or ``--ubatch-size`` over 1, resolved as ``parallel_config.use_ubatching``,
+    a property of ``ParallelConfig`` in 0.20-0.33 (``config/parallel.py`` 0.20:492,
+    0.26:535, 0.33:645). Anything unreadable counts as off."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    return getattr(parallel, "use_ubatching", False) is True
+
+
+UBATCH_VIEWS_V1 = ("block_table", "seq_lens", "slot_mapping")
+
+
+def ubatch_sliced(feats: Features, ubatching: bool, runner_v2: bool) -> tuple[str, ...]:
+    """The attention metadata tensors a microbatch after the first gets as views at the
+    offset where it starts, so their pointers can lose 16-byte alignment (request r of
+    an int32 ``seq_lens`` starts at ``4 * r`` bytes, token t of the int64 slot mapping at
+    ``8 * t``, block-table row r at ``4 * r * width``). Nothing without microbatching.
+
+    V1 (0.20-0.33, ``_make_metadata_with_slice`` in ``v1/worker/ubatch_utils.py``):
+    ``seq_lens[request_slice]`` (0.20-0.29:179, 0.30:282, 0.33:283; a clone only when
+    the microbatch's last request continues in the next one), ``block_table_tensor
+    [request_slice]`` and ``slot_mapping[token_slice]`` (0.20:230-231, 0.21-0.29:232-233,
+    0.30:320-321, 0.33:321-322); the store's slot mapping comes from the forward context,
+    sliced by ``token_slice`` too (``gpu_model_runner.py`` 0.22:3939, 0.33:3890). 0.32+
+    copy a block table whose kernel block size differs into ``kernel_block_table
+    [ubatch]`` (``v1/worker/utils.py`` 0.33:380-392), whose base is also at an offset.
+    V2 (``v2_ubatches``, 0.30-0.33, ``v1/worker/gpu/ubatch_utils.py``): ``seq_lens``
+    copied into a per-microbatch buffer, ``block_table[request_slice]`` and
+    ``slot_mappings[:, token_slice]`` (0.30:361-363, 0.33:367-369).
+    """
+    if not ubatching:
+        return ()
+    if runner_v2:
+        return ("block_table", "slot_mapping") if feats.v2_ubatches else ()
+    return UBATCH_VIEWS_V1
+
+
+def workspace_manager(feats: Features, locked_too: bool = False) -> Any | None:
+    """The current WorkspaceManager while it can still grow (or, ``locked_too``, also
+    after the lock), else None.
 
     0.20 TurboQuant does not use the workspace. 0.21-0.33: the module functions
     ``is_workspace_manager_initialized`` / ``current_workspace_manager`` exist.
@@ -526,7 +619,7 @@ def workspace_manager(feats: Features) -> Any | None:
     if not workspace.is_workspace_manager_initialized():
         return None
     manager = workspace.current_workspace_manager()
-    return None if manager.is_locked() else manager
+    return None if manager.is_locked() and not locked_too else manager
 
 
 def workspace_slots(manager: Any) -> list[tuple[int, int]]:
@@ -568,6 +661,17 @@ def workspace_slot(ubatch: int, lane: int) -> Iterator[None]:
         yield
 
 
+def workspace_buffer_sizes(feats: Features) -> tuple[int, ...]:
+    """Distinct byte sizes of the workspace buffers every ``(ubatch, lane)`` slot holds
+    now (0.21-0.33), the storages decode and dequantization views come from (locked
+    ones too: elastic EP warms again after the lock); empty where there are none."""
+    manager = workspace_manager(feats, locked_too=True)
+    if manager is None:
+        return ()
+    slots = workspace_slots(manager)
+    return tuple(sorted({workspace_slot_bytes(manager, u, lane) for u, lane in slots}))
+
+
 def workspace_slot_bytes(manager: Any, ubatch: int, lane: int) -> int:
     """Bytes the ``(ubatch, lane)`` slot holds now: ``_current_workspaces``, a list of
     uint8 tensors or None indexed ``ubatch * _num_lanes + lane`` (0.21-0.33; no lanes
@@ -595,6 +699,14 @@ def rewarm_cause(feats: Features) -> str:
     if feats.version >= (0, 27):
         return "elastic EP warms a worker more than once"
     return "kernel_warmup ran again in this process"
+
+
+def flydsl_layer(feats: Features, impl: Any) -> bool:
+    """Whether a ``TurboQuantAttentionImpl`` runs ROCm's SoA/FlyDSL kernels instead of
+    the warmed ones: ``impl._soa_store`` is True (``rocm_flydsl``, 0.28-0.33; the store,
+    the decode and both continuation paths branch on it or on ``_use_flydsl``, set
+    together)."""
+    return feats.rocm_flydsl and getattr(impl, "_soa_store", False) is True
 
 
 def local_attention_chunk(layer: Any) -> int | None:

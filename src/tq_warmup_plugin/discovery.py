@@ -27,6 +27,8 @@ class Discovery:
     that never reuses a prefix (``compat.prefix_reused``) only stores and prefills."""
     note: str = ""
     """Why some paths are left out, for the report line."""
+    flydsl: list[str] = field(default_factory=list)
+    """TurboQuant layers left out because they run ROCm's FlyDSL/SoA kernels."""
 
 
 PREFILL_ONLY_PATHS = frozenset({"store"})
@@ -38,11 +40,22 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def layer_geometry(layer: Any, block_table: Any, vllm_config: Any, feats: Features) -> Geometry:
+def layer_geometry(
+    layer: Any,
+    block_table: Any,
+    vllm_config: Any,
+    feats: Features,
+    runner_v2: bool = False,
+    pointer_ranges: bool = False,
+) -> Geometry:
     """The geometry of one live TurboQuant ``Attention`` layer.
 
     Reads the real KV tensor (its strides and base pointer are what the kernels
-    specialize on; hybrid models can pad pages) and the runner's real block table.
+    specialize on; hybrid models can pad pages), the runner's real block table, and
+    whether microbatching (``--enable-dbo``) slices the metadata on this runner. On
+    HIP (``pointer_ranges``), Triton also keys on whether each storage is within
+    2 GiB: the KV tensor's and the block table's real sizes are kept (the workspace's
+    after the reservation).
     """
     impl = layer.impl
     kv = compat.kv_view(layer.kv_cache, feats)
@@ -72,6 +85,10 @@ def layer_geometry(layer: Any, block_table: Any, vllm_config: Any, feats: Featur
         fp8_e4b15=compat.fp8_e4b15(capability),
         features=feats,
         kv_aligned=kv.data_ptr() % 16 == 0,
+        ubatch_sliced=compat.ubatch_sliced(feats, compat.ubatching(vllm_config), runner_v2),
+        pointer_ranges=pointer_ranges,
+        kv_storage_bytes=compat.storage_bytes(kv) if pointer_ranges else 0,
+        block_table_bytes=compat.storage_bytes(block_table) if pointer_ranges else 0,
     )
     geometry.check()
     return geometry
@@ -85,12 +102,21 @@ def _local_attention_note(chunk: int) -> str:
     )
 
 
+def _flydsl_note(layers: int) -> str:
+    return (
+        f"ROCm gfx950 with FlyDSL (vLLM 0.28+): {layers} TurboQuant layers store the SoA "
+        "layout and run FlyDSL/SoA Triton kernels, which the plugin does not warm: skipped"
+    )
+
+
 def discover(worker: Any, feats: Features) -> Discovery:
     """All attention layers whose impl is exactly ``TurboQuantAttentionImpl``, and the
     boundary layers TurboQuant leaves uncompressed on plain FlashAttention 2.
 
     Subclasses (UltraQuant, 0.32+) run other kernels; other boundary backends and
-    non-attention layers of hybrid models have other impls. All are left out.
+    non-attention layers of hybrid models have other impls; on ROCm gfx950 with FlyDSL
+    (0.28+) the impl itself runs other kernels (``compat.flydsl_layer``: one note). All
+    are left out.
     Pooling models never decode, but reuse a cached prefix through chunked prefill or
     prefix caching when those are on (``compat.prefix_reused``); without them only
     the prefill paths are kept.
@@ -106,6 +132,7 @@ def discover(worker: Any, feats: Features) -> Discovery:
     tq_impl = compat.turboquant_impl_class()
     runner = worker.model_runner
     use_v2 = compat.worker_uses_v2(worker)
+    ranges = compat.triton_pointer_ranges()  # HIP: storage sizes are part of the keys
     context = vllm_config.compilation_config.static_forward_context
     for groups in runner.attn_groups:
         for group in groups:
@@ -123,14 +150,21 @@ def discover(worker: Any, feats: Features) -> Discovery:
                         found.boundary[name] = heads
                         found.impls[name] = impl
                     continue
+                if compat.flydsl_layer(feats, impl):
+                    found.flydsl.append(name)
+                    continue
                 chunk = compat.local_attention_chunk(layer)
                 if chunk is not None and "chunked local" not in found.note:
                     found.note = "; ".join(filter(None, [found.note, _local_attention_note(chunk)]))
                 try:
                     table = compat.block_table(runner, group, group.kv_cache_group_id, use_v2)
-                    found.geometries[name] = layer_geometry(layer, table, vllm_config, feats)
+                    found.geometries[name] = layer_geometry(
+                        layer, table, vllm_config, feats, use_v2, ranges
+                    )
                     found.impls[name] = impl
                     found.device = layer.kv_cache.device
                 except (AttributeError, ValueError, TypeError, IndexError) as exc:
                     found.refused[name] = f"{type(exc).__name__}: {exc}"
+    if found.flydsl:
+        found.note = "; ".join(filter(None, [found.note, _flydsl_note(len(found.flydsl))]))
     return found

@@ -74,6 +74,16 @@ def preset(name: str, head_size: int) -> Preset:
     return Preset(name, head_size, key_bits, value_bits, norm)
 
 
+LATER_FIELDS = (
+    "ubatch_sliced",
+    "pointer_ranges",
+    "kv_storage_bytes",
+    "block_table_bytes",
+    "workspace_bytes",
+)
+"""``Geometry`` fields with a default that reports written before them lack."""
+
+
 @dataclass(frozen=True)
 class Geometry:
     """The runtime shape of one TurboQuant layer, as its kernels will see it.
@@ -107,6 +117,20 @@ class Geometry:
     features: Features = field(compare=True)
     kv_aligned: bool = True
     """Whether the KV cache tensor's base pointer is 16-byte aligned."""
+    ubatch_sliced: tuple[str, ...] = ()
+    """Metadata tensors that microbatches after the first get as views at an offset
+    (``compat.ubatch_sliced``): some of ``block_table``, ``seq_lens``, ``slot_mapping``
+    with ``--enable-dbo``; none without microbatching."""
+    pointer_ranges: bool = False
+    """Triton keys each pointer on whether its storage is within 2 GiB (HIP with buffer
+    ops, ``compat.triton_pointer_ranges``): then the storage sizes below count."""
+    kv_storage_bytes: int = 0
+    """Bytes of the KV tensor's whole storage (``pointer_ranges`` only)."""
+    block_table_bytes: int = 0
+    """Bytes of the block table's whole storage (``pointer_ranges`` only)."""
+    workspace_bytes: tuple[int, ...] = ()
+    """Sizes of the workspace buffers after the reservation (``pointer_ranges`` only;
+    empty: the largest planned request, ``workspace.runtime_requests``)."""
 
     @property
     def preset(self) -> Preset:
@@ -125,13 +149,22 @@ class Geometry:
         return math.ceil(max(0, self.max_model_len - 1) / self.block_size) * self.block_size
 
     def to_dict(self) -> dict[str, object]:
-        """Plain fields, without the release features (the release is recorded apart)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "features"}
+        """Plain fields, without the release features (the release is recorded apart).
+        Fields added since the first reports are left out at their default, so a plain
+        setup writes the report it always did and older readers take it."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name != "features"
+            and not (f.name in LATER_FIELDS and getattr(self, f.name) == f.default)
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], feats: Features) -> Geometry:
         values = dict(data)
         values["kv_strides"] = tuple(values["kv_strides"])
+        for name in ("ubatch_sliced", "workspace_bytes"):  # JSON lists
+            values[name] = tuple(values.get(name, ()))
         return cls(**values, features=feats)
 
     def check(self) -> None:

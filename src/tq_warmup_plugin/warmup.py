@@ -10,6 +10,7 @@ compile, are the worker's.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
@@ -187,6 +188,17 @@ def compile_into(
     return counter.dirs
 
 
+def _with_workspace_sizes(
+    geometries: dict[str, Geometry], feats: compat.Features
+) -> dict[str, Geometry]:
+    """On HIP, the geometries with the real workspace buffer sizes, which decode and
+    dequantization pointers take their storage from (``Geometry.workspace_bytes``)."""
+    if not any(g.pointer_ranges for g in geometries.values()):
+        return geometries
+    sizes = compat.workspace_buffer_sizes(feats)
+    return {name: dataclasses.replace(g, workspace_bytes=sizes) for name, g in geometries.items()}
+
+
 def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None) -> Report:
     """Warm every TurboQuant kernel key this worker's runtime will launch."""
     start = time.perf_counter()
@@ -198,12 +210,14 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
 
     found = discover(worker, feats)
     report = Report(vllm_version=version_text, layers=len(found.geometries))
-    distinct = dict.fromkeys(found.geometries.values())
-    report.geometries = [g.to_dict() for g in distinct]
     report.errors.extend(f"layer {name}: {why}" for name, why in found.refused.items())
+    if found.note:
+        report.notes.append(found.note)
     if not found.geometries:
         report.status = "skipped"
         report.reason = "no TurboQuant attention layers in this worker"
+        if found.flydsl:  # they exist, but run none of the warmed kernels
+            report.reason = found.note
         if found.refused:
             report.reason += f" ({len(found.refused)} refused: {report.errors[0]})"
         return report
@@ -214,15 +228,7 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
     if problem:  # a warning, not an error: strict mode must not refuse it
         logger.warning(problem)
 
-    if pm is None:
-        pm = plugin_manager()
-    the_plan = plan_keys(pm, found.geometries, found.paths)
-    if found.note:
-        report.notes.append(found.note)
-    report.keys = the_plan.count_by_path()
-    report.distinct = len(the_plan.keys)
-    compile_into(report, pm, the_plan.keys, settings.threads)
-
+    # Reserved before compiling: on HIP the workspace's final size is part of the keys.
     try:
         report.workspace_bytes = workspace.reserve(
             workspace.plan_reservation(found.geometries.values()) if found.paths is None else [],
@@ -233,6 +239,15 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
         logger.warning(workspace.oom_warning(exc, found.geometries.values()))
         report.errors.append(f"workspace: out of memory for {exc.needed / 2**20:.1f} MiB")
         report.failed += 1
+    geometries = _with_workspace_sizes(found.geometries, feats)
+    report.geometries = [g.to_dict() for g in dict.fromkeys(geometries.values())]
+
+    if pm is None:
+        pm = plugin_manager()
+    the_plan = plan_keys(pm, geometries, found.paths)
+    report.keys = the_plan.count_by_path()
+    report.distinct = len(the_plan.keys)
+    compile_into(report, pm, the_plan.keys, settings.threads)
     if feats.prefill_buffers_cached and found.device is not None:
         for name, g in found.geometries.items():
             compat.preallocate_prefill_buffers(found.impls[name], found.device, g.max_model_len)

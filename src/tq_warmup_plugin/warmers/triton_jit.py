@@ -3,7 +3,9 @@
 Triton's ``JITFunction.warmup`` runs the same binder and cache lookup as a launch
 and stores the binary in the same per-device cache, but launches nothing. The tensors
 it gets are a few bytes on the CPU: Triton only reads their dtype and ``data_ptr()``, so
-their alignment is chosen to match what the runtime passes.
+their alignment is chosen to match what the runtime passes; on HIP also the size of
+their storage, so a pointer whose key says "over 2 GiB" gets a meta tensor of that size,
+which allocates nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ __all__ = ["compile_key", "tq_warmup_compile", "warmup_arguments"]
 
 
 @cache
-def _tensor(dtype: str, aligned: bool) -> Any:
+def _tensor(dtype: str, aligned: bool, beyond_2gb: bool = False) -> Any:
     import torch
 
     torch_dtype = {
@@ -31,8 +33,14 @@ def _tensor(dtype: str, aligned: bool) -> Any:
         "i32": torch.int32,
         "i64": torch.int64,
     }[dtype]
-    # CPU allocations are 64-byte aligned; one element in is never 16-byte aligned.
-    base = torch.empty(32, dtype=torch_dtype)
+    if beyond_2gb:
+        # Triton's is_within_2gb reads untyped_storage().size() (3.6-3.8), which a meta
+        # tensor has without memory; its data_ptr() is 0 plus the offset.
+        storage = torch.empty(compat.POINTER_RANGE_MAX + 65, dtype=torch.uint8, device="meta")
+        base = storage[:64].view(torch_dtype)
+    else:
+        # CPU allocations are 64-byte aligned; one element in is never 16-byte aligned.
+        base = torch.empty(32, dtype=torch_dtype)
     return base if aligned else base[1:]
 
 
@@ -41,7 +49,7 @@ def warmup_arguments(key: KernelKey) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, arg in key.args:
         if isinstance(arg, Ptr):
-            out[name] = _tensor(arg.dtype, arg.aligned)
+            out[name] = _tensor(arg.dtype, arg.aligned, arg.in_range is False)
         elif isinstance(arg, Int | Const):
             out[name] = arg.value
     out["num_warps"] = key.num_warps
