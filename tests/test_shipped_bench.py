@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
 
-from benchmarks.tqbench import cli, shipped
+from benchmarks.tqbench import cli, records, shipped
 
 
 def _layer(root: Path) -> Path:
@@ -72,3 +73,19 @@ def test_shipped_refuses_a_missing_layer_and_a_corrupt_preset_it_does_not_run(
     args = ["shipped", "--layer", str(tmp_path), "--presets", "turboquant_k8v4"]
     with pytest.raises(SystemExit, match="not among --presets"):
         shipped.cmd_shipped(parser.parse_args([*args, "--corrupt", "turboquant_4bit_nc"]))
+
+
+def test_past_the_deadline_no_engine_starts_and_the_rows_are_saved(tmp_path: Path) -> None:
+    layer = _layer(tmp_path / "layer")
+    out = tmp_path / "rows.jsonl"
+    argv = ["shipped", "--layer", str(layer), "--presets", "turboquant_k8v4"]
+    argv += ["--work-dir", str(tmp_path / "w"), "--out", str(out), "--deadline-s", "1"]
+    bench = shipped.Shipped(cli.build_parser().parse_args(argv))
+    time.sleep(1)
+    assert bench.run() == 1  # nothing ran, so nothing is ok
+    run, rows = records.read_run(out)
+    assert run["layer"] == str(layer)
+    assert [(r["variant"], r["status"]) for r in rows] == [
+        ("ref", "skipped"),
+        ("shipped", "skipped"),
+    ]
