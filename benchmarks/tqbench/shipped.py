@@ -35,12 +35,10 @@ import argparse
 import contextlib
 import datetime as dt
 import hashlib
-import json
 import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -186,14 +184,7 @@ class Shipped:
         log = self.log_dir / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         print(f"[shipped] start {name} (log {log})", flush=True)
-        argv = [
-            sys.executable,
-            "-m",
-            "benchmarks.tqbench",
-            "spec",
-            "--child",
-            str(work / "spec.json"),
-        ]
+        argv = spec.child_argv(work / "spec.json")
         with log.open("wb") as logf:
             try:
                 rc: int | None = subprocess.run(
@@ -206,9 +197,7 @@ class Shipped:
                 ).returncode
             except subprocess.TimeoutExpired:
                 rc = None
-        result: dict[str, Any] = {}
-        with contextlib.suppress(OSError, ValueError):
-            result = json.loads((work / "result.json").read_text())
+        result = spec.read_result(work)
         report = result.get("plugin_report") or {}
         row: dict[str, Any] = {
             "preset": preset,

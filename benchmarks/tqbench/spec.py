@@ -578,6 +578,19 @@ def run_child(spec_path: Path) -> int:
     return 0 if res["status"] == "ok" else 1
 
 
+def child_argv(spec_file: Path) -> list[str]:
+    """The command that runs one engine from its spec file (``spec --child``)."""
+    return [sys.executable, "-m", "benchmarks.tqbench", "spec", "--child", str(spec_file)]
+
+
+def read_result(work: Path) -> dict[str, Any]:
+    """A child's result file, or ``{}`` when it wrote none (killed, or failed at import)."""
+    with contextlib.suppress(OSError, ValueError):
+        result: dict[str, Any] = json.loads((work / "result.json").read_text())
+        return result
+    return {}
+
+
 # --------------------------------------------------------------------------------------
 # Parent: one child per configuration
 # --------------------------------------------------------------------------------------
@@ -684,14 +697,7 @@ class SpecBench:
         env["PYTHONPATH"] = os.pathsep.join(
             [*self.pythonpath, *filter(None, [env.get("PYTHONPATH")])]
         )
-        argv = [
-            sys.executable,
-            "-m",
-            "benchmarks.tqbench",
-            "spec",
-            "--child",
-            str(work / "spec.json"),
-        ]
+        argv = child_argv(work / "spec.json")
         limit = min(float(self.args.timeout), left - 5)
         print(f"[spec] start {cfg.name} (log {log})", flush=True)
         t = time.monotonic()
@@ -717,9 +723,7 @@ class SpecBench:
             with self.lock:
                 self.procs.pop(proc.pid, None)
         text = log.read_text(errors="replace")
-        result: dict[str, Any] = {}
-        with contextlib.suppress(OSError, ValueError):
-            result = json.loads((work / "result.json").read_text())
+        result = read_result(work)
         row.update(
             result,
             rc=rc,
