@@ -272,3 +272,15 @@ def test_matrix_refuses_plugin_on_runs_vllm_could_not_load_the_plugin_in(
     env = m.child_env(m.specs()[0][0])
     stub = Path(env["PYTHONPATH"].split(os.pathsep)[0])
     assert (stub / "tq_warmup_plugin_stub-0.dist-info" / "entry_points.txt").is_file()
+
+
+def test_gemm_shapes_reads_rows_and_times_each_shape_twice() -> None:
+    from benchmarks.tqbench import gemm_shapes
+
+    assert gemm_shapes.parse_rows("8, 100-102,8,4096") == [8, 100, 101, 102, 4096]
+    with pytest.raises(ValueError, match="bad rows"):
+        gemm_shapes.parse_rows("5-3")
+    pytest.importorskip("torch")
+    got = gemm_shapes.time_shapes([4, 12], 16, "float32", "cpu", warm=[8])
+    assert [r["rows"] for r in got] == [4, 12]
+    assert all(r["first_ms"] >= 0 and r["second_ms"] >= 0 for r in got)

@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "shipped",
     "register_cost",
     "layer_check_cost",
+    "gemm_shapes",
 )
 
 
