@@ -34,5 +34,5 @@ for dtype in $KV_CACHE_DTYPES; do
 done
 rm -rf "$wheels"
 # 5. Check the layer offline against its manifests (exit 1 on a problem).
-"$VENV/bin/tq-warmup" verify --cache-dir "$CACHE"
+"$VENV/bin/tq-warmup" verify --cache-dir "$CACHE" --arch "$ARCH"
 echo "build-layer: $CACHE $(du -sh "$CACHE" | cut -f1), $(find "$CACHE" -name '*.cubin' | wc -l) cubins, $((SECONDS - start)) s"
