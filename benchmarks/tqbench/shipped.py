@@ -102,6 +102,11 @@ def corrupt(file: Path) -> None:
     file.write_bytes(bytes(data))
 
 
+def layered_env(layer: Path) -> dict[str, str]:
+    """An engine's variables for the layered cache over one read-only layer."""
+    return {"TRITON_CACHE_MANAGER": MANAGER, "TQ_WARMUP_CACHE_LAYERS": str(layer)}
+
+
 def warnings_in(log: str) -> list[str]:
     """The plugin's WARNING lines of a child's log."""
     return [
@@ -210,7 +215,7 @@ class Shipped:
             "compiled": report.get("compiled"),
             "shipped": report.get("shipped"),
             "disk": report.get("loaded"),
-            "plugin_line": report and report.get("status"),
+            "plugin_status": report.get("status"),
             "tq_compiles_after_startup": result.get("tq_compiles_after_startup"),
             "tokens": result.get("tokens"),
             "warnings": warnings_in(log.read_text(errors="replace")),
@@ -230,15 +235,10 @@ class Shipped:
         layer = Path(a.layer).resolve()
         before = file_hashes(layer)
         presets = phases.parse_list(a.presets, phases.TQ_PRESETS)
-        layered = {"TRITON_CACHE_MANAGER": MANAGER}
         with read_only(layer, self.work / "layer-ro") as how:
             for preset in presets:
                 ref = self.child(preset, "ref", {})
-                self.child(
-                    preset,
-                    "shipped",
-                    {**layered, "TQ_WARMUP_CACHE_LAYERS": str(self.work / "layer-ro")},
-                )
+                self.child(preset, "shipped", layered_env(self.work / "layer-ro"))
                 if preset == a.corrupt:
                     self.corrupted(layer, preset, ref)
             after = file_hashes(self.work / "layer-ro")  # what the engines could write to
@@ -280,29 +280,17 @@ class Shipped:
             print(f"[shipped] {relative} is not in the layer: keys differ", flush=True)
             return
         corrupt(bad / relative)
-        with read_only(bad, self.work / "layer-corrupt-ro"):
-            row = self.child(
-                preset,
-                "corrupt",
-                {
-                    "TRITON_CACHE_MANAGER": MANAGER,
-                    "TQ_WARMUP_CACHE_LAYERS": str(self.work / "layer-corrupt-ro"),
-                },
-            )
+        view = self.work / "layer-corrupt-ro"
+        with read_only(bad, view):
+            row = self.child(preset, "corrupt", layered_env(view))
+            if self.args.unverified_src:  # the same layer, read by a build without the check
+                src = str(Path(self.args.unverified_src).resolve())
+                unverified = self.child(preset, "corrupt-unverified", layered_env(view), src)
+                unverified["corrupted_file"] = str(relative)
         rebuilt = Path(row["triton_cache_dir"]) / relative
         row["corrupted_file"] = str(relative)
         row["rebuilt_in_writable_dir"] = rebuilt.is_file()
         row["rebuilt_equals_ref"] = rebuilt.is_file() and rebuilt.read_bytes() == cubin.read_bytes()
-        if self.args.unverified_src:  # the same layer, read by a build without the check
-            with read_only(bad, self.work / "layer-corrupt-ro"):
-                layers = {"TQ_WARMUP_CACHE_LAYERS": str(self.work / "layer-corrupt-ro")}
-                unverified = self.child(
-                    preset,
-                    "corrupt-unverified",
-                    {"TRITON_CACHE_MANAGER": MANAGER, **layers},
-                    src=str(Path(self.args.unverified_src).resolve()),
-                )
-            unverified["corrupted_file"] = str(relative)
 
     def run_fields(self) -> dict[str, Any]:
         keep = ("layer", "geometry", "layers", "max_model_len", "max_num_seqs", "budget")
