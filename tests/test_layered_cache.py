@@ -39,7 +39,8 @@ def lc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
 
     monkeypatch.setattr(layered_cache, "_warned", set())
     monkeypatch.setattr(layered_cache, "_trusts", {})
-    monkeypatch.setattr(layered_cache, "_running_stack", lambda: fakes.STACK)
+    monkeypatch.setattr(manifest, "installed_stack", _installed_stack)
+    _use_driver(monkeypatch, _driver_config(_Driver()))
     monkeypatch.setattr(layered_cache, "_unwritable", set())
     monkeypatch.setattr(layered_cache, "_fallback_root", None)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
@@ -50,6 +51,37 @@ def lc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
     monkeypatch.delenv(layered_cache.LAYERS_ENV, raising=False)
     yield layered_cache
     layered_cache.layer_roots.cache_clear()
+
+
+class _Driver:
+    """Triton's active driver, as far as the manager asks it: the target."""
+
+    def get_current_target(self) -> Any:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(backend="cuda", arch=fakes.STACK.arch, warp_size=32)
+
+
+def _installed_stack(arch: int | str | None = None) -> manifest.Stack:
+    """``fakes.STACK`` with the arch the manager read from the driver."""
+    return dataclasses.replace(fakes.STACK, arch=arch)
+
+
+def _driver_config(active: Any | None) -> Any:
+    """A real ``DriverConfig`` whose driver is ``active`` (None: not created yet)."""
+    from triton.runtime.driver import DriverConfig
+
+    config = DriverConfig()
+    config._active = active
+    return config
+
+
+def _use_driver(monkeypatch: pytest.MonkeyPatch, config: Any) -> None:
+    """``config`` as Triton's driver config under both names code reaches it by."""
+    import triton.runtime
+
+    monkeypatch.setattr(triton.runtime, "driver", config)
+    monkeypatch.setattr(sys.modules["triton.runtime.driver"], "driver", config)
 
 
 def _manager(key: str = KEY) -> Any:
@@ -249,7 +281,7 @@ def test_a_stack_that_cannot_be_read_leaves_the_file_check(
     dirs = _shipped_layer(tmp_path / "layer", monkeypatch, triton_build="e" * 64)
     (tmp_path / "layer" / dirs[1] / "k.cubin").write_bytes(b"flipped")
 
-    def unreadable() -> Any:
+    def unreadable(active: Any) -> Any:
         raise PermissionError("vllm/v1/attention/ops")
 
     monkeypatch.setattr(lc, "_running_stack", unreadable)
@@ -259,6 +291,37 @@ def test_a_stack_that_cannot_be_read_leaves_the_file_check(
     first, second = _warnings(caplog)
     assert "cannot read this process's vLLM/Triton stack (vllm/v1/attention/ops)" in first
     assert f"{dirs[1]}/k.cubin" in second
+
+
+def test_a_lookup_made_while_triton_creates_its_driver_neither_hangs_nor_makes_another(
+    lc: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Triton looks its cache up while it creates its driver (``CudaUtils``' build,
+    3.6-3.8). On the H200 (vLLM 0.26.0) the layer's first lookup there asked
+    ``driver.active``, which created a second driver inside the first, whose lookup
+    waited on the first's lock: the engine hung at startup."""
+    import threading
+
+    _shipped_layer(tmp_path / "layer", monkeypatch)
+    monkeypatch.setenv(lc.LAYERS_ENV, str(tmp_path / "layer"))
+    created: list[Any] = []
+    served_while_created: list[bool] = []
+
+    class CreatedDriver(_Driver):
+        def __init__(self) -> None:
+            created.append(self)
+            served_while_created.extend(_served(lc, "ab" * 32))  # the utils build's lookup
+
+    config = _driver_config(None)
+    _use_driver(monkeypatch, config)
+    monkeypatch.setattr(sys.modules["triton.runtime.driver"], "_create_driver", CreatedDriver)
+    creating = threading.Thread(target=lambda: config.active, daemon=True)
+    creating.start()
+    creating.join(timeout=30)
+    assert not creating.is_alive(), "a cache lookup inside driver creation never returned"
+    assert len(created) == 1 and config.active is created[0]
+    assert served_while_created == [False]  # no manifest lists the driver's own build
+    assert _served(lc, "ab" * 32, "ab" * 32) == [True, True]  # checked once the driver is up
 
 
 def test_a_layer_without_a_manifest_is_served_unverified_with_one_warning(

@@ -35,6 +35,7 @@ use_compile_only_target(90)
 root = sys.argv[1]
 t0 = time.perf_counter()
 trust = layered_cache._layer_trust(root)
+assert trust is not None  # the compile-only driver is up
 t1 = time.perf_counter()
 keys = sorted(trust.listed or {})
 first = []

@@ -147,28 +147,44 @@ _trusts: dict[str, _Trust] = {}
 _trust_lock = threading.Lock()
 
 
-def _running_arch() -> int | str | None:
-    """The target this process compiles for. A cache manager is made by ``compile()``
-    (and the launcher build) after Triton asked its active driver for the target
-    (``compiler.compile``, 3.6-3.8), so the driver is up; ``None`` if it is not."""
-    try:
-        from triton.runtime import driver
+def _running_driver() -> Any | None:
+    """Triton's active driver if it exists already, else None; never creates it.
 
-        arch: int | str = driver.active.get_current_target().arch
-    except Exception:  # no active driver: arch is not checked (Triton's key has it anyway)
+    Triton makes a cache manager while it creates its driver (``CudaDriver`` ->
+    ``CudaUtils`` -> ``compile_module_from_src``, 3.6-3.8), so a lookup may come from
+    inside ``driver.active``. Asking ``driver.active`` there created a second driver
+    inside the first, whose utils build asked this cache again and waited on
+    ``_trust_lock`` forever: the first engine with the layer hung at startup on the
+    H200 (vLLM 0.26.0, Triton 3.6.0). ``DriverConfig`` keeps ``_active`` and
+    ``_default`` in 3.6.0, 3.7.1 and 3.8.0."""
+    from triton.runtime.driver import driver as config
+
+    return getattr(config, "_active", None) or getattr(config, "_default", None)
+
+
+def _running_arch(active: Any) -> int | str | None:
+    """The target this process compiles for; ``None`` if the driver cannot say."""
+    try:
+        arch: int | str = active.get_current_target().arch
+    except Exception:  # no usable driver: arch is not checked (Triton's key has it anyway)
         return None
     return arch
 
 
-def _running_stack() -> manifest.Stack:
-    return manifest.installed_stack(arch=_running_arch())
+def _running_stack(active: Any) -> manifest.Stack:
+    return manifest.installed_stack(arch=_running_arch(active))
 
 
-def _layer_trust(root: str) -> _Trust:
-    """Read and check ``root``'s manifests, once per process (the first lookup)."""
+def _layer_trust(root: str) -> _Trust | None:
+    """Read and check ``root``'s manifests, once per process (the first lookup after
+    Triton's driver exists). ``None`` before it exists: that lookup is the driver's own
+    utils build, which no manifest lists, so the layer serves nothing to it."""
     with _trust_lock:
         if root in _trusts:
             return _trusts[root]
+        active = _running_driver()
+        if active is None:
+            return None
         files = manifest.manifest_files(root)
         if not files:
             logger.warning(
@@ -191,7 +207,7 @@ def _layer_trust(root: str) -> _Trust:
                     exc,
                 )
         try:
-            running = _running_stack()
+            running = _running_stack(active)
         except Exception as exc:  # never fail a compile: check the files only
             logger.warning(
                 "tq-warmup: cannot read this process's vLLM/Triton stack (%s): Triton cache "
@@ -252,10 +268,11 @@ class _Layer(FileCacheManager):  # type: ignore[misc]
         self.key = key
         self.cache_dir = os.path.join(root, key)
         self.lock_path = None
-        self.trust = _layer_trust(root)
+        self.root = root
 
     def get_file(self, filename: str) -> str | None:
-        if not self.trust.serves(self.key):
+        trust = _layer_trust(self.root)
+        if trust is None or not trust.serves(self.key):
             return None
         path: str | None = super().get_file(filename)
         return path
