@@ -242,6 +242,7 @@ _OPTIONAL_FIELDS: dict[str, Callable[[object], bool]] = {
     "kv_storage_bytes": _is_size,
     "block_table_bytes": _is_size,
     "workspace_bytes": _is_sizes,
+    "attention_chunk": _is_size,
 }
 _GEOMETRY_FIELDS = {
     f.name: f.type
