@@ -803,6 +803,9 @@ class ModelShape(NamedTuple):
     max_model_len: int
     scale: float | None
     """The model's attention scale where its vLLM code sets one (else None)."""
+    attention_chunk: int | None = None
+    """``ModelConfig.attention_chunk_size`` (the text config's, 0.20-0.33): Llama 4 runs
+    its RoPE layers as ``ChunkedLocalAttention`` with it; None without one."""
 
 
 def _dtype_text(value: Any) -> str | None:
@@ -968,4 +971,5 @@ def model_shape(
             config_dtype=_config_dtype(text) or _config_dtype(model_config.hf_config),
             max_model_len=int(model_config.max_model_len),
             scale=model_scale(str(getattr(text, "model_type", "")), text),
+            attention_chunk=getattr(model_config, "attention_chunk_size", None) or None,
         )
