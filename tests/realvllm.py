@@ -270,3 +270,73 @@ def run_ubatches(
             meta = builder.build(0, sliced)
             impl.do_kv_cache_update(layer, k, v, kv, sliced.slot_mapping)
             impl.forward(layer, q, k, v, kv, meta, output=torch.zeros(n, hq * d, dtype=dtype))
+
+
+def local_builder(chunk: int, block_size: int) -> Any:
+    """vLLM's real metadata builder of a ``ChunkedLocalAttention`` layer (Llama 4) over
+    TurboQuant: the subclass ``create_chunked_local_attention_backend`` makes, without
+    its ``__init__`` (which needs a VllmConfig and a device); ``build`` reads only the
+    kernel block size of its spec and TurboQuant's reorder threshold."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.attention.chunked_local_attention import (
+        create_chunked_local_attention_backend,
+    )
+    from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionBackend
+
+    cls = create_chunked_local_attention_backend(
+        TurboQuantAttentionBackend, chunk
+    ).get_builder_cls()
+    builder = cls.__new__(cls)
+    builder.kv_cache_spec = SimpleNamespace(block_size=block_size)
+    builder.reorder_batch_threshold = 1  # what TurboQuant's __init__ sets
+    return builder
+
+
+def build_virtual(builder: Any, common: Any) -> Any:
+    """``builder.build`` of a local builder on a host without pinned memory: 0.24+
+    copy the virtual batch through ``async_tensor_h2d``, which stages in pinned memory
+    when ``PIN_MEMORY`` (true on a CPU-only host too)."""
+    from unittest import mock
+
+    from vllm.utils import torch_utils
+
+    with mock.patch.object(torch_utils, "PIN_MEMORY", False, create=True):
+        return builder.build(0, common)
+
+
+def run_local(
+    impl: Any,
+    kv: Any,
+    width: int,
+    chunk: int,
+    block_size: int,
+    dtype: Any,
+    batches: list[list[tuple[int, int]]],
+) -> list[Any]:
+    """Drive the real backend over each batch as a chunked local attention layer gets
+    it: the step's metadata over the runner's buffers (a ``width``-block table), turned
+    into a virtual batch by the real builder (``make_local_attention_virtual_batches``);
+    each batch stores and attends. Returns the metadata each batch was built into."""
+    import torch
+    from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
+
+    hq, hk, d = impl.num_heads, impl.num_kv_heads, impl.head_size
+    layer = torch.nn.Module()
+    layer._tq_centroids = get_centroids(d, impl.tq_config.centroid_bits)
+    table = torch.zeros(MAX_NUM_SEQS, width, dtype=torch.int32)
+    seq_buf = torch.zeros(MAX_NUM_SEQS, dtype=torch.int32)
+    slot_buf = torch.zeros(4096, dtype=torch.int64)
+    builder = local_builder(chunk, block_size)
+    built = []
+    for requests in batches:
+        common = common_metadata(requests, table, seq_buf, slot_buf)
+        n = common.num_actual_tokens
+        q = torch.randn(n, hq * d, dtype=dtype)
+        k = torch.randn(n, hk * d, dtype=dtype)
+        v = torch.randn(n, hk * d, dtype=dtype)
+        meta = build_virtual(builder, common)
+        built.append(meta)
+        impl.do_kv_cache_update(layer, k, v, kv, common.slot_mapping)
+        impl.forward(layer, q, k, v, kv, meta, output=torch.zeros(n, hq * d, dtype=dtype))
+    return built

@@ -3,7 +3,8 @@
 
 Families planned: Llama-3, Qwen2.5, Mistral, Gemma-2 (its own scale), Falcon (MQA),
 ChatGLM3 (vLLM's own config class), Phi-3, Jamba (hybrid), Qwen3-Next (hybrid, where
-vLLM can import its code). Refused: DeepSeek-V2-Lite (MLA), BERT (encoder-only).
+vLLM can import its code), Llama 4 (text-only, with chunked local attention).
+Refused: DeepSeek-V2-Lite (MLA), BERT (encoder-only).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ PLANNED: dict[str, tuple[int, int, int, int, int, float, str]] = {
     "phi-3-mini": (2, 96, 16, 16, 28, 96**-0.5, "bfloat16"),
     "jamba-v0.1": (2, 128, 16, 4, 4, 128**-0.5, "bfloat16"),
     "qwen3-next-80b-a3b": (2, 256, 8, 1, 12, 256**-0.5, "bfloat16"),
+    "llama-4-scout": (8, 128, 5, 1, 44, 128**-0.5, "bfloat16"),
 }
 REFUSED = {
     "deepseek-v2-lite": "uses multi-head latent attention (MLA)",
@@ -90,6 +92,31 @@ def test_planned_geometry_is_vllms(family: str, capsys: pytest.CaptureFixture[st
     hybrid = family in ("jamba-v0.1", "qwen3-next-80b-a3b")
     boundary_decodes = [x for x in planned["launches"] if x.startswith("paged_decode")]
     assert bool(boundary_decodes) is not hybrid  # hybrids keep no boundary layers
+
+
+def planned_keys(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[dict[str, Any], set[str]]:
+    rc, out, err = inspect(capsys, *argv, "--json")
+    assert rc == 0, err
+    planned = json.loads(out)
+    return planned, {key for keys in planned["paths"].values() for key in keys}
+
+
+@pytest.mark.real_vllm
+def test_llama4_plans_its_chunked_local_layers(capsys: pytest.CaptureFixture[str]) -> None:
+    """The text config's ``attention_chunk_size`` (vLLM's ``ModelConfig`` reads it) adds
+    the keys of a virtual-batch table of 8192 / block_size columns: stride class %16."""
+    from vllm.config import ModelConfig
+
+    model = MODELS / "llama-4-scout"
+    assert ModelConfig(model=str(model), skip_tokenizer_init=True).attention_chunk_size == 8192
+    argv = ("--model", str(model), "-tp", "8", "--max-model-len", "10000", "--kv-splits", "16")
+    planned, ours = planned_keys(capsys, *argv)
+    assert planned["source"].endswith("; chunked local attention of 8192 tokens")
+    _, runner_only = planned_keys(capsys, *argv, "--attention-chunk-size", "0")
+    assert runner_only < ours
+    assert all("stride_bt_b=%16" in key for key in ours - runner_only)
+    rc, _, err = inspect(capsys, *argv, "--attention-chunk-size", "100")
+    assert rc == 2 and "not a multiple of the block size" in err and err.count("\n") == 1
 
 
 @pytest.mark.real_vllm

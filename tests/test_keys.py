@@ -101,6 +101,29 @@ def test_dequant_keys_only_past_the_fast_path_threshold(g: Geometry) -> None:
         assert {args(k)["stride_bt_b"] for k in ks} == {Int.of(g.block_table_width)}
 
 
+@given(geometries(), st.integers(1, 1024))
+def test_a_local_layer_reads_its_virtual_table(plain: Geometry, pages: int) -> None:
+    """Chunked local attention: every block-table key follows the virtual batch's
+    ``pages``-column table; decode reads it and its fresh ``seq_lens`` from the base."""
+    g = dataclasses.replace(plain, attention_chunk=pages * plain.block_size)
+    g.check()
+    decode = by_kernel(keys.decode_keys(g), "_tq_decode_stage1")
+    assert {args(k)["stride_bt_b"] for k in decode} == {Int.of(pages)}
+    assert {
+        (args(k)["Block_table_ptr"].aligned, args(k)["Seq_lens_ptr"].aligned) for k in decode
+    } == {(True, True)}
+    many = g.max_num_seqs >= 2 or g.features.local_prefill_real_lens
+    rows = {True, False} if pages % 4 and many else {True}
+    short = by_kernel(keys.short_continuation_keys(g), "_tq_decode_stage1")
+    assert {args(k)["Block_table_ptr"].aligned for k in short} == rows
+    dequant = keys.long_continuation_keys(g)
+    if g.max_num_batched_tokens <= 128 or g.attention_chunk <= 128:
+        assert dequant == ()
+    else:
+        assert {args(k)["stride_bt_b"] for k in dequant} == {Int.of(pages)}
+        assert {args(k)["Block_table_ptr"].aligned for k in dequant} == rows
+
+
 @given(geometries())
 def test_store_key_has_exact_constexpr_strides(g: Geometry) -> None:
     (key,) = keys.store_keys(g)
@@ -215,6 +238,7 @@ def test_preset_layout() -> None:
         {"model_dtype": "float32"},
         {"cache_dtype": "auto"},
         {"block_size": 0},
+        {"attention_chunk": 24},  # not a multiple of the 16-token block
     ],
 )
 def test_check_rejects_impossible_geometry(overrides: dict[str, Any]) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import fakes
 import pytest
 
@@ -23,6 +25,19 @@ def test_decode_and_continuation_requests() -> None:
     assert decode == (((8, 8, 16, 129), "float32"), ((8, 8, 128), "float16"), ((8, 8), "float32"))
     # 999 cached tokens round up to 63 blocks of 16
     assert continuation == (((1, 2, 1008, 128), "float16"),) * 2
+
+
+@pytest.mark.parametrize(("seqs", "batched", "rows"), [(8, 2048, 16), (8, 10, 13), (1, 1, 1)])
+def test_a_local_layers_decode_takes_its_virtual_rows(seqs: int, batched: int, rows: int) -> None:
+    """Chunked local attention: up to two 1-token virtual decodes per request, no more
+    than ``max_num_seqs`` plus half the token budget (``Geometry.decode_rows``)."""
+    g = dataclasses.replace(
+        fakes.geometry(max_num_seqs=seqs, batched=batched, splits=16), attention_chunk=8192
+    )
+    decode = workspace.runtime_requests(g)[0]
+    assert [shape[0] for shape, _ in decode] == [rows] * 3
+    plain = workspace.runtime_requests(dataclasses.replace(g, attention_chunk=0))[0]
+    assert [shape[0] for shape, _ in plain] == [seqs] * 3
 
 
 def test_release_0_20_requests_nothing() -> None:

@@ -113,6 +113,8 @@ class Planned(NamedTuple):
     """Whether TurboQuant leaves boundary layers in the model dtype (dense models)."""
     note: str
     """Where the shape came from, for the printed plan."""
+    local: Geometry | None = None
+    """The geometry of the model's chunked local attention layers (Llama 4), if any."""
 
 
 def _features(args: argparse.Namespace) -> compat.Features:
@@ -209,11 +211,18 @@ def geometry_from_args(args: argparse.Namespace) -> Planned:
         features=feats,
         ubatch_sliced=compat.ubatch_sliced(feats, args.enable_dbo, runner == "v2"),
     )
+    chunk = args.attention_chunk_size
+    if chunk is None:
+        chunk = shape.attention_chunk if shape else None
+    local = dataclasses.replace(geometry, attention_chunk=chunk) if chunk else None
     try:
-        geometry.check()
+        for g in filter(None, (geometry, local)):
+            g.check()
     except ValueError as exc:
         raise CliError(f"not a TurboQuant geometry: {exc}") from None
-    return Planned(geometry, layers, bool(skip) or shape is None, note)
+    if local is not None:
+        note += f"; chunked local attention of {chunk} tokens"
+    return Planned(geometry, layers, bool(skip) or shape is None, note, local)
 
 
 def _is_bool(value: object) -> bool:
@@ -242,6 +251,7 @@ _OPTIONAL_FIELDS: dict[str, Callable[[object], bool]] = {
     "kv_storage_bytes": _is_size,
     "block_table_bytes": _is_size,
     "workspace_bytes": _is_sizes,
+    "attention_chunk": _is_size,
 }
 _GEOMETRY_FIELDS = {
     f.name: f.type
@@ -326,7 +336,10 @@ def _geometries(args: argparse.Namespace) -> tuple[dict[str, Geometry], Planned]
         note = f"startup report of vLLM {version}"
         return named, Planned(found[0], layers, True, note)
     planned = geometry_from_args(args)
-    return {"geometry0": planned.geometry}, planned
+    named = {"geometry0": planned.geometry}
+    if planned.local is not None:
+        named["local"] = planned.local
+    return named, planned
 
 
 def _plan(
@@ -648,6 +661,12 @@ def _geometry_flags(p: argparse.ArgumentParser) -> None:
         type=_whole(1),
         default=32,
         help="attention_config.tq_max_kv_splits_for_cuda_graph",
+    )
+    p.add_argument(
+        "--attention-chunk-size",
+        type=_whole(0),
+        help="chunked local attention (Llama 4): also plan layers over its virtual-batch "
+        "table (default: the model's attention_chunk_size; 0: none)",
     )
     p.add_argument("--dtype", choices=["bfloat16", "float16"])
     p.add_argument("--scale", type=_scale, help="attention scale if not the model's own")

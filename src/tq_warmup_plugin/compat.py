@@ -143,6 +143,16 @@ class Features(NamedTuple):
     SoA Triton and FlyDSL kernels (0.33: ``_store_kv`` :686, continuation :839,
     ``_continuation_prefill`` :952, ``_decode_attention`` :1129; 0.28: :715, :868, :981,
     :1158), never the ones warmed here. 0.20-0.27 have no such path."""
+    local_prefill_real_lens: bool
+    """0.21-0.29: on a chunked local attention layer (Llama 4) TurboQuant's prefill loop
+    takes each *virtual* request's length from ``seq_lens_cpu_upper_bound``
+    (``turboquant_attn.py`` 0.22:238, 0.29:297), which
+    ``make_local_attention_virtual_batches`` copies from the real batch
+    (``v1/attention/backends/utils.py`` 0.22:387, 0.29:615): every virtual row can
+    reach the continuation kernels, and one past the real batch raises IndexError
+    (upstream bug). 0.30+ pass the virtual lengths (``seq_lens_cpu_upper_bound=
+    seq_lens_cpu``, 0.30:627, 0.33:683); 0.20 reads the virtual GPU ``seq_lens`` (:571):
+    only a request's first virtual row continues a cached prefix."""
 
 
 def features(version: Version) -> Features:
@@ -161,6 +171,7 @@ def features(version: Version) -> Features:
         draft_cpu_seq_lens_stale=(0, 21) <= version <= (0, 33),
         v2_ubatches=version >= (0, 30),
         rocm_flydsl=version >= (0, 28),
+        local_prefill_real_lens=(0, 21) <= version <= (0, 29),
     )
 
 
@@ -714,10 +725,12 @@ def local_attention_chunk(layer: Any) -> int | None:
 
     0.20-0.33: ``ChunkedLocalAttention`` keeps ``self.attention_chunk_size`` and wraps
     the backend only in a builder subclass, so its impl is the plain
-    ``TurboQuantAttentionImpl``; but the builder hands the kernels a virtual-batch block
-    table of ``attention_chunk_size // block_size`` columns
-    (``make_local_attention_virtual_batches``, ``v1/attention/backends/utils.py``),
-    not the runner's, and more (virtual) rows than ``max_num_seqs``.
+    ``TurboQuantAttentionImpl``; but the builder's ``build`` (also behind
+    ``build_for_cudagraph_capture``; it reports ``AttentionCGSupport.NEVER``) hands the
+    kernels a virtual-batch block table of ``attention_chunk_size // block_size``
+    columns and fresh ``seq_lens`` (``make_local_attention_virtual_batches``,
+    ``v1/attention/backends/utils.py``), never the runner's, with more (virtual) rows
+    than ``max_num_seqs``: ``Geometry.local_width``, ``Geometry.decode_rows``.
     """
     chunk = getattr(layer, "attention_chunk_size", None)
     return chunk if isinstance(chunk, int) and chunk > 0 else None
@@ -790,6 +803,9 @@ class ModelShape(NamedTuple):
     max_model_len: int
     scale: float | None
     """The model's attention scale where its vLLM code sets one (else None)."""
+    attention_chunk: int | None = None
+    """``ModelConfig.attention_chunk_size`` (the text config's, 0.20-0.33): Llama 4 runs
+    its RoPE layers as ``ChunkedLocalAttention`` with it; None without one."""
 
 
 def _dtype_text(value: Any) -> str | None:
@@ -955,4 +971,5 @@ def model_shape(
             config_dtype=_config_dtype(text) or _config_dtype(model_config.hf_config),
             max_model_len=int(model_config.max_model_len),
             scale=model_scale(str(getattr(text, "model_type", "")), text),
+            attention_chunk=getattr(model_config, "attention_chunk_size", None) or None,
         )

@@ -51,8 +51,10 @@ def layer_geometry(
     """The geometry of one live TurboQuant ``Attention`` layer.
 
     Reads the real KV tensor (its strides and base pointer are what the kernels
-    specialize on; hybrid models can pad pages), the runner's real block table, and
-    whether microbatching (``--enable-dbo``) slices the metadata on this runner. On
+    specialize on; hybrid models can pad pages), the runner's real block table, the
+    chunk of a chunked local attention layer (whose kernels get a virtual-batch table
+    instead, ``Geometry.local_width``), and whether microbatching (``--enable-dbo``)
+    slices the metadata on this runner. On
     HIP (``pointer_ranges``), Triton also keys on whether each storage is within
     2 GiB: the KV tensor's and the block table's real sizes are kept (the workspace's
     after the reservation).
@@ -89,17 +91,10 @@ def layer_geometry(
         pointer_ranges=pointer_ranges,
         kv_storage_bytes=compat.storage_bytes(kv) if pointer_ranges else 0,
         block_table_bytes=compat.storage_bytes(block_table) if pointer_ranges else 0,
+        attention_chunk=compat.local_attention_chunk(layer) or 0,
     )
     geometry.check()
     return geometry
-
-
-def _local_attention_note(chunk: int) -> str:
-    return (
-        f"chunked local attention (attention_chunk_size={chunk}) declined: its decode and "
-        "continuation keys follow a virtual-batch block table of chunk/block_size columns "
-        "that is not warmed, so their first requests compile; store keys are warmed"
-    )
 
 
 def _flydsl_note(layers: int) -> str:
@@ -153,9 +148,6 @@ def discover(worker: Any, feats: Features) -> Discovery:
                 if compat.flydsl_layer(feats, impl):
                     found.flydsl.append(name)
                     continue
-                chunk = compat.local_attention_chunk(layer)
-                if chunk is not None and "chunked local" not in found.note:
-                    found.note = "; ".join(filter(None, [found.note, _local_attention_note(chunk)]))
                 try:
                     table = compat.block_table(runner, group, group.kv_cache_group_id, use_v2)
                     found.geometries[name] = layer_geometry(

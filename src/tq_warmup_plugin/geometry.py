@@ -80,6 +80,7 @@ LATER_FIELDS = (
     "kv_storage_bytes",
     "block_table_bytes",
     "workspace_bytes",
+    "attention_chunk",
 )
 """``Geometry`` fields with a default that reports written before them lack."""
 
@@ -131,6 +132,10 @@ class Geometry:
     workspace_bytes: tuple[int, ...] = ()
     """Sizes of the workspace buffers after the reservation (``pointer_ranges`` only;
     empty: the largest planned request, ``workspace.runtime_requests``)."""
+    attention_chunk: int = 0
+    """``attention_chunk_size`` of a chunked local attention layer (Llama 4,
+    ``compat.local_attention_chunk``); 0 for any other layer. Such a layer's kernels
+    never see the runner's block table but a virtual-batch one (``local_width``)."""
 
     @property
     def preset(self) -> Preset:
@@ -147,6 +152,26 @@ class Geometry:
         """Rows of the fp16 scratch the longest continuation dequantizes into: the
         cached prefix (at most ``max_model_len - 1`` tokens) in whole blocks."""
         return math.ceil(max(0, self.max_model_len - 1) / self.block_size) * self.block_size
+
+    @property
+    def local_width(self) -> int:
+        """Columns (and row stride) of the virtual-batch block table a chunked local
+        attention layer's kernels get, 0 for other layers: ``attention_chunk_size //
+        block_size`` (``make_local_attention_virtual_batches``, 0.20-0.33; its block size
+        is the builder's, the kernel block size: ``create_metadata_builders`` copies the
+        spec with it). The table is a fresh contiguous int32 tensor of one row per
+        virtual request, allocated for every step."""
+        return self.attention_chunk // self.block_size
+
+    @property
+    def decode_rows(self) -> int:
+        """The most requests one decode launch can take. The runner's: ``max_num_seqs``.
+        A chunked local layer's virtual batch splits a 2-token query whose cached
+        length ends one token before a chunk boundary into two 1-token virtual
+        requests, both decodes (TurboQuant's threshold is 1): at most two rows per
+        request, and no more than ``max_num_seqs`` plus half the token budget."""
+        s, t = self.max_num_seqs, self.max_num_batched_tokens
+        return min(2 * s, s + t // 2) if self.attention_chunk else s
 
     def to_dict(self) -> dict[str, object]:
         """Plain fields, without the release features (the release is recorded apart).
@@ -173,5 +198,11 @@ class Geometry:
             raise ValueError(f"{self.num_heads} query heads vs {self.num_kv_heads} KV heads")
         if self.head_size <= 0 or self.block_size <= 0:
             raise ValueError(f"head size {self.head_size}, block size {self.block_size}")
+        if self.attention_chunk < 0 or self.attention_chunk % self.block_size:
+            # make_local_attention_virtual_batches asserts the same (0.20-0.33).
+            raise ValueError(
+                f"attention chunk {self.attention_chunk} is not a multiple of the "
+                f"block size {self.block_size}"
+            )
         self.preset  # noqa: B018 (validates the cache dtype)
         self.short_dtype  # noqa: B018 (validates the model dtype)

@@ -17,6 +17,7 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from . import compat
 from .compat import CONTINUATION_DECODE_THRESHOLD, LAUNCHER_DEFAULT_KV_SPLITS
@@ -145,6 +146,21 @@ def _row_alignments(g: Geometry) -> tuple[bool, ...]:
     return (True, False)
 
 
+def _local_row_alignments(g: Geometry) -> tuple[bool, ...]:
+    """Alignments of a chunked local layer's virtual-batch row that a continuation
+    reads (decode reads the table from its base, always aligned).
+
+    The table is built per step (per microbatch too), so microbatching never offsets
+    it. Only a request's first virtual row can continue a cached prefix, which with a
+    single request is row 0; on 0.21-0.29 any row can (``compat.Features.
+    local_prefill_real_lens``).
+    """
+    single = g.max_num_seqs < 2 and not g.features.local_prefill_real_lens
+    if g.local_width % 4 == 0 or single:
+        return (True,)
+    return (True, False)
+
+
 def _sliced_alignments(g: Geometry, view: str, spread: int) -> tuple[bool, ...]:
     """Alignments of a runner buffer's base as a microbatch gets it: aligned without
     microbatching; with it, any offset of the ``spread`` requests or tokens a batch
@@ -200,6 +216,28 @@ def _seq_storage(g: Geometry) -> Sizes:
     return (4, 4 * max(g.max_num_seqs, g.max_model_len + 2))
 
 
+def _local_table(g: Geometry) -> Sizes:
+    """A virtual-batch block table: ``local_width`` int32 per virtual request, at most
+    one per scheduled token plus one per (padding) request."""
+    return _upto(g.local_width * 4, g.max_num_batched_tokens + g.max_num_seqs)
+
+
+class _Table(NamedTuple):
+    """The block table one path's kernels get: row stride, storage sizes, and the
+    alignments of the row a continuation reads."""
+
+    stride: int
+    sizes: Sizes
+    rows: tuple[bool, ...]
+
+
+def _table(g: Geometry) -> _Table:
+    """The runner's block table, or a chunked local layer's virtual-batch one."""
+    if g.attention_chunk:
+        return _Table(g.local_width, _local_table(g), _local_row_alignments(g))
+    return _Table(g.block_table_width, (g.block_table_bytes,), _row_alignments(g))
+
+
 # --------------------------------------------------------------------------
 # Kernel paths
 # --------------------------------------------------------------------------
@@ -215,6 +253,7 @@ def _stage1(
     g: Geometry,
     splits: int,
     bt_stride: int,
+    bt_sizes: Sizes,
     rows: tuple[bool, ...],
     seqs: tuple[bool, ...],
     batch: int,
@@ -233,7 +272,7 @@ def _stage1(
         1,
         Q_rot_ptr=_ptr(g, g.short_dtype if p.key_fp8 else "fp32", query),
         KV_cache_ptr=_ptr(g, "u8", (g.kv_storage_bytes,), (g.kv_aligned,)),
-        Block_table_ptr=_ptr(g, "i32", (g.block_table_bytes,), rows),
+        Block_table_ptr=_ptr(g, "i32", bt_sizes, rows),
         Seq_lens_ptr=_ptr(g, "i32", _seq_storage(g), seqs),
         Centroids_ptr=_ptr(g, "fp32", _TINY),
         Mid_o_ptr=_ptr(g, "fp32", _mid_o(g, splits, batch, from_workspace)),
@@ -302,31 +341,49 @@ def decode_keys(g: Geometry) -> tuple[KernelKey, ...]:
     """Plain decode (pure decode batches, the decode part of mixed batches, graph
     replays): the runner's block table and ``seq_lens`` buffers from their base (with
     microbatching, from the later microbatches' first request), and workspace views
-    (256-byte aligned) sized with the configured split count."""
-    s, b, ws = g.num_kv_splits, g.max_num_seqs, g.features.uses_workspace
-    rows = _row_alignments(g) if "block_table" in g.ubatch_sliced else (True,)
-    seqs = _sliced_alignments(g, "seq_lens", g.max_num_seqs)
-    return (*_stage1(g, s, g.block_table_width, rows, seqs, b, ws), *_stage2(g, s, seqs, b, ws))
+    (256-byte aligned) sized with the configured split count.
+
+    A chunked local layer decodes over its virtual batch instead: a fresh table of
+    ``local_width`` columns and fresh ``seq_lens``, both read from their base."""
+    s, b, ws = g.num_kv_splits, g.decode_rows, g.features.uses_workspace
+    table = _table(g)
+    if g.attention_chunk:
+        rows: tuple[bool, ...] = (True,)
+        seqs: tuple[bool, ...] = (True,)
+    else:
+        rows = _row_alignments(g) if "block_table" in g.ubatch_sliced else (True,)
+        seqs = _sliced_alignments(g, "seq_lens", g.max_num_seqs)
+    stage1 = _stage1(g, s, table.stride, table.sizes, rows, seqs, b, ws)
+    return (*stage1, *_stage2(g, s, seqs, b, ws))
 
 
 def short_continuation_keys(g: Geometry) -> tuple[KernelKey, ...]:
     """Continuation chunks of 2..128 tokens (chunked prefill tails, prefix-cache hits,
     speculative verify batches, which TurboQuant treats as prefill): the decode
     kernels with the launcher's 32 splits, one block-table row expanded with stride 0
-    and ``seq_lens`` sliced from a cached arange at any offset."""
+    and ``seq_lens`` sliced from a cached arange at any offset (a chunked local layer:
+    a row of its virtual-batch table)."""
     s, b = LAUNCHER_DEFAULT_KV_SPLITS, CONTINUATION_DECODE_THRESHOLD
     seqs = (True, False) if g.features.continuation_seq_lens_sliced else (True,)
+    table = _table(g)
     # No workspace: the fast path passes the launcher no buffers (0.21-0.33).
-    stage1 = _stage1(g, s, 0, _row_alignments(g), seqs, b, from_workspace=False)
+    stage1 = _stage1(g, s, 0, table.sizes, table.rows, seqs, b, from_workspace=False)
     return (*stage1, *_stage2(g, s, seqs, b, from_workspace=False))
 
 
 def long_continuation_keys(g: Geometry) -> tuple[KernelKey, ...]:
     """Continuation chunks over 128 tokens dequantize the cached prefix into fp16
     scratch of ``A = ceil(cached/block) * block`` rows, then run flash attention.
-    Only reachable when a chunk can exceed the threshold."""
-    if g.max_num_batched_tokens <= CONTINUATION_DECODE_THRESHOLD:
+    Only reachable when a chunk can exceed the threshold. On a chunked local layer a
+    continuing virtual request holds at most ``attention_chunk_size - 1`` new tokens
+    (0.21-0.29: ``attention_chunk_size``, ``compat.Features.local_prefill_real_lens``;
+    the chunk is a multiple of a block size of 16 or more, so both exceed 128 together),
+    and the kernel reads a row of the virtual-batch table; its scratch lengths stay
+    within the runner's, in the same stride classes."""
+    limit = CONTINUATION_DECODE_THRESHOLD
+    if g.max_num_batched_tokens <= limit or 0 < g.attention_chunk <= limit:
         return ()
+    table = _table(g)
     p = g.preset
     d = g.head_size
     kv = g.kv_strides
@@ -344,7 +401,7 @@ def long_continuation_keys(g: Geometry) -> tuple[KernelKey, ...]:
             4,
             None,
             KV_cache_ptr=_ptr(g, "u8", (g.kv_storage_bytes,), (g.kv_aligned,)),
-            Block_table_ptr=_ptr(g, "i32", (g.block_table_bytes,), _row_alignments(g)),
+            Block_table_ptr=_ptr(g, "i32", table.sizes, table.rows),
             Centroids_ptr=_ptr(g, "fp32", _TINY),
             K_out_ptr=_ptr(g, "fp16", scratch),
             V_out_ptr=_ptr(g, "fp16", scratch),
@@ -357,7 +414,7 @@ def long_continuation_keys(g: Geometry) -> tuple[KernelKey, ...]:
             stride_cache_block=Int.of(kv[0]),
             stride_cache_pos=Int.of(kv[1]),
             stride_cache_head=Int.of(kv[2]),
-            stride_bt_b=Int.of(g.block_table_width),
+            stride_bt_b=Int.of(table.stride),
             HEAD_DIM=Const(d),
             BLOCK_SIZE=Const(g.block_size),
             NUM_KV_HEADS=Const(g.num_kv_heads),

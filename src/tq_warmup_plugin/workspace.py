@@ -27,10 +27,14 @@ _ALIGN = 256  # get_simultaneous rounds every view up to 256 bytes
 
 
 def runtime_requests(g: Geometry) -> list[tuple[Request, ...]]:
-    """The largest ``get_simultaneous`` call of each TurboQuant path for one layer."""
+    """The largest ``get_simultaneous`` call of each TurboQuant path for one layer: a
+    decode of ``decode_rows`` requests (a chunked local layer's virtual batch can hold
+    more than the ``max_num_seqs`` rows that vLLM's own reservation, 0.24+
+    ``_reserve_workspace``, sizes for), and the longest continuation's dequantized
+    prefix."""
     if not g.features.uses_workspace:
         return []
-    b, hq, hk, d, s = g.max_num_seqs, g.num_heads, g.num_kv_heads, g.head_size, g.num_kv_splits
+    b, hq, hk, d, s = g.decode_rows, g.num_heads, g.num_kv_heads, g.head_size, g.num_kv_splits
     groups: list[tuple[Request, ...]] = [
         (((b, hq, s, d + 1), "float32"), ((b, hq, d), g.model_dtype), ((b, hq), "float32")),
     ]
