@@ -231,8 +231,8 @@ def test_geometry_round_trips_through_the_report() -> None:
 def test_inspect_lists_the_first_launches(capsys: pytest.CaptureFixture[str]) -> None:
     out = inspect_json(capsys, *H200_FLAGS)
     assert out["launches"] == [
-        "gemm float32 16x128",
-        "gemm float32 512x128",
+        # the fp32 rotations: powers of two up to 512 tokens x 8 KV heads
+        *(f"gemm float32 {2**k}x128" for k in range(13)),
         # the key un-rotation: 8 KV heads x cached 1, 8, 64, 512, 4096 - 129 tokens, and
         # each multiple of the 512-token chunk budget a fresh prompt's chunks cache
         "gemm float16 8x128",

@@ -31,12 +31,38 @@ def test_mse_keys_add_the_query_rotation_and_the_key_unrotation(
         max_model_len=4096,
     )
     assert launches.launches(g) == [
-        Launch("gemm", "float32", 8, 128),
-        Launch("gemm", "float32", 32, 128),
+        # the fp32 rotations: powers of two up to 512 tokens x 2 KV heads = 128 x 8 heads
+        *[Launch("gemm", "float32", 2**k, 128) for k in range(11)],
         *[Launch("gemm", unrotate, 2 * c, 128) for c in (1, 8, 64, *range(512, 3585, 512), 3967)],
         Launch("attention", "bfloat16", 512, 512, 8, 2, 128),
         Launch("attention", "bfloat16", 512, 1024, 8, 2, 128),
     ]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "seqs", "batched", "top"),
+    [
+        (32, 8, 256, 8192, 65536),
+        (32, 8, 1024, 512, 32768),
+        (8, 1, 2, 64, 1024),
+        (40, 8, 48, 512, 5120),
+    ],
+)
+def test_rotation_rows_are_a_ladder_to_the_most_a_step_rotates_under_the_cap(
+    heads: int, kv_heads: int, seqs: int, batched: int, top: int
+) -> None:
+    g = fakes.geometry(
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        max_num_seqs=seqs,
+        batched=batched,
+        max_model_len=32768,
+    )
+    rows = launches.rotation_rows(g)
+    assert rows[0] == 1 and rows[-1] == min(top, launches.GEMM_SCRATCH_BYTES // (128 * 4))
+    assert {heads, min(rows[-1], heads * seqs)} <= set(rows)
+    ladder = [r for r in rows if r & (r - 1) == 0]
+    assert ladder == [2**k for k in range(len(ladder))] and 2 * ladder[-1] >= rows[-1]
 
 
 def test_fp8_keys_need_no_gemm() -> None:
@@ -106,8 +132,9 @@ def test_without_flash_attention_only_gemms_run(monkeypatch: pytest.MonkeyPatch)
     impl = FakeImpl()
     todo = launches.plan({"l0": fakes.geometry(batched=512, max_model_len=4096)})
     done, _, errors = launches.launch_all(todo, {"l0": impl}, torch.device("cpu"))
-    # 2 rotations; un-rotations at cached 1, 8, 64, the 7 chunk multiples 512-3584, 3967
-    assert (done, errors, impl.calls) == (13, [], [])
+    # 11 rotations (1-1024 rows); un-rotations at cached 1, 8, 64, the 7 chunk multiples
+    # 512-3584, 3967
+    assert (done, errors, impl.calls) == (22, [], [])
 
 
 def test_a_failing_launch_is_one_error_line(monkeypatch: pytest.MonkeyPatch) -> None:

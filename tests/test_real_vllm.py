@@ -188,12 +188,14 @@ def test_reservation_survives_the_workspace_lock(vllm_env: compat.Features, rese
 def test_planned_gemms_are_the_backends_gemms(vllm_env: compat.Features, cache_dtype: str) -> None:
     # The real backend's decode, short and long continuation on CPU tensors: every
     # GEMM it runs must have a planned launch of the same dtype and inner size (the
-    # module CUDA would load for it), and no planned GEMM may be one it never runs.
+    # module CUDA would load for it), and no planned GEMM may be one it never runs;
+    # every fp32 rotation's rows are within the planned ladder, at a planned size class.
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     gemm_ops = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
     seen: set[tuple[str, int]] = set()
+    fp32_rows: set[int] = set()
 
     class Gemms(TorchDispatchMode):
         def __torch_dispatch__(
@@ -202,6 +204,8 @@ def test_planned_gemms_are_the_backends_gemms(vllm_env: compat.Features, cache_d
             if func in gemm_ops:
                 a = args[-2]
                 seen.add((str(a.dtype).removeprefix("torch."), int(a.shape[-1])))
+                if a.dtype == torch.float32:
+                    fp32_rows.add(int(a.numel() // a.shape[-1]))
             return func(*args, **(kwargs or {}))
 
     width, bs, d = 64, 16, 128
@@ -212,6 +216,11 @@ def test_planned_gemms_are_the_backends_gemms(vllm_env: compat.Features, cache_d
     g = impl_geometry(vllm_env, impl, width, bs)
     planned = {(x.dtype, x.cols) for x in launches.launches(g) if x.kind == "gemm"}
     assert seen == planned
+    ladder = {x.rows for x in launches.launches(g) if x.kind == "gemm" and x.dtype == "float32"}
+    top = max(ladder, default=0)
+    classes = {r: 1 << (r - 1).bit_length() for r in fp32_rows}  # the power of two above
+    assert bool(fp32_rows) == bool(ladder)  # fp8 keys rotate nothing
+    assert all(r <= top and (c in ladder or c > top) for r, c in classes.items())
 
 
 def test_the_impls_flash_attention_call(vllm_env: compat.Features) -> None:

@@ -76,6 +76,31 @@ def unrotate_rows(g: Geometry) -> list[int]:
     return sorted({min(hk * c, cap) for c in cached})
 
 
+# The fp32 rotations run outside CUDA graphs at each step's shape: the store rotates
+# ``tokens x KV heads`` key rows, decode and short continuations ``tokens x query heads``
+# query rows. cuBLAS pays a few microseconds per new exact shape for its heuristics, but
+# milliseconds when a shape needs a kernel whose module is not loaded yet. On the H200
+# (torch 2.11.0+cu130, ``python -m benchmarks.tqbench gemm-shapes``, fp32, D=128), the
+# 192 shapes of requests up to 128 tokens (16 query, 8 KV heads) paid +13.5 / +14.0 ms on
+# their first calls (two runs) after launching 16 and 512 rows only, 11.5-11.8 ms of it
+# at 24 rows; +1.7 / +1.7 ms after a powers-of-two ladder from 1; +0.2 ms with every one
+# of the 192 shapes launched first. So: the ladder, not every shape.
+
+
+def rotation_rows(g: Geometry) -> list[int]:
+    """GEMM rows of the fp32 rotations: powers of two from 1 up to the most rows a step
+    can rotate (the store's ``chunk x Hk``, decode's ``batch x Hq``, a short
+    continuation's ``128 x Hq``), that most, and decode's exact batch sizes (one
+    request, the largest batch), under the scratch cap."""
+    hq, hk = g.num_heads, g.num_kv_heads
+    chunk = min(g.max_num_batched_tokens, g.max_model_len)
+    cap = max(1, GEMM_SCRATCH_BYTES // (g.head_size * 4))
+    top = min(cap, max(hk * chunk, hq * max(g.decode_rows, CONTINUATION_DECODE_THRESHOLD)))
+    rows = {top, hq, min(cap, hq * g.decode_rows)}
+    rows.update(1 << k for k in range(top.bit_length()) if 1 << k < top)
+    return sorted(rows)
+
+
 class Launch(NamedTuple):
     """One kernel launch on scratch tensors. Equal launches load the same kernels."""
 
@@ -100,8 +125,9 @@ class Launch(NamedTuple):
 def launches(g: Geometry) -> list[Launch]:
     """The launches whose kernels a layer's first requests would otherwise load.
 
-    GEMM rows follow the runtime: decode rotates ``batch x num_heads`` query rows
-    in fp32 (the smallest and the largest batch); a long continuation un-rotates
+    GEMM rows follow the runtime: the store, decode and short continuations rotate
+    key and query rows in fp32 (``rotation_rows``: a ladder of size classes); a long
+    continuation un-rotates
     ``num_kv_heads x cached`` key rows (``unrotate_rows``: cuBLAS picks kernels by size).
     FlashAttention runs a whole prompt chunk (``q == k``) and a continuation over
     one cached chunk (``k = 2q``), capped at ``ATTENTION_TOKENS`` queries.
@@ -110,7 +136,7 @@ def launches(g: Geometry) -> list[Launch]:
     chunk = min(g.max_num_batched_tokens, g.max_model_len)
     out: list[Launch] = []
     if not g.preset.key_fp8:
-        out += [Launch("gemm", "float32", rows, d) for rows in (hq, hq * g.max_num_seqs)]
+        out += [Launch("gemm", "float32", rows, d) for rows in rotation_rows(g)]
         unrotate = "float16" if g.features.unrotate_fp16 else "float32"
         if chunk > CONTINUATION_DECODE_THRESHOLD:
             out += [Launch("gemm", unrotate, rows, d) for rows in unrotate_rows(g)]
