@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -284,3 +285,30 @@ def test_gemm_shapes_reads_rows_and_times_each_shape_twice() -> None:
     got = gemm_shapes.time_shapes([4, 12], 16, "float32", "cpu", warm=[8])
     assert [r["rows"] for r in got] == [4, 12]
     assert all(r["first_ms"] >= 0 and r["second_ms"] >= 0 for r in got)
+
+
+def test_gemm_shapes_summary_is_a_row_per_run_file(tmp_path: Path) -> None:
+    from benchmarks.tqbench import cli
+
+    def run(warm: str, extras: list[float]) -> dict[str, object]:
+        shapes = [
+            {"rows": 8 * (i + 1), "first_ms": e + 0.01, "second_ms": 0.01, "extra_ms": e}
+            for i, e in enumerate(extras)
+        ]
+        doc = {"device": "GPU", "torch": "2.11", "dtype": "float32", "warm": warm}
+        return {**doc, "rows": "8-24", "cols": 128, "shapes": shapes, "extra_ms": sum(extras)}
+
+    (tmp_path / "b-ladder.json").write_text(json.dumps(run("1,2,4", [0.01, 0.02, 0.01])))
+    (tmp_path / "a-none.json").write_text(json.dumps(run("", [60.0, 0.01, 11.5])))
+    (tmp_path / "notes.txt").write_text("not a run")
+    assert cli.main(["gemm-shapes", "--summarize", str(tmp_path)]) == 0
+    lines = (tmp_path / "SUMMARY.md").read_text().splitlines()
+    assert len(lines) == 4
+    assert lines[2] == (
+        "| a-none | GPU (torch 2.11) | float32 | - | 3 | 71.5 | 11.500 | 2 | 8 rows +60.00 ms |"
+    )
+    assert lines[3].startswith(
+        "| b-ladder | GPU (torch 2.11) | float32 | 1,2,4 | 3 | 0.0 | 0.010 | 0 |"
+    )
+    with pytest.raises(SystemExit, match="no run files"):
+        cli.main(["gemm-shapes", "--summarize", str(tmp_path / "empty")])

@@ -89,3 +89,34 @@ def test_past_the_deadline_no_engine_starts_and_the_rows_are_saved(tmp_path: Pat
         ("ref", "skipped"),
         ("shipped", "skipped"),
     ]
+
+
+def test_a_raw_run_reads_back_as_markdown_with_its_warning_and_corrupted_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = {"preset": "turboquant_4bit_nc", "layer_mode": "chmod", "layer_unchanged": True}
+    rows = [
+        {**common, "variant": "ref", "status": "ok", "warmup_s": 1.234, "warnings": []},
+        {
+            **common,
+            "variant": "corrupt",
+            "status": "ok",
+            "compiled": 1,
+            "shipped": 5,
+            "tokens_equal_ref": True,
+            "corrupted_file": "KEY/_tq_decode_stage1.cubin",
+            "rebuilt_in_writable_dir": True,
+            "rebuilt_equals_ref": False,
+            "warnings": ["WARNING tq-warmup: KEY/_tq_decode_stage1.cubin: sha256 differs"],
+        },
+    ]
+    raw = tmp_path / "run.jsonl"
+    records.write_run(raw, {"series": "s", "run_id": "r1", "geometry": "128x16x8"}, rows)
+    assert cli.main(["shipped", "--report", str(raw)]) == 0
+    md = raw.with_suffix(".md").read_text()
+    assert md.startswith("# s (r1)\n")
+    assert "| 4bit_nc | ref | ok | - | 1.23 | - | - | - | 0 | - | 0 |" in md
+    assert "| 4bit_nc | corrupt | ok | - | - | 1 | 5 | - | 0 | True | 1 |" in md
+    assert "rebuilt in the writable dir: True, equal to ref's: False" in md
+    assert md.count("sha256 differs") == 1 and "layer: chmod, - files, unchanged: True" in md
+    assert "4bit_nc  corrupt" in capsys.readouterr().out

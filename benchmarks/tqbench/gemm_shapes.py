@@ -17,6 +17,7 @@ JSON: ``first_ms``, ``second_ms`` and their difference per shape, and the totals
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,9 @@ from typing import Any
 from benchmarks.tqbench import records, tables
 from benchmarks.tqbench.cli import Option, add_options, new_parser
 
-__all__ = ["add_parser", "parse_rows", "time_shapes"]
+__all__ = ["add_parser", "parse_rows", "summary_markdown", "time_shapes"]
+
+SLOW_MS = 0.5  # a first call this much over the second: a kernel's module was loaded
 
 
 def parse_rows(text: str) -> list[int]:
@@ -76,7 +79,50 @@ def time_shapes(
     return out
 
 
+def _span(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({text.count(',') + 1} items)"
+
+
+def summary_markdown(runs: dict[str, dict[str, Any]]) -> str:
+    """One row per run file: what was launched first, and what the timed shapes' first
+    calls paid over their second (in all, the median, and the shapes over ``SLOW_MS``)."""
+    header = ("run", "device", "dtype", "warm", "shapes", "extra ms", "median ms", "slow", "worst")
+    rows = []
+    for name, doc in sorted(runs.items()):
+        shapes = doc["shapes"]
+        extra = sorted(r["extra_ms"] for r in shapes)
+        slow = [r for r in shapes if r["extra_ms"] > SLOW_MS]
+        worst = max(shapes, key=lambda r: r["extra_ms"])
+        rows.append(
+            [
+                name,
+                f"{doc['device']} (torch {doc['torch']})",
+                doc["dtype"],
+                _span(doc["warm"] or "-"),
+                str(len(shapes)),
+                f"{doc['extra_ms']:.1f}",
+                f"{extra[len(extra) // 2]:.3f}",
+                str(len(slow)),
+                f"{worst['rows']} rows +{worst['extra_ms']:.2f} ms",
+            ]
+        )
+    return tables.render_markdown(header, rows) + "\n"
+
+
+def cmd_summarize(folder: Path) -> int:
+    """``--summarize``: ``SUMMARY.md`` of every run file in ``folder``."""
+    runs = {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
+    if not runs:
+        raise SystemExit(f"gemm-shapes: --summarize {folder}: no run files (*.json)")
+    text = summary_markdown(runs)
+    records.write_text_atomic(folder / "SUMMARY.md", text)
+    print(text, end="")
+    return 0
+
+
 def cmd_gemm_shapes(args: argparse.Namespace) -> int:
+    if args.summarize:
+        return cmd_summarize(Path(args.summarize))
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -105,6 +151,7 @@ GEMM_OPTIONS: tuple[Option, ...] = (
     ("--dtype", "float32", "torch dtype"),
     ("--device", "", "default: cuda when available"),
     ("--out", "", "JSON file"),
+    ("--summarize", "", "a folder of run files: write its SUMMARY.md; runs nothing"),
 )
 
 

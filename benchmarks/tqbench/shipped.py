@@ -302,46 +302,104 @@ class Shipped:
 
     def save(self) -> None:
         records.write_run(self.out, self.run_fields(), self.rows)
-        cols = (
-            "preset",
-            "variant",
-            "status",
-            "startup_s",
-            "warmup_s",
-            "compiled",
-            "shipped",
-            "disk",
-            "tq jit after startup",
-            "tokens = ref",
-            "warnings",
+        print(text_report(self.rows, str(self.out)), flush=True)
+        records.write_text_atomic(
+            self.out.with_suffix(".md"), markdown_report(self.run_fields(), self.rows)
         )
-        table = [
-            [
-                tables.short_preset(r.get("preset")),
-                r.get("variant"),
-                r.get("status"),
-                r.get("startup_s"),
-                r.get("warmup_s"),
-                r.get("compiled"),
-                r.get("shipped"),
-                r.get("disk"),
-                ",".join(r.get("tq_compiles_after_startup") or []) or "0",
-                r.get("tokens_equal_ref"),
-                len(r.get("warnings") or []),
-            ]
-            for r in self.rows
+
+
+COLUMNS = (
+    "preset",
+    "variant",
+    "status",
+    "startup_s",
+    "warmup_s",
+    "compiled",
+    "shipped",
+    "disk",
+    "tq jit after startup",
+    "tokens = ref",
+    "warnings",
+)
+
+
+def table_cells(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """One row of :data:`COLUMNS` per engine."""
+    table = [
+        [
+            tables.short_preset(r.get("preset")),
+            r.get("variant"),
+            r.get("status"),
+            r.get("startup_s"),
+            round(r["warmup_s"], 2) if isinstance(r.get("warmup_s"), float) else None,
+            r.get("compiled"),
+            r.get("shipped"),
+            r.get("disk"),
+            ",".join(r.get("tq_compiles_after_startup") or []) or "0",
+            r.get("tokens_equal_ref"),
+            len(r.get("warnings") or []),
         ]
-        cells = [["-" if c is None else str(c) for c in row] for row in table]
-        print(tables.render(cols, cells), flush=True)
-        for r in self.rows:
-            for w in r["warnings"]:
-                print(f"  {r['preset']}.{r['variant']}: {w}")
-        first = self.rows[0] if self.rows else {}
-        mode, same = first.get("layer_mode", "-"), first.get("layer_unchanged", "-")
-        print(f"[shipped] layer: {mode}, unchanged: {same}; rows in {self.out}", flush=True)
+        for r in rows
+    ]
+    return [["-" if c is None else str(c) for c in row] for row in table]
+
+
+def _layer_line(rows: list[dict[str, Any]]) -> str:
+    first = rows[0] if rows else {}
+    mode, same = first.get("layer_mode", "-"), first.get("layer_unchanged", "-")
+    return f"layer: {mode}, {first.get('layer_files', '-')} files, unchanged: {same}"
+
+
+def text_report(rows: list[dict[str, Any]], where: str) -> str:
+    """What a run prints: the table, each WARNING, the layer's state."""
+    lines = [tables.render(COLUMNS, table_cells(rows))]
+    lines += [f"  {r['preset']}.{r['variant']}: {w}" for r in rows for w in r["warnings"]]
+    lines.append(f"[shipped] {_layer_line(rows)}; rows in {where}")
+    return "\n".join(lines)
+
+
+def markdown_report(run: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """A raw run as a reviewer reads it: settings, table, WARNINGs, corrupted file."""
+    first = next((r for r in rows if r.get("vllm_version")), {})
+    lines = [
+        f"# {run.get('series', 'shipped cache')} ({run.get('run_id', '-')})",
+        "",
+        f"vLLM {first.get('vllm_version', '-')}, Triton {first.get('triton_version', '-')}, "
+        f"{first.get('gpu', '-')}; geometry {run.get('geometry')}, {run.get('layers')} layers, "
+        f"max_model_len {run.get('max_model_len')}, max_num_seqs {run.get('max_num_seqs')}, "
+        f"budget {run.get('budget')}; {_layer_line(rows)}.",
+        "",
+        tables.render_markdown(COLUMNS, table_cells(rows)),
+        "",
+    ]
+    for r in rows:
+        if r.get("corrupted_file"):
+            rebuilt = r.get("rebuilt_in_writable_dir")
+            lines.append(
+                f"- {r['preset']}.{r['variant']}: corrupted `{r['corrupted_file']}`"
+                + ("" if rebuilt is None else f"; rebuilt in the writable dir: {rebuilt}")
+                + (
+                    ""
+                    if "rebuilt_equals_ref" not in r
+                    else f", equal to ref's: {r['rebuilt_equals_ref']}"
+                )
+            )
+        lines += [f"- {r['preset']}.{r['variant']} WARNING: `{w}`" for w in r["warnings"]]
+    return "\n".join(lines) + "\n"
+
+
+def cmd_report(paths: list[str]) -> int:
+    """``--report``: each raw run's Markdown beside it, and its table printed."""
+    for name in paths:
+        run, rows = records.read_run(Path(name))
+        print(text_report(rows, name))
+        records.write_text_atomic(Path(name).with_suffix(".md"), markdown_report(run, rows))
+    return 0
 
 
 def cmd_shipped(args: argparse.Namespace) -> int:
+    if args.report:
+        return cmd_report(args.report)
     if not Path(args.layer).is_dir():
         raise SystemExit(f"shipped: --layer {args.layer}: not a directory")
     if args.corrupt and args.corrupt not in phases.parse_list(args.presets, phases.TQ_PRESETS):
@@ -377,4 +435,10 @@ def add_parser(subparsers: Any) -> None:
     """The ``shipped`` subcommand."""
     p = new_parser(subparsers, "shipped", "serve from a shipped read-only Triton cache", __doc__)
     add_options(p, SHIPPED_OPTIONS)
+    p.add_argument(
+        "--report",
+        nargs="+",
+        metavar="RAW",
+        help="write each raw run's Markdown (<raw>.md) and print its table; runs nothing",
+    )
     p.set_defaults(func=cmd_shipped)
