@@ -144,6 +144,21 @@ def metadata(requests: list[tuple[int, int]], num_decodes: int, table: Any, seq_
     return TurboQuantMetadata(**{k: v for k, v in fields.items() if k in names})
 
 
+def _layer_and_buffers(impl: Any, width: int) -> tuple[Any, Any, Any, Any]:
+    """A stand-in ``Attention`` layer and the runner's buffers: the ``width``-block
+    table, ``seq_lens`` and the slot mapping."""
+    import torch
+    from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
+
+    layer = torch.nn.Module()
+    # 0.20 reads centroids that the Attention layer registered at construction;
+    # 0.21+ build them in _ensure_on_device and overwrite this.
+    layer._tq_centroids = get_centroids(impl.head_size, impl.tq_config.centroid_bits)
+    table = torch.zeros(MAX_NUM_SEQS, width, dtype=torch.int32)
+    seq_buf = torch.zeros(MAX_NUM_SEQS, dtype=torch.int32)
+    return layer, table, seq_buf, torch.zeros(4096, dtype=torch.int64)
+
+
 def run_backend(
     impl: Any,
     kv: Any,
@@ -154,15 +169,9 @@ def run_backend(
     """Drive the real backend over ``(requests, num_decodes)`` batches; by default
     every TurboQuant path once: decode, mixed, short and long continuation."""
     import torch
-    from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
 
     hq, hk, d = impl.num_heads, impl.num_kv_heads, impl.head_size
-    layer = torch.nn.Module()
-    # 0.20 reads centroids that the Attention layer registered at construction;
-    # 0.21+ build them in _ensure_on_device and overwrite this.
-    layer._tq_centroids = get_centroids(d, impl.tq_config.centroid_bits)
-    table = torch.zeros(MAX_NUM_SEQS, width, dtype=torch.int32)
-    seq_buf = torch.zeros(MAX_NUM_SEQS, dtype=torch.int32)
+    layer, table, seq_buf, _ = _layer_and_buffers(impl, width)
     if batches is None:
         batches = [([(1, 40)] * 3, 3), ([(1, 40), (5, 3)], 1)]
         batches += [(requests, 0) for requests in PREFILL_BATCHES]
@@ -243,16 +252,11 @@ def run_ubatches(
     (its slot-mapping slice) and attends in turn."""
     import numpy as np
     import torch
-    from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
     from vllm.v1.attention.backends.turboquant_attn import TurboQuantMetadataBuilder
     from vllm.v1.worker import ubatch_utils
 
     hq, hk, d = impl.num_heads, impl.num_kv_heads, impl.head_size
-    layer = torch.nn.Module()
-    layer._tq_centroids = get_centroids(d, impl.tq_config.centroid_bits)
-    table = torch.zeros(MAX_NUM_SEQS, width, dtype=torch.int32)
-    seq_buf = torch.zeros(MAX_NUM_SEQS, dtype=torch.int32)
-    slot_buf = torch.zeros(4096, dtype=torch.int64)
+    layer, table, seq_buf, slot_buf = _layer_and_buffers(impl, width)
     builder = TurboQuantMetadataBuilder.__new__(TurboQuantMetadataBuilder)
     builder.reorder_batch_threshold = 1  # what __init__ sets (_init_reorder_batch_threshold(1))
     for requests in batches:
@@ -319,14 +323,9 @@ def run_local(
     into a virtual batch by the real builder (``make_local_attention_virtual_batches``);
     each batch stores and attends. Returns the metadata each batch was built into."""
     import torch
-    from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
 
     hq, hk, d = impl.num_heads, impl.num_kv_heads, impl.head_size
-    layer = torch.nn.Module()
-    layer._tq_centroids = get_centroids(d, impl.tq_config.centroid_bits)
-    table = torch.zeros(MAX_NUM_SEQS, width, dtype=torch.int32)
-    seq_buf = torch.zeros(MAX_NUM_SEQS, dtype=torch.int32)
-    slot_buf = torch.zeros(4096, dtype=torch.int64)
+    layer, table, seq_buf, slot_buf = _layer_and_buffers(impl, width)
     builder = local_builder(chunk, block_size)
     built = []
     for requests in batches:
