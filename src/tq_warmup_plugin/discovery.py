@@ -9,6 +9,8 @@ from . import compat
 from .compat import Features
 from .geometry import Geometry
 
+__all__ = ["PREFILL_ONLY_PATHS", "Discovery", "discover", "layer_geometry"]
+
 
 @dataclass
 class Discovery:

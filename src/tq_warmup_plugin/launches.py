@@ -32,6 +32,22 @@ from .compat import CONTINUATION_DECODE_THRESHOLD
 from .geometry import Geometry
 from .report import error_line
 
+__all__ = [
+    "ATTENTION_TOKENS",
+    "GEMM_SCRATCH_BYTES",
+    "PAGE_TOKENS",
+    "UNROTATE_LADDER",
+    "Launch",
+    "boundary_decode",
+    "describe",
+    "launch_all",
+    "launches",
+    "not_yet_launched",
+    "plan",
+    "rotation_rows",
+    "unrotate_rows",
+]
+
 # Query tokens of the FlashAttention launches at most. Its varlen forward (vLLM's fork,
 # non-paged K/V) picks the kernel from dtype, head size and causality only: split-KV is
 # for one-token queries and "even M/N" is off whenever cu_seqlens are given. So a short

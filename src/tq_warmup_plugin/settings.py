@@ -12,6 +12,8 @@ import os
 from collections.abc import Mapping
 from typing import NamedTuple
 
+__all__ = ["DEFAULT_THREADS", "Settings", "cpu_count", "load", "parse"]
+
 
 def cpu_count() -> int:
     """The CPUs this process may run on (its affinity mask where the OS has one)."""

@@ -20,6 +20,16 @@ from . import compat
 from .compat import Features
 from .geometry import DTYPE_BYTES, Geometry
 
+__all__ = [
+    "Request",
+    "ReservationError",
+    "oom_warning",
+    "plan_reservation",
+    "request_bytes",
+    "reserve",
+    "runtime_requests",
+]
+
 Request = tuple[tuple[int, ...], str]
 """(shape, dtype name) as ``get_simultaneous`` takes it."""
 
