@@ -13,6 +13,17 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
+__all__ = [
+    "COMMAND_MODULES",
+    "PACKAGE",
+    "Option",
+    "add_options",
+    "build_parser",
+    "command_modules",
+    "main",
+    "new_parser",
+]
+
 # (flag, default, help): the type comes from the default; False is a switch.
 Option = tuple[str, Any, str]
 

@@ -22,6 +22,17 @@ from benchmarks.tqbench import logs, records, summary
 from benchmarks.tqbench.cli import new_parser
 from benchmarks.tqbench.matrix import DEFAULT_RESULTS_DIR
 
+__all__ = [
+    "SUMMARY_JSON",
+    "SUMMARY_MD",
+    "add_parser",
+    "cmd_collect",
+    "file_runs",
+    "load_raw",
+    "load_summary",
+    "regenerate",
+]
+
 SUMMARY_MD = "SUMMARY.md"
 SUMMARY_JSON = "summary.json"
 

@@ -24,6 +24,8 @@ from benchmarks.tqbench.cli import new_parser
 from benchmarks.tqbench.matrix import DEFAULT_RESULTS_DIR
 from benchmarks.tqbench.register_cost import sample, write_summary
 
+__all__ = ["add_parser", "cmd_layer_check_cost"]
+
 _PROBE = """
 import json, sys, time
 from pathlib import Path

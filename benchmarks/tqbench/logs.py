@@ -15,6 +15,18 @@ from typing import Any
 
 from benchmarks.tqbench.recorder import is_tq_kernel
 
+__all__ = [
+    "MARKER",
+    "MARKER_RE",
+    "MONITOR_RE",
+    "PLUGIN_LOG_PREFIX",
+    "apply_log",
+    "marker",
+    "parse_monitor_log",
+    "plugin_log_lines",
+    "tail_lines",
+]
+
 MARKER = "[tq-bench]"
 PLUGIN_LOG_PREFIX = "tq-warmup:"
 MONITOR_RE = re.compile(r"Triton kernel JIT compilation during inference: (\S+?)(?:\s\(|\.\s|\.?$)")

@@ -50,6 +50,17 @@ from benchmarks.tqbench.cli import Option, add_options, new_parser
 from benchmarks.tqbench.phases import AUTO, PHASES, Geometry
 from benchmarks.tqbench.run import add_common_options
 
+__all__ = [
+    "DEFAULT_RESULTS_DIR",
+    "MATRIX_OPTIONS",
+    "REPO_ROOT",
+    "SHARED_OPTIONS",
+    "Matrix",
+    "RunSpec",
+    "add_parser",
+    "cmd_matrix",
+]
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 # ``run`` options every child takes from the matrix's own options, unchanged.

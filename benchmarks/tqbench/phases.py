@@ -33,6 +33,30 @@ from typing import Any
 from tq_warmup_plugin.compat import CONTINUATION_DECODE_THRESHOLD
 from tq_warmup_plugin.geometry import PRESETS as TQ_PRESETS_BY_NAME
 
+__all__ = [
+    "AUTO",
+    "MODES",
+    "PHASES",
+    "PRESETS",
+    "RUNNERS",
+    "TQ_PRESETS",
+    "VARIANTS",
+    "Geometry",
+    "PhasePlan",
+    "PromptSource",
+    "auto_max_model_len",
+    "build_model_config",
+    "chunk_schedule",
+    "config_id",
+    "default_gpu_mem_util",
+    "describe_chunks",
+    "gpu_slug",
+    "make_prompts",
+    "parse_geometry",
+    "parse_list",
+    "plan_phases",
+]
+
 TQ_PRESETS: tuple[str, ...] = tuple(TQ_PRESETS_BY_NAME)
 # vLLM's own KV cache: the baseline every matrix runs beside the TurboQuant presets.
 AUTO = "auto"

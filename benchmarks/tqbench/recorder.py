@@ -18,6 +18,17 @@ from typing import Any
 
 from tq_warmup_plugin.compat import KERNEL_MODULES
 
+__all__ = [
+    "TQ_KERNELS",
+    "JitRecorder",
+    "first_request_extra",
+    "is_tq_kernel",
+    "op_cpu_times",
+    "profiler",
+    "slow_leaves",
+    "startup_summary",
+]
+
 TQ_KERNELS: frozenset[str] = frozenset(KERNEL_MODULES)
 
 

@@ -16,6 +16,26 @@ from typing import Any
 
 from benchmarks.tqbench.phases import PHASES
 
+__all__ = [
+    "PHASE_KEYS",
+    "RAW_SUFFIX",
+    "fill_missing_phases",
+    "group_runs",
+    "join_run",
+    "merge_records",
+    "read_legacy",
+    "read_records",
+    "read_run",
+    "record_key",
+    "run_file_name",
+    "run_level_fields",
+    "split_records",
+    "write_json_atomic",
+    "write_records",
+    "write_run",
+    "write_text_atomic",
+]
+
 RAW_SUFFIX = ".jsonl"
 
 # Fields that belong to one phase; a crashed run's remaining phases must not inherit them.

@@ -24,6 +24,8 @@ from typing import Any
 from benchmarks.tqbench.cli import new_parser
 from benchmarks.tqbench.matrix import DEFAULT_RESULTS_DIR
 
+__all__ = ["add_parser", "cmd_register_cost", "sample", "write_summary"]
+
 _PROBE = """
 import json, sys, time
 import vllm.plugins

@@ -40,6 +40,27 @@ from benchmarks.tqbench import entry_point, logs, phases, recorder, records, tab
 from benchmarks.tqbench.cli import Option, add_options, new_parser
 from benchmarks.tqbench.phases import AUTO, PHASES, Geometry, PhasePlan
 
+__all__ = [
+    "COMMON_OPTIONS",
+    "REPORT_GLOB",
+    "REPORT_TEMPLATE",
+    "RUN_OPTIONS",
+    "TQ_ONLY_FIELDS",
+    "PhaseRunner",
+    "RunContext",
+    "add_common_options",
+    "add_parser",
+    "apply_spec",
+    "cmd_run",
+    "default_monitor_mode",
+    "engine_kwargs",
+    "jit_monitor_support",
+    "prepare",
+    "run_phases",
+    "set_environment",
+    "start_engine",
+]
+
 REPORT_GLOB = "tq-warmup-report-*.json"
 REPORT_TEMPLATE = "tq-warmup-report-{rank}.json"
 # Blank (None) in the records of the ``auto`` preset, which has no TurboQuant layer.

@@ -49,6 +49,28 @@ from typing import Any
 from benchmarks.tqbench import entry_point, phases, records, spec, tables
 from benchmarks.tqbench.cli import Option, add_options, new_parser
 
+__all__ = [
+    "COLUMNS",
+    "DECODE_KERNEL",
+    "DEFAULT_OUT_DIR",
+    "MANAGER",
+    "REPO_ROOT",
+    "SHIPPED_OPTIONS",
+    "Shipped",
+    "add_parser",
+    "cmd_report",
+    "cmd_shipped",
+    "corrupt",
+    "decode_cubin",
+    "file_hashes",
+    "layered_env",
+    "markdown_report",
+    "read_only",
+    "table_cells",
+    "text_report",
+    "warnings_in",
+]
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT_DIR = REPO_ROOT / "benchmarks" / "results" / "shipped"
 MANAGER = "tq_warmup_plugin.layered_cache:LayeredCacheManager"

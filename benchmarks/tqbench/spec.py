@@ -58,6 +58,43 @@ from typing import Any
 from benchmarks.tqbench import entry_point, logs, phases, records, tables
 from benchmarks.tqbench.cli import Option, add_options, new_parser
 
+__all__ = [
+    "CHILD_FINAL",
+    "DEFAULT_LOG_DIR",
+    "DEFAULT_OUT_DIR",
+    "ERROR_RES",
+    "METHOD_PREFIX",
+    "NOSPEC_FULL",
+    "OK_VERDICTS",
+    "OPTIONS",
+    "PERIOD",
+    "REFERENCE",
+    "REPO_ROOT",
+    "SPEC_COUNTERS",
+    "SPEC_KINDS",
+    "TABLE_HEADER",
+    "SpecBench",
+    "SpecConfig",
+    "add_comparisons",
+    "add_parser",
+    "build_configs",
+    "child_argv",
+    "child_env",
+    "chosen_logprobs",
+    "cmd_spec",
+    "compare",
+    "engine_kwargs",
+    "last_error_line",
+    "read_result",
+    "report",
+    "run_child",
+    "spec_config",
+    "spec_prompts",
+    "summarize",
+    "table_rows",
+    "verdict",
+]
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT_DIR = REPO_ROOT / "benchmarks" / "results" / "spec"
 DEFAULT_LOG_DIR = REPO_ROOT / "benchmarks" / "results" / "logs"

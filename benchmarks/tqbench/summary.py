@@ -16,6 +16,20 @@ from typing import Any
 from benchmarks.tqbench import tables
 from benchmarks.tqbench.phases import AUTO, PHASES
 
+__all__ = [
+    "GROUP_FIELDS",
+    "PHASE_HEADER",
+    "PHASE_ORDER",
+    "STARTUP_HEADER",
+    "group_of",
+    "keep_previous",
+    "markdown",
+    "sort_rows",
+    "span",
+    "summarize",
+    "variant_of",
+]
+
 GROUP_FIELDS = ("series", "release", "gpu", "preset", "mode", "geometry", "tp", "variant")
 PHASE_ORDER = {p: i for i, p in enumerate(("startup", *PHASES))}
 

@@ -7,6 +7,22 @@ from typing import Any
 
 from benchmarks.tqbench.phases import PHASES
 
+__all__ = [
+    "CONFIG_COLUMNS",
+    "PHASE_COLUMNS",
+    "STARTUP_COLUMNS",
+    "fmt_s",
+    "format_startup_table",
+    "format_table",
+    "geometry_label",
+    "kernel_summary",
+    "print_tables",
+    "ratio_of",
+    "render",
+    "render_markdown",
+    "short_preset",
+]
+
 CONFIG_COLUMNS = ("preset", "mode", "geom", "tp", "plugin", "cache")
 PHASE_COLUMNS: tuple[str, ...] = (
     *("phase", "status", "first_s", "steady_s", "ratio"),
