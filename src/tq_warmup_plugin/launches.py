@@ -74,6 +74,11 @@ UNROTATE_LADDER = 8
 GEMM_SCRATCH_BYTES = 16 * 2**20
 
 
+def _chunk(g: Geometry) -> int:
+    """The most tokens one request runs in a step: the chunk budget, within the context."""
+    return min(g.max_num_batched_tokens, g.max_model_len)
+
+
 def unrotate_rows(g: Geometry) -> list[int]:
     """GEMM rows of the key un-rotations a layer's long continuations run: a ladder of
     size classes, and each cached length of a fresh prompt's chunks, under the cap."""
@@ -87,7 +92,7 @@ def unrotate_rows(g: Geometry) -> list[int]:
     while cached[-1] * UNROTATE_LADDER < longest:
         cached.append(cached[-1] * UNROTATE_LADDER)
     cached.append(longest)
-    chunk = min(g.max_num_batched_tokens, g.max_model_len)
+    chunk = _chunk(g)
     cached += range(chunk, min(longest, cap // hk) + 1, chunk)
     return sorted({min(hk * c, cap) for c in cached})
 
@@ -109,7 +114,7 @@ def rotation_rows(g: Geometry) -> list[int]:
     continuation's ``128 x Hq``), that most, and decode's exact batch sizes (one
     request, the largest batch), under the scratch cap."""
     hq, hk = g.num_heads, g.num_kv_heads
-    chunk = min(g.max_num_batched_tokens, g.max_model_len)
+    chunk = _chunk(g)
     cap = max(1, GEMM_SCRATCH_BYTES // (g.head_size * 4))
     top = min(cap, max(hk * chunk, hq * max(g.decode_rows, CONTINUATION_DECODE_THRESHOLD)))
     rows = {top, hq, min(cap, hq * g.decode_rows)}
@@ -149,7 +154,7 @@ def launches(g: Geometry) -> list[Launch]:
     one cached chunk (``k = 2q``), capped at ``ATTENTION_TOKENS`` queries.
     """
     d, hq, hk = g.head_size, g.num_heads, g.num_kv_heads
-    chunk = min(g.max_num_batched_tokens, g.max_model_len)
+    chunk = _chunk(g)
     out: list[Launch] = []
     if not g.preset.key_fp8:
         out += [Launch("gemm", "float32", rows, d) for rows in rotation_rows(g)]
