@@ -197,7 +197,7 @@ def test_summary_puts_the_auto_ratio_beside_each_turboquant_row(tmp_path: Path) 
     assert (
         "| 4bit_nc | eager | 128x16x8 | 1 | off-cold | long | 2 | ok | 1.000-1.500 | 0.100 |" in md
     )
-    assert "| 10.0-15.0 | 3.0 | _tq_full_dequant_kv |" in md
+    assert "| 10.0-15.0 | 12.50 | 3.0 | +9.50 | _tq_full_dequant_kv |" in md
     startup = next(r for r in result["startup"] if r["preset"] == "4bit_nc")
     assert startup["runs"] == 2 and startup["startup_s"] == [30.0, 30.0]
 
@@ -255,6 +255,54 @@ def test_matrix_runs_the_auto_baseline_in_each_cache_state(tmp_path: Path) -> No
     assert auto_units("on-cold,on-warm") == [["on-cold", "on-warm"]]
     assert auto_units("on-cold,off-cold") == [["on-cold"]]
     assert auto_units("off-cold") == [["on-cold"]]
+
+
+def test_matrix_repeats_warm_runs_and_alternates_them_with_auto(tmp_path: Path) -> None:
+    from benchmarks.tqbench import cli, matrix
+
+    argv = ["matrix", "--presets", "turboquant_4bit_nc", "--modes", "cudagraph"]
+    argv += ["--geometries", "128x16x8", "--variants", "on-cold,on-warm", "--repeats", "3"]
+    args = cli.build_parser().parse_args([*argv, "--work-dir", str(tmp_path)])
+    units = matrix.Matrix(args).specs()
+    order = [(s.preset, s.variant, s.repeat) for u in matrix.interleave(units) for s in u]
+    tq, auto = "turboquant_4bit_nc", "auto"
+    assert order == [
+        (tq, "on-cold", 0),
+        (auto, "on-cold", 0),
+        *[(p, "on-warm", k) for k in range(3) for p in (tq, auto)],
+    ]
+    specs = [s for u in units for s in u]
+    # every repeat has its own raw file, log and work dir; all share the warm caches
+    for attr in ("out", "log", "work_dir"):
+        assert len({getattr(s, attr) for s in specs}) == len(specs)
+    assert len({s.cache_root for s in specs if s.preset == tq}) == 1
+    names = {records.run_file_name({**matrix.Matrix(args).base_record(s)}) for s in specs}
+    assert len(names) == len(specs)
+    with pytest.raises(SystemExit, match="--repeats"):
+        matrix.cmd_matrix(cli.build_parser().parse_args([*argv[:-1], "0", "--entry-point-stub"]))
+
+
+def test_summary_compares_medians_over_repeats_with_auto(tmp_path: Path) -> None:
+    """Repeats of one run id stay separate runs; the verdict column is median - auto median."""
+    raw = tmp_path / "raw"
+    runs = []
+    for k, (tq, base) in enumerate([(0.13, 0.12), (0.16, 0.11), (0.12, 0.15)]):
+        for preset, first in (("turboquant_4bit_nc", tq), ("auto", base)):
+            rs = _run_records("r", preset, "on", {"short_tail": (first, 0.1)}, repeat=k)
+            for r in rs:
+                r["triton_cache"] = "warm"
+            runs += rs
+    collect.file_runs(raw, runs)
+    assert len(list(raw.rglob("*.jsonl"))) == 6
+    result = collect.regenerate(tmp_path)
+    row = next(r for r in result["phases"] if r["preset"] == "4bit_nc")
+    assert row["runs"] == 3 and row["ratio"] == [1.2, 1.3, 1.6]
+    assert row["over_auto_median"] == pytest.approx(1.3 - 1.2)
+    assert summary.median([1.6, 1.2, 1.3]) == 1.3 and summary.median([]) is None
+    md = (tmp_path / "SUMMARY.md").read_text()
+    assert "| 1.2-1.6 | 1.30 | 1.1-1.5 | +0.10 | 0 |" in md
+    startup = next(r for r in result["startup"] if r["preset"] == "4bit_nc")
+    assert startup["runs"] == 3
 
 
 def test_matrix_refuses_plugin_on_runs_vllm_could_not_load_the_plugin_in(

@@ -24,6 +24,13 @@ cache and, unless ``--share-compile-cache``, fresh vLLM / Inductor caches; "warm
 reuses the plugin-on cold run's directories. ``--deadline-s`` stops starting runs, and
 kills running ones, after that many seconds (the rest are recorded as skipped/failed),
 so a matrix can be split over several device calls with a time limit.
+
+``--repeats N`` makes every on-warm run N times (each a fresh process on the same warm
+caches): one request's first/steady ratio varies by about 0.3 from run to run on the
+H200, so a comparison with ``auto`` needs the median of several. With ``--jobs 1`` the
+runs go round-robin over the configurations after their cold runs, so TurboQuant's and
+``auto``'s repeats alternate. A later matrix with ``--variants on-warm``, the same
+``--work-dir`` and the same ``--series`` adds repeats to the same summary rows.
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ __all__ = [
     "RunSpec",
     "add_parser",
     "cmd_matrix",
+    "interleave",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -92,6 +100,7 @@ class RunSpec:
     log: Path
     work_dir: Path
     config_id: str
+    repeat: int = 0  # 0: the first run of this variant; k: its k-th warm repeat
 
     @property
     def plugin(self) -> str:
@@ -139,21 +148,33 @@ class Matrix:
             return None
         return float(self.args.deadline_s) - (time.monotonic() - self.t0)
 
-    def _spec(self, preset: str, mode: str, geom: Geometry, variant: str) -> RunSpec:
+    def _spec(
+        self, preset: str, mode: str, geom: Geometry, variant: str, repeat: int = 0
+    ) -> RunSpec:
         a = self.args
         cid = phases.config_id(preset, mode, geom, a.layers, a.budget, a.tp)
         cache = "cache-on" if variant.startswith("on") else "cache-off"
+        name = f"{variant}.r{repeat}" if repeat else variant
         return RunSpec(
             preset=preset,
             mode=mode,
             geometry=geom,
             variant=variant,
             cache_root=self.work_root / cid / cache,
-            out=self.work_root / cid / f"{variant}{records.RAW_SUFFIX}",
-            log=self.log_dir / f"{cid}.{variant}.log",
-            work_dir=self.work_root / cid / f"work-{variant}",
+            out=self.work_root / cid / f"{name}{records.RAW_SUFFIX}",
+            log=self.log_dir / f"{cid}.{name}.log",
+            work_dir=self.work_root / cid / f"work-{name}",
             config_id=cid,
+            repeat=repeat,
         )
+
+    def _chain(self, preset: str, mode: str, geom: Geometry, variants: list[str]) -> list[RunSpec]:
+        """The variants of one configuration in order, each on-warm run ``--repeats`` times."""
+        chain = []
+        for v in variants:
+            times = self.args.repeats if v == "on-warm" else 1
+            chain += [self._spec(preset, mode, geom, v, k) for k in range(times)]
+        return chain
 
     def specs(self) -> list[list[RunSpec]]:
         """Units of work: [on-cold, on-warm] chains (in order), the ``auto`` baseline of
@@ -168,16 +189,14 @@ class Matrix:
         for preset in phases.parse_list(a.presets, phases.TQ_PRESETS):
             for mode in modes:
                 for geom in geometries:
-                    chain = [self._spec(preset, mode, geom, v) for v in variants]
+                    chain = self._chain(preset, mode, geom, variants)
                     singles.extend([s] for s in chain if s.variant == "off-cold")
                     chain = [s for s in chain if s.variant != "off-cold"]
                     if chain:
                         chains.append(chain)
         if not a.no_auto:  # the baseline in each Triton-cache state the presets run in
             auto = [v for v in variants if v != "off-cold"] or ["on-cold"]
-            chains.extend(
-                [self._spec(AUTO, m, g, v) for v in auto] for m in modes for g in geometries
-            )
+            chains.extend(self._chain(AUTO, m, g, auto) for m in modes for g in geometries)
         # Longer chains first so they are not the stragglers.
         return chains + singles
 
@@ -235,6 +254,7 @@ class Matrix:
             "warmup_s": None,
             "startup_s": None,
             "log_file": str(spec.log),
+            "repeat": spec.repeat,
         }
 
     def child_env(self, spec: RunSpec) -> dict[str, str]:
@@ -314,6 +334,7 @@ class Matrix:
             r["rc"] = rc
             r["timed_out"] = timed_out
             r["process_wall_s"] = round(wall, 2)
+            r["repeat"] = spec.repeat
             if "cache_warning" in base:
                 r["cache_warning"] = base["cache_warning"]
         status = sorted(str(s) for s in {r.get("status") for r in recs})
@@ -371,7 +392,7 @@ class Matrix:
                 self.run_one(first)  # alone: pays one-time driver/PTX costs once
                 units = ([rest] if rest else []) + units[1:]
             if self.args.jobs <= 1:
-                for unit in units:
+                for unit in interleave(units):
                     self.run_unit(unit)
             else:
                 with ThreadPoolExecutor(max_workers=self.args.jobs) as pool:
@@ -387,6 +408,17 @@ class Matrix:
         tables.print_tables(self.records)
         print(f"\n[matrix] raw runs: {self.raw_dir} (then: python -m benchmarks.tqbench collect)")
         return 0 if all(r.get("status") == "ok" for r in self.records) else 1
+
+
+def interleave(units: list[list[RunSpec]]) -> list[list[RunSpec]]:
+    """One process at a time: every unit's first run, then the rest round-robin.
+
+    A unit's runs stay in order (a warm run after the cold run that filled its cache), and
+    the warm repeats of TurboQuant and of ``auto`` alternate, so a drift of the GPU over
+    the run (clocks, temperature) reaches both alike: the comparison is made in one run.
+    """
+    rounds = max((len(u) for u in units), default=0)
+    return [[u[k]] for k in range(rounds) for u in units if k < len(u)]
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -429,6 +461,8 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         if geom.q_heads % args.tp or geom.kv_heads % args.tp:
             raise SystemExit(f"geometry {g}: heads must be divisible by --tp {args.tp}")
     phases.plan_phases(args.budget, 16, args.max_tokens)  # validates the budget
+    if args.repeats < 1:
+        raise SystemExit("matrix: --repeats must be at least 1")
     plugin_on = any(v.startswith("on") for v in phases.parse_list(args.variants, phases.VARIANTS))
     if plugin_on and not args.entry_point_stub and not entry_point.found():
         raise SystemExit(
@@ -446,6 +480,12 @@ MATRIX_OPTIONS: tuple[Option, ...] = (
     ("--variants", "all", f"comma list of {phases.VARIANTS} or 'all'"),
     ("--no-auto", False, "skip the baseline runs with vLLM's own KV cache (preset auto)"),
     ("--timeout", 600.0, "seconds per subprocess"),
+    (
+        "--repeats",
+        1,
+        "run each on-warm configuration this many times (a single request's first/steady "
+        "ratio varies by about 0.3 between runs; the summary shows the median)",
+    ),
     ("--deadline-s", 0.0, "stop starting runs / kill running ones after this many seconds"),
     ("--no-prime", False, "with --jobs > 1, do not run the first run alone first"),
     ("--log-dir", "", "default: <results-dir>/logs/<run id>"),

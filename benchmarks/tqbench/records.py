@@ -82,6 +82,7 @@ def record_key(rec: dict[str, Any]) -> tuple[Any, ...]:
         rec.get("config_id"),
         rec.get("plugin"),
         rec.get("triton_cache"),
+        rec.get("repeat") or 0,
         rec.get("phase"),
     )
 
@@ -194,5 +195,8 @@ def group_runs(records: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 
 
 def run_file_name(rec: dict[str, Any]) -> str:
-    """``<config id>.<plugin>-<cache><suffix>``: one run's file in its run-id folder."""
-    return f"{rec.get('config_id')}.{rec.get('plugin')}-{rec.get('triton_cache')}{RAW_SUFFIX}"
+    """``<config id>.<plugin>-<cache>[.r<repeat>]<suffix>``: one run's file in its run-id
+    folder (a warm run made again, ``matrix --repeats``, gets its repeat number)."""
+    again = f".r{rec['repeat']}" if rec.get("repeat") else ""
+    name = f"{rec.get('config_id')}.{rec.get('plugin')}-{rec.get('triton_cache')}"
+    return f"{name}{again}{RAW_SUFFIX}"
