@@ -199,6 +199,65 @@ def test_run_and_matrix_refuse_a_chunk_off_the_block_size_and_pass_it_on(
     assert m.base_record(spec)["attention_chunk"] == 2048
 
 
+def vllm_layers(hf_config: Any, monkeypatch: pytest.MonkeyPatch) -> dict[int, tuple[str, Any]]:
+    """What vLLM's own ``Llama4DecoderLayer`` builds for each layer: its attention class
+    and that one's ``attention_chunk_size``. Only the choice runs: the modules it would
+    construct (linear layers, RoPE, norms, attention, MLP and MoE) are stand-ins that
+    keep their arguments, so no device, process group or weights are needed."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.models import llama4
+
+    class StandIn:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.kwargs = kwargs
+
+    modules = ("Attention", "ChunkedLocalAttention", "QKVParallelLinear", "RowParallelLinear")
+    for name in (*modules, "get_rope", "RMSNorm", "LlamaMLP", "Llama4MoE"):
+        monkeypatch.setattr(llama4, name, type(name, (StandIn,), {}))
+    monkeypatch.setattr(llama4, "get_tensor_model_parallel_world_size", lambda: 1)
+    vllm_config = SimpleNamespace(cache_config=None, quant_config=None)
+    built = {}
+    for i in range(hf_config.num_hidden_layers):
+        layer = llama4.Llama4DecoderLayer(vllm_config, f"model.layers.{i}", hf_config)
+        attn = layer.self_attn.attn
+        built[i] = (type(attn).__name__, attn.kwargs.get("attention_chunk_size"))
+    return built
+
+
+@pytest.mark.real_vllm
+def test_vllm_builds_the_chunked_local_layers_the_docstring_claims(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's reading of the written config.json (``EngineArgs`` with a dummy load, as
+    ``run`` starts it): a Llama 4 whose TurboQuant layers (vLLM's boundary skip) are
+    2, 4, 5 chunked local and 3 global, as ``build_model_config`` says."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.quantization.turboquant import config as tq
+
+    geom = phases.Geometry(128, 16, 8)
+    cfg = phases.build_model_config(geom, 8, 4096, attention_chunk=2048)
+    (tmp_path / "config.json").write_text(json.dumps(cfg, indent=1))
+    engine = EngineArgs(
+        model=str(tmp_path), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096
+    )
+    model = engine.create_model_config()
+    assert model.architectures == ["Llama4ForCausalLM"] and not model.is_hybrid
+    assert model.attention_chunk_size == 2048
+    assert (model.get_head_size(), model.get_total_num_kv_heads()) == (128, 8)
+    local = ("ChunkedLocalAttention", 2048)
+    built = vllm_layers(model.hf_config, monkeypatch)
+    assert built == {i: ("Attention", None) if i in (3, 7) else local for i in range(8)}
+    skipped = {int(i) for i in tq.TurboQuantConfig.get_boundary_skip_layers(model)}
+    compressed = {i: kind for i, (kind, _) in built.items() if i not in skipped}
+    assert compressed == {
+        2: "ChunkedLocalAttention",
+        3: "Attention",
+        4: "ChunkedLocalAttention",
+        5: "ChunkedLocalAttention",
+    }
+
+
 def test_render_pads_columns() -> None:
     text = tables.render(("a", "long header"), [("xyz", "1"), ("q", "22")])
     assert text.splitlines() == ["a    long header", "---  -----------", "xyz  1", "q    22"]
