@@ -125,6 +125,139 @@ def test_geometry_config_and_prompts() -> None:
     assert "auto" in phases.PRESETS and "turboquant_k8v4" in phases.TQ_PRESETS
 
 
+LLAMA4_ONLY = {"attention_chunk_size", "intermediate_size_mlp", "num_local_experts"}
+
+
+def test_attention_chunk_makes_a_llama4_and_zero_keeps_the_llama() -> None:
+    geom = phases.Geometry(128, 16, 8)
+    llama = phases.build_model_config(geom, 8, 4096)
+    assert llama == phases.build_model_config(geom, 8, 4096, attention_chunk=0)
+    assert llama["architectures"] == ["LlamaForCausalLM"] and not LLAMA4_ONLY & set(llama)
+    cfg = phases.build_model_config(geom, 8, 4096, attention_chunk=2048)
+    assert (cfg["architectures"], cfg["model_type"]) == (["Llama4ForCausalLM"], "llama4_text")
+    same = ("hidden_size", "head_dim", "num_attention_heads", "num_key_value_heads")
+    assert [cfg[k] for k in same] == [llama[k] for k in same] == [2048, 128, 16, 8]
+    assert (cfg["num_hidden_layers"], cfg["attention_chunk_size"]) == (8, 2048)
+    assert (cfg["num_local_experts"], cfg["num_experts_per_tok"]) == (2, 1)
+    assert 1 < cfg["interleave_moe_layer_step"] <= 8  # some layers MoE, not all
+    assert cfg["intermediate_size"] == cfg["intermediate_size_mlp"] == 1024
+    assert cfg["use_qk_norm"] is cfg["attn_temperature_tuning"] is False
+    assert "mlp_bias" not in cfg
+    for chunk in (100, -16):
+        with pytest.raises(ValueError, match="multiple of the block size 16"):
+            phases.build_model_config(geom, 8, 4096, attention_chunk=chunk)
+    assert phases.config_id("p", "eager", geom, 8, 512, 1) == "p-eager-h128q16kv8-L8-b512-tp1"
+    assert phases.config_id("p", "eager", geom, 8, 512, 1, 2048).endswith("-tp1-c2048")
+
+
+def test_chunk_overrun_warns_only_where_vllm_mispairs_virtual_requests() -> None:
+    plan = phases.plan_phases(512)  # longest prompt 1536 + 8 tokens
+    warning = phases.chunk_overrun_warning(plan, 1024, "0.26.0")
+    assert warning is not None and "(1544) exceeds the attention chunk (1024)" in warning
+    assert phases.chunk_overrun_warning(plan, 1024, "0.21.0") is not None
+    assert phases.chunk_overrun_warning(plan, 1024, "0.29.0") is not None
+    for chunk, version in ((2048, "0.26.0"), (1024, "0.30.0"), (1024, "0.20.0"), (0, "0.26")):
+        assert phases.chunk_overrun_warning(plan, chunk, version) is None, (chunk, version)
+    assert phases.chunk_overrun_warning(plan, 1024, None) is None
+
+
+def test_run_records_the_chunk_and_warns_of_an_overrun(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from benchmarks.tqbench import cli
+
+    argv = ["run", "--plugin", "on", "--attention-chunk", "1024", "--work-dir", str(tmp_path)]
+    ctx = run.prepare(cli.build_parser().parse_args(argv))
+    assert ctx.base["attention_chunk"] == 1024 and ctx.base["config_id"].endswith("-c1024")
+    ctx.base["vllm_version"] = "0.26.0"
+    vcfg = SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=512, enable_chunked_prefill=True),
+        cache_config=SimpleNamespace(enable_prefix_caching=True, block_size=16),
+    )
+    (warning,) = run._config_warnings(ctx, vcfg, {})
+    assert warning.startswith("the longest prompt + max_tokens (1544) exceeds")
+    ctx.base["vllm_version"] = "0.30.0"
+    assert run._config_warnings(ctx, vcfg, {}) == []
+
+
+def test_run_and_matrix_refuse_a_chunk_off_the_block_size_and_pass_it_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks.tqbench import cli, matrix
+
+    assert cli.main(["run", "--plugin", "on", "--attention-chunk", "100"]) == 2
+    assert "multiple of the block size" in capsys.readouterr().err
+    argv = ["matrix", "--presets", "turboquant_4bit_nc", "--modes", "cudagraph"]
+    argv += ["--geometries", "128x16x8", "--variants", "on-cold", "--no-auto"]
+    argv += ["--work-dir", str(tmp_path), "--results-dir", str(tmp_path), "--layers", "8"]
+    with pytest.raises(SystemExit, match="attention-chunk"):
+        matrix.cmd_matrix(cli.build_parser().parse_args([*argv, "--attention-chunk", "100"]))
+    m = matrix.Matrix(cli.build_parser().parse_args([*argv, "--attention-chunk", "2048"]))
+    spec = m.specs()[0][0]
+    assert spec.config_id == "turboquant_4bit_nc-cudagraph-h128q16kv8-L8-b512-tp1-c2048"
+    assert m.child_options(spec)["attention_chunk"] == 2048
+    assert m.base_record(spec)["attention_chunk"] == 2048
+
+
+def vllm_layers(hf_config: Any, monkeypatch: pytest.MonkeyPatch) -> dict[int, tuple[str, Any]]:
+    """What vLLM's own ``Llama4DecoderLayer`` builds for each layer: its attention class
+    and that one's ``attention_chunk_size``. Only the choice runs: the modules it would
+    construct (linear layers, RoPE, norms, attention, MLP and MoE) are stand-ins that
+    keep their arguments, so no device, process group or weights are needed."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.models import llama4
+
+    class StandIn:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.kwargs = kwargs
+
+    modules = ("Attention", "ChunkedLocalAttention", "QKVParallelLinear", "RowParallelLinear")
+    for name in (*modules, "get_rope", "RMSNorm", "LlamaMLP", "Llama4MoE"):
+        monkeypatch.setattr(llama4, name, type(name, (StandIn,), {}))
+    monkeypatch.setattr(llama4, "get_tensor_model_parallel_world_size", lambda: 1)
+    vllm_config = SimpleNamespace(cache_config=None, quant_config=None)
+    built = {}
+    for i in range(hf_config.num_hidden_layers):
+        layer = llama4.Llama4DecoderLayer(vllm_config, f"model.layers.{i}", hf_config)
+        attn = layer.self_attn.attn
+        built[i] = (type(attn).__name__, attn.kwargs.get("attention_chunk_size"))
+    return built
+
+
+@pytest.mark.real_vllm
+def test_vllm_builds_the_chunked_local_layers_the_docstring_claims(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's reading of the written config.json (``EngineArgs`` with a dummy load, as
+    ``run`` starts it): a Llama 4 whose TurboQuant layers (vLLM's boundary skip) are
+    2, 4, 5 chunked local and 3 global, as ``build_model_config`` says."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.quantization.turboquant import config as tq
+
+    geom = phases.Geometry(128, 16, 8)
+    cfg = phases.build_model_config(geom, 8, 4096, attention_chunk=2048)
+    (tmp_path / "config.json").write_text(json.dumps(cfg, indent=1))
+    engine = EngineArgs(
+        model=str(tmp_path), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096
+    )
+    model = engine.create_model_config()
+    assert model.architectures == ["Llama4ForCausalLM"] and not model.is_hybrid
+    assert model.attention_chunk_size == 2048
+    assert (model.get_head_size(), model.get_total_num_kv_heads()) == (128, 8)
+    local = ("ChunkedLocalAttention", 2048)
+    built = vllm_layers(model.hf_config, monkeypatch)
+    assert built == {i: ("Attention", None) if i in (3, 7) else local for i in range(8)}
+    skipped = {int(i) for i in tq.TurboQuantConfig.get_boundary_skip_layers(model)}
+    compressed = {i: kind for i, (kind, _) in built.items() if i not in skipped}
+    assert compressed == {
+        2: "ChunkedLocalAttention",
+        3: "Attention",
+        4: "ChunkedLocalAttention",
+        5: "ChunkedLocalAttention",
+    }
+
+
 def test_render_pads_columns() -> None:
     text = tables.render(("a", "long header"), [("xyz", "1"), ("q", "22")])
     assert text.splitlines() == ["a    long header", "---  -----------", "xyz  1", "q    22"]

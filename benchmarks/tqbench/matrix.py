@@ -74,6 +74,7 @@ DEFAULT_RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 # ``run`` options every child takes from the matrix's own options, unchanged.
 SHARED_OPTIONS = (
     "layers",
+    "attention_chunk",
     "budget",
     "tp",
     "max_model_len",
@@ -152,7 +153,7 @@ class Matrix:
         self, preset: str, mode: str, geom: Geometry, variant: str, repeat: int = 0
     ) -> RunSpec:
         a = self.args
-        cid = phases.config_id(preset, mode, geom, a.layers, a.budget, a.tp)
+        cid = phases.config_id(preset, mode, geom, a.layers, a.budget, a.tp, a.attention_chunk)
         cache = "cache-on" if variant.startswith("on") else "cache-off"
         name = f"{variant}.r{repeat}" if repeat else variant
         return RunSpec(
@@ -245,6 +246,7 @@ class Matrix:
             "q_heads": spec.geometry.q_heads,
             "kv_heads": spec.geometry.kv_heads,
             "layers": a.layers,
+            "attention_chunk": a.attention_chunk,
             "budget": a.budget,
             "tp": a.tp,
             "jobs": a.jobs,
@@ -461,6 +463,10 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         if geom.q_heads % args.tp or geom.kv_heads % args.tp:
             raise SystemExit(f"geometry {g}: heads must be divisible by --tp {args.tp}")
     phases.plan_phases(args.budget, 16, args.max_tokens)  # validates the budget
+    try:
+        phases.check_attention_chunk(args.attention_chunk)
+    except ValueError as e:
+        raise SystemExit(f"matrix: --attention-chunk: {e}") from None
     if args.repeats < 1:
         raise SystemExit("matrix: --repeats must be at least 1")
     plugin_on = any(v.startswith("on") for v in phases.parse_list(args.variants, phases.VARIANTS))

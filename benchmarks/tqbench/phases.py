@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tq_warmup_plugin.compat import CONTINUATION_DECODE_THRESHOLD
+from tq_warmup_plugin.compat import CONTINUATION_DECODE_THRESHOLD, features, parse_version
 from tq_warmup_plugin.geometry import PRESETS as TQ_PRESETS_BY_NAME
 
 __all__ = [
@@ -46,6 +46,8 @@ __all__ = [
     "PromptSource",
     "auto_max_model_len",
     "build_model_config",
+    "check_attention_chunk",
+    "chunk_overrun_warning",
     "chunk_schedule",
     "config_id",
     "default_gpu_mem_util",
@@ -103,11 +105,24 @@ def parse_list(text: str, allowed: Sequence[str] | None = None) -> list[str]:
     return items
 
 
-def config_id(preset: str, mode: str, geometry: Geometry, layers: int, budget: int, tp: int) -> str:
-    """The name of one configuration (preset, mode, geometry, model and scheduler sizes)."""
+def config_id(
+    preset: str,
+    mode: str,
+    geometry: Geometry,
+    layers: int,
+    budget: int,
+    tp: int,
+    attention_chunk: int = 0,
+) -> str:
+    """The name of one configuration (preset, mode, geometry, model and scheduler sizes).
+
+    A Llama 4 model with chunked local attention adds ``-c<chunk>``; the plain Llama
+    adds nothing, so the ids of runs made before the option existed stay the same.
+    """
+    chunk = f"-c{attention_chunk}" if attention_chunk else ""
     return (
         f"{preset}-{mode}-h{geometry.head_size}q{geometry.q_heads}kv{geometry.kv_heads}"
-        f"-L{layers}-b{budget}-tp{tp}"
+        f"-L{layers}-b{budget}-tp{tp}{chunk}"
     )
 
 
@@ -239,17 +254,76 @@ def auto_max_model_len(required: int, multiple: int = 1024) -> int:
     return -(-required // multiple) * multiple
 
 
+def check_attention_chunk(attention_chunk: int, block_size: int = 16) -> None:
+    """Refuse a chunk vLLM cannot run: ``make_local_attention_virtual_batches`` asserts
+    ``attn_chunk_size % block_size == 0`` on every step (each virtual request owns whole
+    blocks), so a bad value would only fail after the engine started."""
+    if attention_chunk < 0 or attention_chunk % block_size:
+        raise ValueError(
+            f"attention chunk {attention_chunk} must be 0 or a positive multiple of the "
+            f"block size {block_size}"
+        )
+
+
+def chunk_overrun_warning(
+    plan: PhasePlan, attention_chunk: int, vllm_version: str | None
+) -> str | None:
+    """One line when a phase may run past the first chunk where vLLM mishandles it, else None.
+
+    On 0.21-0.29 (``compat.Features.local_prefill_real_lens``) TurboQuant's prefill over
+    a chunked local layer pairs the virtual requests with the real batch's lengths once
+    a step continues past the first chunk (IndexError, or attention over wrong lengths):
+    an upstream bug, not the plugin's. Prompts and outputs within one chunk stay clear.
+    """
+    version = parse_version(vllm_version)
+    needed = plan.required_max_model_len
+    if not attention_chunk or needed <= attention_chunk or version is None:
+        return None
+    if not features(version).local_prefill_real_lens:
+        return None
+    return (
+        f"the longest prompt + max_tokens ({needed}) exceeds the attention chunk "
+        f"({attention_chunk}): vLLM {vllm_version}'s TurboQuant prefill over chunked local "
+        "layers mispairs virtual requests past the first chunk (upstream bug, 0.21-0.29)"
+    )
+
+
 def build_model_config(
     geometry: Geometry,
     layers: int,
     max_position_embeddings: int,
     vocab_size: int = 1024,
     intermediate_size: int = 1024,
+    attention_chunk: int = 0,
 ) -> dict[str, Any]:
-    """A ``config.json`` for a small dummy-weight Llama with the given attention shape."""
+    """A ``config.json`` for a small dummy-weight Llama with the given attention shape.
+
+    ``attention_chunk`` 0: a plain ``LlamaForCausalLM``. N > 0: a text-only Llama 4
+    (``Llama4ForCausalLM``, ``llama4_text``) with ``attention_chunk_size`` N, so that its
+    RoPE layers are vLLM's ``ChunkedLocalAttention`` and their TurboQuant kernels get
+    a virtual-batch block table of N / block_size columns, not the runner's
+    (``max_model_len`` / block_size): the keys the plugin must plan apart.
+
+    Which layers are which (vLLM's ``llama4.py``: a layer is chunked local unless
+    ``no_rope_layers[i] == 0``, i.e. NoPE, which transformers' ``Llama4TextConfig``
+    derives from ``no_rope_layer_interval`` 4): every fourth layer (3, 7, 11, ...) is
+    global NoPE attention, all others chunked local. TurboQuant leaves layers 0, 1,
+    L-2 and L-1 uncompressed, so with 8 layers it compresses 2, 4, 5 (chunked local)
+    and 3 (global); with any L >= 6 at least layer 2 (local) and 3 (global).
+
+    A tiny MoE keeps it a Llama 4 as vLLM builds one (routed and shared experts): 2
+    experts, top-1, on every second layer (1, 3, 5, ...; ``interleave_moe_layer_step``
+    2), each expert and the shared one ``intermediate_size`` wide like the dense layers'
+    MLP (``intermediate_size_mlp``). On Hopper vLLM runs it with Triton's
+    ``fused_moe_kernel``, which may compile for a token count startup did not run: such
+    a compile is not TurboQuant's (``other_jit_after_startup``) but still raises under
+    ``--jit-monitor-mode error``. QK-norm and attention temperature tuning are off:
+    neither changes the attention kernels (vLLM turns tuning on only past 32k tokens).
+    """
     if layers < 6:
         raise ValueError("TurboQuant leaves the first two and last two layers alone: use >= 6")
-    return {
+    check_attention_chunk(attention_chunk)
+    config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": geometry.q_heads * geometry.head_size,
@@ -272,6 +346,22 @@ def build_model_config(
         "torch_dtype": "bfloat16",
         "use_cache": True,
     }
+    if not attention_chunk:
+        return config
+    del config["mlp_bias"]  # LlamaConfig's; Llama4TextConfig has none
+    config.update(
+        architectures=["Llama4ForCausalLM"],
+        model_type="llama4_text",
+        intermediate_size_mlp=intermediate_size,
+        attention_chunk_size=attention_chunk,
+        no_rope_layer_interval=4,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=2,
+        use_qk_norm=False,
+        attn_temperature_tuning=False,
+    )
+    return config
 
 
 def make_prompts(n: int, length: int, seed: int, vocab_size: int) -> list[list[int]]:

@@ -4,7 +4,9 @@ It starts vLLM in-process with a dummy-weight Llama whose ``config.json`` it wri
 itself, then times the first and a repeated request of every phase
 (:mod:`benchmarks.tqbench.phases`) and records every Triton compilation after
 startup, by kernel name (:mod:`benchmarks.tqbench.recorder`). Its records go to
-``--out`` as a raw run file, rewritten after every phase.
+``--out`` as a raw run file, rewritten after every phase. ``--attention-chunk N`` makes
+the model a Llama 4 text model with chunked local attention of N tokens instead
+(:func:`benchmarks.tqbench.phases.build_model_config`; the config id gets ``-cN``).
 
 What is measured: ``startup_s`` (the ``LLM(...)`` constructor), ``warmup_s`` /
 ``launch_s`` (what the plugin says it spent, from its ``TQ_WARMUP_REPORT``, kept
@@ -153,7 +155,7 @@ def prepare(args: argparse.Namespace) -> RunContext:
     """Work directories, environment, phase plan and the run-level fields of the records."""
     geometry = Geometry(args.head_size, args.q_heads, args.kv_heads)
     cfg_id = args.config_id or phases.config_id(
-        args.preset, args.mode, geometry, args.layers, args.budget, args.tp
+        args.preset, args.mode, geometry, args.layers, args.budget, args.tp, args.attention_chunk
     )
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="tq-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -178,6 +180,7 @@ def prepare(args: argparse.Namespace) -> RunContext:
         "q_heads": geometry.q_heads,
         "kv_heads": geometry.kv_heads,
         "layers": args.layers,
+        "attention_chunk": args.attention_chunk,
         "max_model_len": max_model_len,
         "budget": args.budget,
         "tp": args.tp,
@@ -279,6 +282,12 @@ def _config_warnings(ctx: RunContext, vcfg: Any, rep0: dict[str, Any] | None) ->
         warnings.append("prefix caching is off")
     if ctx.plugin_on and ctx.args.preset != AUTO and rep0 is None:
         warnings.append("plugin on but it wrote no report (is the entry point installed?)")
+    chunk = ctx.args.attention_chunk
+    if chunk % int(vcfg.cache_config.block_size or 16):
+        warnings.append(f"attention chunk {chunk} is not a multiple of the block size")
+    overrun = phases.chunk_overrun_warning(ctx.plan, chunk, ctx.base["vllm_version"])
+    if overrun:
+        warnings.append(overrun)
     return warnings
 
 
@@ -304,7 +313,12 @@ def start_engine(ctx: RunContext, rec: recorder.JitRecorder) -> Any | None:
     model_dir.mkdir(parents=True, exist_ok=True)
     a = ctx.args
     model_cfg = phases.build_model_config(
-        ctx.geometry, a.layers, ctx.max_model_len, a.vocab_size, a.intermediate_size
+        ctx.geometry,
+        a.layers,
+        ctx.max_model_len,
+        a.vocab_size,
+        a.intermediate_size,
+        a.attention_chunk,
     )
     (model_dir / "config.json").write_text(json.dumps(model_cfg, indent=1))
     kwargs = engine_kwargs(ctx, model_dir, monitor_has_mode)
@@ -500,6 +514,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.triton_cache == "warm" and not args.cache_root and not args.triton_cache_dir:
         print("--triton-cache warm needs --cache-root or --triton-cache-dir", file=sys.stderr)
         return 2
+    try:
+        phases.check_attention_chunk(args.attention_chunk)
+    except ValueError as e:
+        print(f"--attention-chunk: {e}", file=sys.stderr)
+        return 2
     ctx = prepare(args)
     if ctx.max_model_len < ctx.plan.required_max_model_len:
         needed = ctx.plan.required_max_model_len
@@ -530,6 +549,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 COMMON_OPTIONS: tuple[Option, ...] = (
     ("--layers", 6, "hidden layers (>= 6)"),
+    (
+        "--attention-chunk",
+        0,
+        "N > 0: a Llama 4 text model whose RoPE layers are chunked local attention of N "
+        "tokens (a multiple of 16; see phases.build_model_config); 0: a plain Llama",
+    ),
     ("--budget", 512, "chunked-prefill token budget (max_num_batched_tokens), > 128"),
     ("--tp", 1, "tensor-parallel size"),
     ("--max-model-len", 0, "0: the smallest multiple of 1024 the phases need"),
