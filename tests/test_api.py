@@ -21,13 +21,15 @@ NAME = tq_warmup_plugin.__name__
 # What ``import tq_warmup_plugin; register()`` imported before issue 14 (Python 3.11):
 # the package's modules on the register path, and the top-level names of the standard
 # library modules they pull in. 3.10 parses regular expressions with sre_*. Since
-# issue 13 also ``multinode`` (TQ_WARMUP* forwarded to Ray workers, stdlib only).
+# issue 13 also ``multinode`` (TQ_WARMUP* forwarded to Ray workers, stdlib only); since
+# issue 11 the chunked-local boundary guard (stdlib only).
 REGISTER_MODULES = {
     NAME,
     f"{NAME}.compat",
     f"{NAME}.guards",
     f"{NAME}.guards.draft_seq_lens",
     f"{NAME}.guards.gate",
+    f"{NAME}.guards.local_boundary",
     f"{NAME}.guards.spec_graphs",
     f"{NAME}.guards.v1_cache_dtype",
     f"{NAME}.install",

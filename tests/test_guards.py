@@ -229,8 +229,9 @@ def test_vllms_plugin_loader_installs_each_guard_where_its_gate_is_on(
     vllm_env: compat.Features, env: dict[str, str], spec_guards: bool, plugin: bool
 ) -> None:
     """Through vLLM's own plugin loader, then vLLM importing each guarded module: the
-    speculative-decoding guards follow TQ_WARMUP_SPEC_GUARD, the V1 cache-dtype fix only
-    the plugin switch, each only in the releases its gate names."""
+    speculative-decoding guards follow TQ_WARMUP_SPEC_GUARD, the V1 cache-dtype and the
+    chunked-local boundary fixes only the plugin switch, each only in the releases its
+    gate names."""
     code = (
         "import importlib, json\n"
         "from vllm.plugins import load_general_plugins; load_general_plugins()\n"
@@ -250,4 +251,5 @@ def test_vllms_plugin_loader_installs_each_guard_where_its_gate_is_on(
         "spec_graphs": spec_guards and vllm_env.spec_graphs_unsafe,
         "v1_cache_dtype": plugin and vllm_env.v1_tq_cache_dtype_lost,
         "draft_seq_lens": spec_guards and vllm_env.draft_cpu_seq_lens_stale,
+        "local_boundary": plugin and vllm_env.local_boundary_tq_backend,
     }

@@ -218,6 +218,13 @@ class Features(NamedTuple):
     SoA Triton and FlyDSL kernels (0.33: ``_store_kv`` :686, continuation :839,
     ``_continuation_prefill`` :952, ``_decode_attention`` :1129; 0.28: :715, :868, :981,
     :1158), never the ones warmed here. 0.20-0.27 have no such path."""
+    local_boundary_tq_backend: bool
+    """0.20-0.33: ``ChunkedLocalAttention`` picks its backend from the cache config's
+    dtype (``chunked_local_attention.py`` 0.20-0.26:102, 0.27.1-0.33:101) before
+    ``Attention.__init__`` gives a layer in ``kv_cache_dtype_skip_layers`` the dtype
+    ``"auto"`` (``attention.py`` 0.22:264, 0.26:312, 0.33:312): a TurboQuant boundary
+    layer that is chunked local (Llama 4's layer 0) gets TurboQuant's impl with
+    ``"auto"``, which raises "Unknown TurboQuant cache dtype: 'auto'" at startup."""
     local_prefill_real_lens: bool
     """0.21-0.29: on a chunked local attention layer (Llama 4) TurboQuant's prefill loop
     takes each *virtual* request's length from ``seq_lens_cpu_upper_bound``
@@ -246,6 +253,7 @@ def features(version: Version) -> Features:
         draft_cpu_seq_lens_stale=(0, 21) <= version <= (0, 33),
         v2_ubatches=version >= (0, 30),
         rocm_flydsl=version >= (0, 28),
+        local_boundary_tq_backend=OLDEST <= version <= (0, 33),
         local_prefill_real_lens=(0, 21) <= version <= (0, 29),
     )
 

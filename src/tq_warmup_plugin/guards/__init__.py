@@ -30,9 +30,9 @@ class Guard(Protocol):
 
 def every() -> list[Guard]:
     """Every guard there is, in the order they are applied."""
-    from . import draft_seq_lens, spec_graphs, v1_cache_dtype
+    from . import draft_seq_lens, local_boundary, spec_graphs, v1_cache_dtype
 
-    return [spec_graphs, v1_cache_dtype, draft_seq_lens]
+    return [spec_graphs, v1_cache_dtype, draft_seq_lens, local_boundary]
 
 
 def active(settings: Settings) -> list[Guard]:

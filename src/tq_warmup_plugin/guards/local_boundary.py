@@ -1,0 +1,138 @@
+"""The chunked-local boundary guard: a Llama 4 with a TurboQuant KV cache starts.
+
+Why: ``ChunkedLocalAttention.__init__`` picks its attention backend from the cache
+config's dtype (``chunked_local_attention.py`` 0.20-0.26:102, 0.27.1-0.33:101) before
+``Attention.__init__`` turns the dtype of a layer listed in
+``kv_cache_dtype_skip_layers`` into ``"auto"`` (``attention.py`` 0.22:264, 0.26:312,
+0.33:312). TurboQuant adds its boundary layers (the first two and last two) to that
+list (``arg_utils.py``), so a boundary layer that is chunked local gets TurboQuant's
+backend with the dtype ``"auto"``, and ``TurboQuantAttentionImpl.__init__`` raises
+"Unknown TurboQuant cache dtype: 'auto'". Llama 4's layer 0 is chunked local: with any
+TurboQuant preset it did not start on an H200 (vLLM 0.26.0, 2026-12-01), with or
+without this plugin; the same construction raises on 0.22 and 0.33 (tests).
+
+What: for a layer whose index is in the skip list while the cache dtype is
+``turboquant_*``, ``ChunkedLocalAttention.__init__`` gets a copy of the cache config
+whose ``cache_dtype`` is ``"auto"``: the backend it picks and the dtype
+``Attention.__init__`` gives the layer are then those of vLLM's own skip path (the
+layer was going to be ``"auto"`` anyway). Every other layer, and every non-TurboQuant
+engine, gets the call unchanged. The layer index is read with vLLM's own
+``extract_layer_index``, as ``Attention.__init__`` reads it.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from .gate import install_where_needed
+
+__all__ = ["MODULE", "install", "installed", "remove", "skipped_layer"]
+
+logger = logging.getLogger("vllm.tq_warmup_plugin")
+
+MODULE = "vllm.model_executor.layers.attention.chunked_local_attention"
+"""Defines ``ChunkedLocalAttention`` in 0.20-0.33."""
+
+CLASS = "ChunkedLocalAttention"
+PREFIX = "turboquant_"
+_ORIGINAL_ATTR = "__tq_warmup_original__"
+_announced = False
+
+
+def skipped_layer(cache_config: Any, layer_index: int | None) -> bool:
+    """Whether a layer with this index keeps vLLM's own KV cache although the engine's
+    dtype is TurboQuant (the index is in ``kv_cache_dtype_skip_layers``)."""
+    dtype = getattr(cache_config, "cache_dtype", None)
+    skip = getattr(cache_config, "kv_cache_dtype_skip_layers", None) or ()
+    return (
+        isinstance(dtype, str)
+        and dtype.startswith(PREFIX)
+        and layer_index is not None
+        and str(layer_index) in skip
+    )
+
+
+def _layer_index(prefix: str) -> int | None:
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    try:
+        return int(extract_layer_index(prefix))
+    except (AssertionError, ValueError):  # no index in the name: vLLM's own path decides
+        return None
+
+
+def _guard(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        cache_config = bound.arguments.get("cache_config")
+        prefix = bound.arguments.get("prefix", "")
+        if (
+            cache_config is not None
+            and isinstance(prefix, str)
+            and skipped_layer(cache_config, _layer_index(prefix))
+        ):
+            plain = copy.copy(cache_config)
+            plain.cache_dtype = "auto"
+            bound.arguments["cache_config"] = plain
+            _announce(prefix, str(cache_config.cache_dtype))
+        original(*bound.args, **bound.kwargs)
+
+    setattr(__init__, _ORIGINAL_ATTR, original)
+    return __init__
+
+
+def _announce(prefix: str, dtype: str) -> None:
+    global _announced
+    if _announced:
+        return
+    _announced = True
+    logger.info(
+        "tq-warmup: chunked local layer %s is a TurboQuant boundary layer; giving it "
+        "vLLM's own backend, not %s's (else: Unknown TurboQuant cache dtype: 'auto')",
+        prefix,
+        dtype,
+    )
+
+
+def install(module: ModuleType) -> bool:
+    """Wrap ``ChunkedLocalAttention.__init__`` where the installed release needs it.
+    Returns whether the guard is in place; never raises into vLLM's import."""
+    return install_where_needed(
+        "chunked-local boundary",
+        lambda feats: feats.local_boundary_tq_backend,
+        lambda: _apply(module),
+    )
+
+
+def _apply(module: ModuleType) -> bool:
+    cls: type = getattr(module, CLASS)
+    if installed(module):
+        return True
+    cls.__init__ = _guard(cls.__dict__["__init__"])  # type: ignore[misc]
+    return True
+
+
+def installed(module: ModuleType) -> bool:
+    """Whether ``ChunkedLocalAttention.__init__`` is the guard."""
+    cls = getattr(module, CLASS, None)
+    return cls is not None and hasattr(cls.__dict__.get("__init__"), _ORIGINAL_ATTR)
+
+
+def remove(module: ModuleType) -> None:
+    """Give the class vLLM's own ``__init__`` back."""
+    global _announced
+    cls = getattr(module, CLASS, None)
+    current = cls.__dict__.get("__init__") if cls is not None else None
+    original = getattr(current, _ORIGINAL_ATTR, None)
+    if cls is not None and original is not None:
+        cls.__init__ = original
+    _announced = False
