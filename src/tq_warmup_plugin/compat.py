@@ -225,6 +225,14 @@ class Features(NamedTuple):
     ``"auto"`` (``attention.py`` 0.22:264, 0.26:312, 0.33:312): a TurboQuant boundary
     layer that is chunked local (Llama 4's layer 0) gets TurboQuant's impl with
     ``"auto"``, which raises "Unknown TurboQuant cache dtype: 'auto'" at startup."""
+    local_tq_spec_plain: bool
+    """0.20-0.27: a TurboQuant layer's KV-cache spec is ``TQFullAttentionSpec``
+    (``attention.py`` 0.26:677, 0.27.1:677) but a chunked local TurboQuant layer's is
+    ``ChunkedLocalAttentionSpec`` of uint8 at the full head size
+    (``chunked_local_attention.py`` 0.20-0.26:122, 0.27.1:121): 32768 bytes a page
+    beside 17152 at 128x8 heads, so a Llama 4 fails in KV-cache grouping ("page size is
+    not divisible by the maximum page size", H200, 0.26.0). 0.28+ give both the same
+    spec with ``kv_quant_mode``."""
     local_prefill_real_lens: bool
     """0.21-0.29: on a chunked local attention layer (Llama 4) TurboQuant's prefill loop
     takes each *virtual* request's length from ``seq_lens_cpu_upper_bound``
@@ -254,6 +262,7 @@ def features(version: Version) -> Features:
         v2_ubatches=version >= (0, 30),
         rocm_flydsl=version >= (0, 28),
         local_boundary_tq_backend=OLDEST <= version <= (0, 33),
+        local_tq_spec_plain=OLDEST <= version <= (0, 27),
         local_prefill_real_lens=(0, 21) <= version <= (0, 29),
     )
 

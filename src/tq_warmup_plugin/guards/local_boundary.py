@@ -18,6 +18,12 @@ whose ``cache_dtype`` is ``"auto"``: the backend it picks and the dtype
 layer was going to be ``"auto"`` anyway). Every other layer, and every non-TurboQuant
 engine, gets the call unchanged. The layer index is read with vLLM's own
 ``extract_layer_index``, as ``Attention.__init__`` reads it.
+
+Not fixed here: on 0.20-0.27 a compressed chunked local layer's KV-cache spec is not
+TurboQuant's (``compat.Features.local_tq_spec_plain``), so the engine still fails, in
+KV-cache grouping, a step later (H200, 0.26.0). The guard says so in one WARNING when
+the first such layer is built, before vLLM's error; 0.28+ give both kinds of
+TurboQuant layer the same spec.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from .. import compat
 from .gate import install_where_needed
 
 __all__ = ["MODULE", "install", "installed", "remove", "skipped_layer"]
@@ -43,6 +50,7 @@ CLASS = "ChunkedLocalAttention"
 PREFIX = "turboquant_"
 _ORIGINAL_ATTR = "__tq_warmup_original__"
 _announced = False
+_warned = False
 
 
 def skipped_layer(cache_config: Any, layer_index: int | None) -> bool:
@@ -84,6 +92,8 @@ def _guard(original: Callable[..., Any]) -> Callable[..., Any]:
             plain.cache_dtype = "auto"
             bound.arguments["cache_config"] = plain
             _announce(prefix, str(cache_config.cache_dtype))
+        elif str(getattr(cache_config, "cache_dtype", "")).startswith(PREFIX):
+            _warn_spec(str(prefix))
         original(*bound.args, **bound.kwargs)
 
     setattr(__init__, _ORIGINAL_ATTR, original)
@@ -101,6 +111,26 @@ def _announce(prefix: str, dtype: str) -> None:
         prefix,
         dtype,
     )
+
+
+def _warn_spec(prefix: str) -> None:
+    """One WARNING on releases whose compressed chunked local layers cannot start."""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    feats = compat.release_features(compat.installed_vllm_version())
+    if feats.local_tq_spec_plain:
+        major, minor = feats.version
+        logger.warning(
+            "tq-warmup: vLLM %d.%d cannot serve TurboQuant on chunked local attention "
+            "layers (%s, Llama 4): their KV-cache spec is not TurboQuant's, so startup "
+            "fails in KV-cache grouping (upstream; fixed in 0.28); use vLLM 0.28+ or "
+            "--kv-cache-dtype auto",
+            major,
+            minor,
+            prefix,
+        )
 
 
 def install(module: ModuleType) -> bool:
@@ -129,10 +159,10 @@ def installed(module: ModuleType) -> bool:
 
 def remove(module: ModuleType) -> None:
     """Give the class vLLM's own ``__init__`` back."""
-    global _announced
+    global _announced, _warned
     cls = getattr(module, CLASS, None)
     current = cls.__dict__.get("__init__") if cls is not None else None
     original = getattr(current, _ORIGINAL_ATTR, None)
     if cls is not None and original is not None:
         cls.__init__ = original
-    _announced = False
+    _announced = _warned = False
