@@ -119,7 +119,10 @@ def _warn_spec(prefix: str) -> None:
     if _warned:
         return
     _warned = True
-    feats = compat.release_features(compat.installed_vllm_version())
+    try:
+        feats = compat.release_features(compat.installed_vllm_version())
+    except compat.UnsupportedRelease:  # not installed there; never raise into vLLM
+        return
     if feats.local_tq_spec_plain:
         major, minor = feats.version
         logger.warning(
