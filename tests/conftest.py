@@ -37,6 +37,20 @@ def _without_the_callers_tq_warmup() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
+def _plugin_hooks_restored() -> Iterator[None]:
+    """Each test leaves the plugin's import hook as it found it. A test that lets vLLM
+    load its plugins in-process (``EngineArgs.create_model_config`` does) installs this
+    plugin's hook and guards for the rest of the session; a later test that installs its
+    own, on stand-in modules, then found one in place and patched nothing."""
+    from tq_warmup_plugin import install
+
+    before = install.hooked()
+    yield
+    if not before and install.hooked():
+        install.uninstall()
+
+
+@pytest.fixture(autouse=True)
 def _environment_restored() -> Iterator[None]:
     """Each test leaves ``os.environ`` as it found it. ``cli.main()`` run in-process sets
     ``VLLM_LOGGING_LEVEL=ERROR`` and ``TRITON_CACHE_DIR`` for its own (normally

@@ -127,7 +127,7 @@ class _PatchOnImport:
 def install(settings: Settings) -> None:
     """Idempotently patch every module we adjust, now and on later import."""
     todo = patches(settings)
-    if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+    if not hooked():
         sys.meta_path.insert(0, _PatchOnImport(todo))
     for name, module_patches in todo.items():
         loaded = sys.modules.get(name)
@@ -152,10 +152,15 @@ def uninstall() -> None:
             module.kernel_warmup = original  # type: ignore[union-attr]
 
 
+def hooked() -> bool:
+    """Whether the import hook is on ``sys.meta_path`` (``install`` put it there)."""
+    return any(isinstance(f, _PatchOnImport) for f in sys.meta_path)
+
+
 def installed() -> bool:
     """Whether the defining module's ``kernel_warmup`` is currently our wrapper."""
     module = sys.modules.get(compat.WARMUP_MODULE)
     return module is not None and hasattr(module.kernel_warmup, _ORIGINAL_ATTR)
 
 
-__all__ = ["install", "installed", "uninstall", "warm_worker", "wrap"]
+__all__ = ["hooked", "install", "installed", "uninstall", "warm_worker", "wrap"]
