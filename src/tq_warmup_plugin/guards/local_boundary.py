@@ -81,19 +81,17 @@ def _guard(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         bound = signature.bind(self, *args, **kwargs)
-        cache_config = bound.arguments.get("cache_config")
-        prefix = bound.arguments.get("prefix", "")
-        if (
-            cache_config is not None
-            and isinstance(prefix, str)
-            and skipped_layer(cache_config, _layer_index(prefix))
-        ):
-            plain = copy.copy(cache_config)
-            plain.cache_dtype = "auto"
-            bound.arguments["cache_config"] = plain
-            _announce(prefix, str(cache_config.cache_dtype))
-        elif str(getattr(cache_config, "cache_dtype", "")).startswith(PREFIX):
-            _warn_spec(str(prefix))
+        cache_config: Any = bound.arguments.get("cache_config")
+        prefix = str(bound.arguments.get("prefix", ""))
+        dtype = str(getattr(cache_config, "cache_dtype", ""))
+        if dtype.startswith(PREFIX):  # a TurboQuant engine: boundary layer or compressed
+            if skipped_layer(cache_config, _layer_index(prefix)):
+                plain = copy.copy(cache_config)
+                plain.cache_dtype = "auto"
+                bound.arguments["cache_config"] = plain
+                _announce(prefix, dtype)
+            else:
+                _warn_spec(prefix)
         original(*bound.args, **bound.kwargs)
 
     setattr(__init__, _ORIGINAL_ATTR, original)
