@@ -37,6 +37,7 @@ __all__ = [
     "STAGE2_MODULE",
     "STORE_MODULE",
     "TQ_CONFIG_MODULE",
+    "TQ_DTYPE_PREFIX",
     "UBATCH_VIEWS_V1",
     "WARMUP_MODULE",
     "WORKER_MODULE",
@@ -863,6 +864,9 @@ def with_csv_items(value: str, items: tuple[str, ...]) -> str:
 
 MODEL_CONFIG_MODULE = "vllm.config"
 TQ_CONFIG_MODULE = "vllm.model_executor.layers.quantization.turboquant.config"
+TQ_DTYPE_PREFIX = "turboquant_"
+"""What every TurboQuant ``kv_cache_dtype`` starts with (0.20-0.33); vLLM selects
+TurboQuant's backend, and adds its boundary layers to the skip list, on that prefix."""
 
 # Models whose vLLM code sets the attention scale from a config field instead of
 # ``head_size**-0.5`` (model_executor/models, 0.20-0.33): gemma2/gemma3/rnj1

@@ -47,7 +47,6 @@ MODULE = "vllm.model_executor.layers.attention.chunked_local_attention"
 """Defines ``ChunkedLocalAttention`` in 0.20-0.33."""
 
 CLASS = "ChunkedLocalAttention"
-PREFIX = "turboquant_"
 _ORIGINAL_ATTR = "__tq_warmup_original__"
 _announced = False
 _warned = False
@@ -60,7 +59,7 @@ def skipped_layer(cache_config: Any, layer_index: int | None) -> bool:
     skip = getattr(cache_config, "kv_cache_dtype_skip_layers", None) or ()
     return (
         isinstance(dtype, str)
-        and dtype.startswith(PREFIX)
+        and dtype.startswith(compat.TQ_DTYPE_PREFIX)
         and layer_index is not None
         and str(layer_index) in skip
     )
@@ -84,7 +83,9 @@ def _guard(original: Callable[..., Any]) -> Callable[..., Any]:
         cache_config: Any = bound.arguments.get("cache_config")
         prefix = str(bound.arguments.get("prefix", ""))
         dtype = str(getattr(cache_config, "cache_dtype", ""))
-        if dtype.startswith(PREFIX):  # a TurboQuant engine: boundary layer or compressed
+        if dtype.startswith(
+            compat.TQ_DTYPE_PREFIX
+        ):  # a TurboQuant engine: boundary layer or compressed
             if skipped_layer(cache_config, _layer_index(prefix)):
                 plain = copy.copy(cache_config)
                 plain.cache_dtype = "auto"

@@ -41,7 +41,6 @@ MODULE = compat.BACKEND_MODULE
 
 BACKEND_CLASS = "TurboQuantAttentionBackend"
 IMPL_CLASS = "TurboQuantAttentionImpl"
-PREFIX = "turboquant_"
 
 _GUARD_ATTR = "__tq_warmup_v1_cache_dtype_guard__"
 _REPLACED_ATTR = "__tq_warmup_replaced__"
@@ -54,7 +53,7 @@ _declined = False
 def substitute(cache_dtype_str: str, presets: set[str]) -> str | None:
     """The dtype to hand vLLM's shape function in place of ``cache_dtype_str``, or None
     to hand it ``cache_dtype_str`` unchanged (a TurboQuant dtype, or no single preset)."""
-    if cache_dtype_str.startswith(PREFIX) or len(presets) != 1:
+    if cache_dtype_str.startswith(compat.TQ_DTYPE_PREFIX) or len(presets) != 1:
         return None
     return next(iter(presets))
 
@@ -112,7 +111,7 @@ def _guard_shape(original: Callable[..., Any]) -> Callable[..., Any]:
             if preset is not None:
                 _log_substitution(given, preset)
                 kwargs["cache_dtype_str"] = preset
-            elif not given.startswith(PREFIX):
+            elif not given.startswith(compat.TQ_DTYPE_PREFIX):
                 _log_declined(given)
         return original(*args, **kwargs)
 
@@ -128,7 +127,7 @@ def _recording_init(original: Callable[..., Any]) -> Callable[..., Any]:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         dtype = getattr(self, "kv_cache_dtype", None)
-        if isinstance(dtype, str) and dtype.startswith(PREFIX):
+        if isinstance(dtype, str) and dtype.startswith(compat.TQ_DTYPE_PREFIX):
             _presets.add(dtype)
 
     setattr(__init__, _GUARD_ATTR, True)
