@@ -22,7 +22,8 @@ NAME = tq_warmup_plugin.__name__
 # the package's modules on the register path, and the top-level names of the standard
 # library modules they pull in. 3.10 parses regular expressions with sre_*. Since
 # issue 13 also ``multinode`` (TQ_WARMUP* forwarded to Ray workers, stdlib only); since
-# issue 11 the chunked-local boundary guard (stdlib only).
+# issue 11 the chunked-local boundary guard (stdlib only); since issue 23 the batched
+# verify guard and its rows (stdlib only: torch is imported when a builder builds).
 REGISTER_MODULES = {
     NAME,
     f"{NAME}.compat",
@@ -30,6 +31,8 @@ REGISTER_MODULES = {
     f"{NAME}.guards.draft_seq_lens",
     f"{NAME}.guards.gate",
     f"{NAME}.guards.local_boundary",
+    f"{NAME}.guards.batched_verify",
+    f"{NAME}.verify_rows",
     f"{NAME}.guards.spec_graphs",
     f"{NAME}.guards.v1_cache_dtype",
     f"{NAME}.install",

@@ -62,6 +62,7 @@ GATE_COLUMNS = (
     "uses_workspace",
     "unrotate_fp16",
     "spec_graphs_unsafe",
+    "spec_verify_batched",
     "v1_tq_cache_dtype_lost",
     "prefill_buffers_cached",
     "draft_cpu_seq_lens_stale",
@@ -73,16 +74,16 @@ GATE_COLUMNS = (
 )
 T, F = True, False
 GATES = {
-    (0, 20): (F, F, F, F, F, F, T, F, F, F, F, F, T, T, F),
-    (0, 21): (F, F, T, T, T, T, T, F, T, T, F, F, T, T, T),
-    (0, 23): (F, F, T, T, T, T, T, F, T, T, F, F, T, T, T),
-    (0, 24): (F, F, T, T, T, T, T, F, T, T, F, F, T, T, T),
-    (0, 25): (F, F, T, T, T, T, T, T, T, T, F, F, T, T, T),
-    (0, 26): (T, T, T, T, T, T, T, T, T, T, F, F, T, T, T),
-    (0, 28): (T, T, T, T, T, T, T, F, T, T, F, T, T, F, T),
-    (0, 29): (T, F, T, T, T, T, T, F, T, T, F, T, T, F, T),
-    (0, 30): (T, F, T, T, T, T, T, F, T, T, T, T, T, F, F),
-    (0, 33): (T, F, T, T, T, T, T, F, T, T, T, T, T, F, F),
+    (0, 20): (F, F, F, F, F, F, T, F, F, F, F, F, F, T, T, F),
+    (0, 21): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T),
+    (0, 23): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T),
+    (0, 24): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T),
+    (0, 25): (F, F, T, T, T, T, T, T, T, T, T, F, F, T, T, T),
+    (0, 26): (T, T, T, T, T, T, T, T, T, T, T, F, F, T, T, T),
+    (0, 28): (T, T, T, T, T, T, T, T, F, T, T, F, T, T, F, T),
+    (0, 29): (T, F, T, T, T, T, T, T, F, T, T, F, T, T, F, T),
+    (0, 30): (T, F, T, T, T, T, T, T, F, T, T, T, T, T, F, F),
+    (0, 33): (T, F, T, T, T, T, T, T, F, T, T, T, T, T, F, F),
 }
 
 

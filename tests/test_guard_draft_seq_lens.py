@@ -122,10 +122,16 @@ def test_unsupported_release_leaves_vllm_alone(
     ]
 
 
-def test_spec_guard_setting_turns_both_guards_off() -> None:
+def test_spec_guard_setting_picks_the_verify_path_and_turns_all_off() -> None:
+    from tq_warmup_plugin.guards import batched_verify
+
     assert guard in guards.every()
-    assert {spec_graphs, guard} <= set(guards.active(Settings()))
-    assert not {spec_graphs, guard} & set(guards.active(Settings(spec_guard=False)))
+    assert {batched_verify, guard} <= set(guards.active(Settings()))
+    assert spec_graphs not in guards.active(Settings())  # batched_verify installs the cap
+    piecewise = set(guards.active(Settings(spec_piecewise=True)))
+    assert {spec_graphs, guard} <= piecewise and batched_verify not in piecewise
+    off = set(guards.active(Settings(spec_guard=False)))
+    assert not {spec_graphs, batched_verify, guard} & off
 
 
 @pytest.mark.parametrize("enabled", [True, False])

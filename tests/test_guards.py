@@ -158,7 +158,7 @@ def test_import_hook_guards_the_backend_when_it_is_imported(
     )
     monkeypatch.setattr(guard, "MODULE", name)
     with fakes.package_on_path(tmp_path, monkeypatch, name, source):
-        install.install(Settings(spec_guard=enabled))
+        install.install(Settings(spec_guard=enabled, spec_piecewise=True))
         try:
             module = importlib.import_module(name)
             assert guard.installed(module) is enabled
@@ -218,15 +218,20 @@ def test_real_builder_and_vllms_mode_resolution(real_backend: Any, k: int) -> No
 
 @pytest.mark.real_vllm
 @pytest.mark.parametrize(
-    ("env", "spec_guards", "plugin"),
+    ("env", "spec_guards", "batched", "plugin"),
     [
-        ({}, True, True),
-        ({"TQ_WARMUP_SPEC_GUARD": "0"}, False, True),
-        ({"TQ_WARMUP": "0"}, False, False),
+        ({}, True, True, True),
+        ({"TQ_WARMUP_SPEC_GUARD": "piecewise"}, True, False, True),
+        ({"TQ_WARMUP_SPEC_GUARD": "0"}, False, False, True),
+        ({"TQ_WARMUP": "0"}, False, False, False),
     ],
 )
 def test_vllms_plugin_loader_installs_each_guard_where_its_gate_is_on(
-    vllm_env: compat.Features, env: dict[str, str], spec_guards: bool, plugin: bool
+    vllm_env: compat.Features,
+    env: dict[str, str],
+    spec_guards: bool,
+    batched: bool,
+    plugin: bool,
 ) -> None:
     """Through vLLM's own plugin loader, then vLLM importing each guarded module: the
     speculative-decoding guards follow TQ_WARMUP_SPEC_GUARD, the V1 cache-dtype and the
@@ -248,6 +253,9 @@ def test_vllms_plugin_loader_installs_each_guard_where_its_gate_is_on(
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {
+        "batched_verify": batched and vllm_env.spec_verify_batched,
+        # The cap: alone on request or where the rows are unproven, else for what they
+        # do not serve.
         "spec_graphs": spec_guards and vllm_env.spec_graphs_unsafe,
         "v1_cache_dtype": plugin and vllm_env.v1_tq_cache_dtype_lost,
         "draft_seq_lens": spec_guards and vllm_env.draft_cpu_seq_lens_stale,

@@ -70,9 +70,10 @@ def test_an_unrecognised_flag_keeps_the_default_and_says_so(
     got, problems = parse({name: raw})
     assert got == Settings()
     assert getattr(got, field) is (default == "on")
+    also = " / piecewise" if name == "TQ_WARMUP_SPEC_GUARD" else ""
     assert problems == [
         f"tq-warmup: {name}={raw!r} is not one of 1, true, on, yes / 0, false, off, no "
-        f"(any case): using the default ({default})"
+        f"(any case){also}: using the default ({default})"
     ]
 
 
@@ -161,3 +162,19 @@ def test_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TQ_WARMUP_THREADS", "3")
     assert load() == Settings(enabled=False, threads=3)
     assert parse() == (Settings(enabled=False, threads=3), [])
+
+
+@pytest.mark.parametrize(
+    ("value", "guard", "piecewise"),
+    [
+        ("", True, False),
+        ("1", True, False),
+        ("piecewise", True, True),
+        (" PieceWise ", True, True),
+        ("0", False, False),
+        ("off", False, False),
+    ],
+)
+def test_spec_guard_values(value: str, guard: bool, piecewise: bool) -> None:
+    settings, problems = parse({"TQ_WARMUP_SPEC_GUARD": value})
+    assert (settings.spec_guard, settings.spec_piecewise, problems) == (guard, piecewise, [])

@@ -63,6 +63,7 @@ __all__ = [
     "kv_view",
     "kv_view_strides",
     "local_attention_chunk",
+    "metadata_builder",
     "model_scale",
     "model_shape",
     "parse_version",
@@ -75,6 +76,7 @@ __all__ = [
     "same_release",
     "single_token_decode_support",
     "spec_decode_problem",
+    "spec_decode_threshold",
     "speculative_decoding",
     "speculative_setup",
     "storage_bytes",
@@ -184,6 +186,9 @@ class Features(NamedTuple):
     cached context ignored (upstream #40831, #52475, #53180), 0.20 calls ``.tolist()``
     on GPU tensors during capture and fails at startup (#40807). The fixes (#43747,
     #53406) are unmerged in every release up to 0.33."""
+    spec_verify_batched: bool
+    """0.21-0.33: verify batches can be served as decode rows inside FULL graphs
+    (``guards/batched_verify.py``); 0.20 keeps decode scratch on the layer."""
     v1_tq_cache_dtype_lost: bool
     """0.25-0.26: ``TQFullAttentionSpec`` is built without ``kv_quant_mode``
     (``attention.py`` 0.25:672-679, 0.26:677-684), so the V1 runner passes
@@ -257,6 +262,7 @@ def features(version: Version) -> Features:
         uses_workspace=version >= (0, 21),
         unrotate_fp16=version >= (0, 21),
         spec_graphs_unsafe=OLDEST <= version <= (0, 33),
+        spec_verify_batched=(0, 21) <= version <= (0, 33),
         v1_tq_cache_dtype_lost=(0, 25) <= version <= (0, 26),
         prefill_buffers_cached=version >= (0, 21),
         draft_cpu_seq_lens_stale=(0, 21) <= version <= (0, 33),
@@ -430,6 +436,7 @@ def spec_decode_problem(
     async_scheduling: bool,
     runner_v2: bool,
     draft_guarded: bool = True,
+    batched_verify: bool = False,
 ) -> str | None:
     """The one-line warning for a speculative-decoding setup whose TurboQuant sequence
     lengths the plugin does not fix, else None. ``method`` is
@@ -444,6 +451,8 @@ def spec_decode_problem(
       (``step=0``, ``standalone_ar/speculator.py`` 0.33:230, ``speculator.py``
       0.33:362-368) for queries one token longer, the same -1 as on V1;
     * draft_model on V1 without the guard (``TQ_WARMUP_SPEC_GUARD=0``).
+    ``batched_verify``: the batched verify path serves the verify batches; their rows
+    take the device's exact lengths, so async scheduling is no cause.
     """
     if method is None or not feats.draft_cpu_seq_lens_stale:
         return None
@@ -460,7 +469,7 @@ def spec_decode_problem(
             'prompt over 128 tokens crashes ("expanded size ... (0)"); '
             "TQ_WARMUP_SPEC_GUARD=0 turned the plugin's fix off"
         )
-    if async_scheduling:
+    if async_scheduling and not batched_verify:
         causes.append(
             "TurboQuant reads seq_lens_cpu_upper_bound, which assumes every draft was "
             "accepted, as the exact length: after a rejected draft it attends past the "
@@ -518,6 +527,23 @@ def speculative_setup(vllm_config: Any) -> tuple[str | None, bool]:
         None if method is None else str(method),
         bool(getattr(scheduler, "async_scheduling", False)),
     )
+
+
+def spec_decode_threshold(vllm_config: Any) -> int:
+    """The decode threshold of a builder that supports spec-as-decode
+    (``AttentionMetadataBuilder._init_reorder_batch_threshold(1, True)``), 0 where it
+    stays 1: no speculative decoding, or decode context parallelism, which forces 1
+    (0.21-0.33). 0.33: vLLM's own ``max_decode_query_len`` (``backend.py:572``);
+    0.21-0.32: ``1 + k``, doubled under ``parallel_drafting``."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    k = getattr(spec, "num_speculative_tokens", None) if spec is not None else None
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if not k or int(getattr(parallel, "decode_context_parallel_size", 1) or 1) > 1:
+        return 0
+    own = getattr(importlib.import_module(ATTENTION_MODULE), "max_decode_query_len", None)
+    if own is not None:
+        return int(own(vllm_config))
+    return 1 + (2 if getattr(spec, "parallel_drafting", False) else 1) * int(k)
 
 
 def single_token_decode_support() -> Any:
@@ -811,6 +837,13 @@ def flydsl_layer(feats: Features, impl: Any) -> bool:
     the decode and both continuation paths branch on it or on ``_use_flydsl``, set
     together)."""
     return feats.rocm_flydsl and getattr(impl, "_soa_store", False) is True
+
+
+def metadata_builder(group: Any) -> Any:
+    """The first (ubatch 0) metadata builder of an attention group:
+    ``AttentionGroup.get_metadata_builder()`` (0.20-0.33, V1 and V2), None without."""
+    getter = getattr(group, "get_metadata_builder", None)
+    return getter() if callable(getter) else None
 
 
 def local_attention_chunk(layer: Any) -> int | None:

@@ -8,6 +8,7 @@ from typing import Any
 from . import compat
 from .compat import Features
 from .geometry import Geometry
+from .guards import batched_verify
 
 __all__ = ["PREFILL_ONLY_PATHS", "Discovery", "discover", "layer_geometry"]
 
@@ -49,6 +50,7 @@ def layer_geometry(
     feats: Features,
     runner_v2: bool = False,
     pointer_ranges: bool = False,
+    verify_len: int = 0,
 ) -> Geometry:
     """The geometry of one live TurboQuant ``Attention`` layer.
 
@@ -94,6 +96,7 @@ def layer_geometry(
         kv_storage_bytes=compat.storage_bytes(kv) if pointer_ranges else 0,
         block_table_bytes=compat.storage_bytes(block_table) if pointer_ranges else 0,
         attention_chunk=compat.local_attention_chunk(layer) or 0,
+        verify_len=verify_len,
     )
     geometry.check()
     return geometry
@@ -152,8 +155,15 @@ def discover(worker: Any, feats: Features) -> Discovery:
                     continue
                 try:
                     table = compat.block_table(runner, group, group.kv_cache_group_id, use_v2)
+                    rows = batched_verify.rows_of(compat.metadata_builder(group))
                     found.geometries[name] = layer_geometry(
-                        layer, table, vllm_config, feats, use_v2, ranges
+                        layer,
+                        table,
+                        vllm_config,
+                        feats,
+                        use_v2,
+                        ranges,
+                        rows.query_len if rows else 0,
                     )
                     found.impls[name] = impl
                     found.device = layer.kv_cache.device

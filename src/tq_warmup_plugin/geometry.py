@@ -81,6 +81,7 @@ LATER_FIELDS = (
     "block_table_bytes",
     "workspace_bytes",
     "attention_chunk",
+    "verify_len",
 )
 """``Geometry`` fields with a default that reports written before them lack."""
 
@@ -136,6 +137,9 @@ class Geometry:
     """``attention_chunk_size`` of a chunked local attention layer (Llama 4,
     ``compat.local_attention_chunk``); 0 for any other layer. Such a layer's kernels
     never see the runner's block table but a virtual-batch one (``local_width``)."""
+    verify_len: int = 0
+    """``1 + k`` where the batched verify path serves the layer's builder (its decode
+    threshold, ``guards/batched_verify.py``), else 0."""
 
     @property
     def preset(self) -> Preset:
@@ -169,8 +173,12 @@ class Geometry:
         A chunked local layer's virtual batch splits a 2-token query whose cached
         length ends one token before a chunk boundary into two 1-token virtual
         requests, both decodes (TurboQuant's threshold is 1): at most two rows per
-        request, and no more than ``max_num_seqs`` plus half the token budget."""
+        request, and no more than ``max_num_seqs`` plus half the token budget.
+        Served by the batched verify path, a decode launch takes one row per token of
+        requests of up to ``verify_len`` tokens: ``max_num_seqs * verify_len``."""
         s, t = self.max_num_seqs, self.max_num_batched_tokens
+        if self.verify_len:
+            return s * self.verify_len
         return min(2 * s, s + t // 2) if self.attention_chunk else s
 
     def to_dict(self) -> dict[str, object]:

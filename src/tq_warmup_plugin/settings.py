@@ -46,8 +46,11 @@ class Settings(NamedTuple):
         non-Triton kernels (cuBLAS, FlashAttention) once on a CUDA device, so CUDA
         loads their modules at startup instead of in the first long request.
     spec_guard: ``TQ_WARMUP_SPEC_GUARD`` (default on): under speculative decoding,
-        TurboQuant's metadata builder reports ``UNIFORM_SINGLE_TOKEN_DECODE``, so vLLM
-        captures no FULL CUDA graph of a verify batch (``guards/spec_graphs.py`` says why).
+        verify batches take the batched verify path (``guards/batched_verify.py``) where
+        it is proven, else run PIECEWISE (``guards/spec_graphs.py`` says why); ``0`` turns
+        both off.
+    spec_piecewise: ``TQ_WARMUP_SPEC_GUARD=piecewise``: the PIECEWISE cap everywhere,
+        never the batched path.
     """
 
     enabled: bool = True
@@ -56,12 +59,15 @@ class Settings(NamedTuple):
     threads: int = DEFAULT_THREADS
     launch: bool = True
     spec_guard: bool = True
+    spec_piecewise: bool = False
 
 
 _FLAG_VALUES = "1, true, on, yes / 0, false, off, no (any case)"
 
 
-def _flag(env: Mapping[str, str], name: str, default: bool, problems: list[str]) -> bool:
+def _flag(
+    env: Mapping[str, str], name: str, default: bool, problems: list[str], also: str = ""
+) -> bool:
     raw = env.get(name, "")
     value = raw.strip().lower()
     if value in _FALSE:
@@ -70,7 +76,7 @@ def _flag(env: Mapping[str, str], name: str, default: bool, problems: list[str])
         return True
     if raw:
         problems.append(
-            f"tq-warmup: {name}={raw!r} is not one of {_FLAG_VALUES}: "
+            f"tq-warmup: {name}={raw!r} is not one of {_FLAG_VALUES}{also}: "
             f"using the default ({'on' if default else 'off'})"
         )
     return default
@@ -116,13 +122,16 @@ def parse(env: Mapping[str, str] | None = None) -> tuple[Settings, list[str]]:
     default, or the nearest accepted value, is used instead). Logs nothing."""
     env = os.environ if env is None else env
     problems: list[str] = []
+    spec_piecewise = env.get("TQ_WARMUP_SPEC_GUARD", "").strip().lower() == "piecewise"
     settings = Settings(
         enabled=_flag(env, "TQ_WARMUP", True, problems),
         strict=_flag(env, "TQ_WARMUP_STRICT", False, problems),
         report_path=_report_path(env, "TQ_WARMUP_REPORT", problems),
         threads=_threads(env, "TQ_WARMUP_THREADS", problems),
         launch=_flag(env, "TQ_WARMUP_LAUNCH", True, problems),
-        spec_guard=_flag(env, "TQ_WARMUP_SPEC_GUARD", True, problems),
+        spec_guard=spec_piecewise
+        or _flag(env, "TQ_WARMUP_SPEC_GUARD", True, problems, " / piecewise"),
+        spec_piecewise=spec_piecewise,
     )
     return settings, problems
 

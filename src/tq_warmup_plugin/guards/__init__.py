@@ -30,14 +30,18 @@ class Guard(Protocol):
 
 def every() -> list[Guard]:
     """Every guard there is, in the order they are applied."""
-    from . import draft_seq_lens, local_boundary, spec_graphs, v1_cache_dtype
+    from . import batched_verify, draft_seq_lens, local_boundary, spec_graphs, v1_cache_dtype
 
-    return [spec_graphs, v1_cache_dtype, draft_seq_lens, local_boundary]
+    return [batched_verify, spec_graphs, v1_cache_dtype, draft_seq_lens, local_boundary]
 
 
 def active(settings: Settings) -> list[Guard]:
-    """The guards these settings turn on."""
-    from . import draft_seq_lens, spec_graphs
+    """The guards these settings turn on: for verify batches the batched path (which
+    falls back to the PIECEWISE cap where it does not serve) or, on request, the cap."""
+    from . import batched_verify, draft_seq_lens, spec_graphs
 
-    off = set() if settings.spec_guard else {spec_graphs, draft_seq_lens}
+    if not settings.spec_guard:
+        off: set[object] = {batched_verify, spec_graphs, draft_seq_lens}
+    else:
+        off = {batched_verify} if settings.spec_piecewise else {spec_graphs}
     return [guard for guard in every() if guard not in off]

@@ -15,6 +15,11 @@ without a FULL graph (``resolve_cudagraph_mode_and_sizes``: FULL decode graphs w
 Without speculative decoding vLLM's own value is returned unchanged. The builder's
 support level is read while the KV cache is initialised, before ``kernel_warmup``,
 so this is installed when the backend module is imported, not in the worker.
+
+This cap is the fallback of the batched verify path (``batched_verify``), which serves
+verify batches inside FULL graphs where it is proven: installed by it, the cap exempts
+the configurations it serves; installed alone (``TQ_WARMUP_SPEC_GUARD=piecewise``) it
+caps every speculative configuration.
 """
 
 from __future__ import annotations
@@ -37,6 +42,10 @@ MODULE = compat.BACKEND_MODULE
 
 _GUARD_ATTR = "__tq_warmup_spec_guard__"
 _announced = False
+_exempt: Callable[[Any], bool] | None = None
+"""Configurations another verify path serves (``batched_verify.serves``): not capped."""
+_why = "TQ_WARMUP_SPEC_GUARD=piecewise"
+"""Why verify batches run PIECEWISE, for the INFO line."""
 
 
 def capped_support(support: Any, speculative: bool, cap: Any) -> Any:
@@ -52,8 +61,9 @@ def _announce(builder: type, support: Any, cap: Any) -> None:
     _announced = True
     logger.info(
         "tq-warmup: speculative decoding with TurboQuant: verify batches run PIECEWISE "
-        "(%s reports %s instead of %s: a FULL graph of a verify batch ignores the cached "
-        "context); TQ_WARMUP_SPEC_GUARD=0 turns this off",
+        "(%s; %s reports %s instead of %s: a FULL graph of a verify batch through the "
+        "per-request loop ignores the cached context); TQ_WARMUP_SPEC_GUARD=0 turns this off",
+        _why,
         builder.__name__,
         cap.name,
         support.name,
@@ -67,7 +77,10 @@ def _guard(original: Callable[..., Any]) -> Callable[..., Any]:
     def get_cudagraph_support(cls: type, vllm_config: Any, kv_cache_spec: Any) -> Any:
         support = original(cls, vllm_config, kv_cache_spec)
         cap = compat.single_token_decode_support()
-        capped = capped_support(support, compat.speculative_decoding(vllm_config), cap)
+        unsafe = compat.speculative_decoding(vllm_config) and not (
+            _exempt is not None and _exempt(vllm_config)
+        )
+        capped = capped_support(support, unsafe, cap)
         if capped is not support:
             _announce(cls, support, cap)
         return capped
@@ -97,9 +110,17 @@ def _init_subclass_guarded(cls: Any, /, **kwargs: Any) -> None:
         _guard_class(cls)
 
 
-def install(backend: ModuleType) -> bool:
-    """Guard the backend module's builder class when the installed release needs it.
-    Returns whether the guard is in place; never raises into vLLM's import."""
+def install(
+    backend: ModuleType,
+    exempt: Callable[[Any], bool] | None = None,
+    why: str = "TQ_WARMUP_SPEC_GUARD=piecewise",
+) -> bool:
+    """Guard the backend module's builder class when the installed release needs it,
+    leaving the configurations ``exempt`` names to another path; ``why`` the cap is in
+    force goes into the INFO line. Returns whether the guard is in place; never raises
+    into vLLM's import."""
+    global _exempt, _why
+    _exempt, _why = exempt, why
     return install_where_needed(
         "speculative-decoding", lambda feats: feats.spec_graphs_unsafe, lambda: _apply(backend)
     )
@@ -124,6 +145,8 @@ def installed(backend: ModuleType) -> bool:
 
 def remove(backend: ModuleType) -> None:
     """Give the builder (and subclasses guarded since) vLLM's own methods back."""
+    global _exempt
+    _exempt = None
     builder = getattr(backend, compat.BUILDER_CLASS, None)
     if builder is None or not builder.__dict__.get(_GUARD_ATTR):
         return

@@ -1,0 +1,173 @@
+"""The batched verify path: speculative verify batches as one capturable decode launch.
+
+Why: the PIECEWISE cap (``spec_graphs``) keeps verify tokens right, but each
+TurboQuant layer's verify attention then runs outside the graph through
+``_prefill_attention``'s per-request loop (one decode launch, ``.tolist()`` reads and
+scratch per request and layer). On the H200 (vLLM 0.26.0, Llama-3-8B shape,
+``turboquant_4bit_nc``, ngram k=2, 1000-token prompts) that kept 51% of the unguarded
+FULL-graph throughput at batch 1 (175 vs 344 tok/s) and 28% at batch 8 (458 vs 1639),
+below no speculative decoding at all (1029). Upstream #40914 (a uniform-batch branch
+that allocates during replay and lets mixed batches reach the loop) and #53410
+(spec-as-decode rows, unmerged) do not serve both needs in any release up to 0.33.
+
+What, under speculative decoding on a release with ``Features.spec_verify_batched``:
+* the builder treats requests of up to ``1 + k`` tokens as decodes: its own
+  ``_init_reorder_batch_threshold(1, supports_spec_as_decode=True)`` (0.21-0.33), so the
+  runner orders them first (V1 ``reorder_batch_to_split_decodes_and_prefills``, V2
+  ``sort_batch_req_ids``);
+* every metadata it builds has that decode part rewritten into one row per query token
+  (``verify_rows.VerifyRows``): vLLM's own ``forward`` then runs its pure-decode (or
+  mixed) branch, one ``_decode_attention`` launch per layer over those rows, with scratch
+  from the workspace the plugin reserves for ``max_num_seqs * (1 + k)`` rows; prefill
+  chunks after them keep vLLM's path;
+* the builder keeps vLLM's ``UNIFORM_BATCH``, so uniform verify batches are captured
+  FULL with the rows inside; configurations the rows do not serve (decode context
+  parallelism forces the threshold to 1, 0.21-0.33) keep the PIECEWISE cap.
+The KV cache layout never matters here: the rows are metadata, and vLLM's
+``_decode_attention`` hands the kernels its own view (token-major 0.20-0.25 and
+0.29-0.33, head-major 0.26-0.28). Releases without the gate (0.20: decode scratch
+lives on the layer and grows with ``torch.empty``, and the metadata has no host copies)
+get the PIECEWISE cap, said in one line.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from .. import compat
+from ..verify_rows import VerifyRows
+from . import spec_graphs
+from .gate import install_where_needed
+
+__all__ = ["MODULE", "ROWS_ATTR", "install", "installed", "remove", "rows_of", "serves"]
+
+logger = logging.getLogger("vllm.tq_warmup_plugin")
+
+MODULE = compat.BACKEND_MODULE
+"""The vLLM module this guard adjusts once it has executed."""
+
+ROWS_ATTR = "_tq_warmup_verify_rows"
+"""The builder attribute holding its ``VerifyRows`` while the path serves it."""
+_GUARD_ATTR = "__tq_warmup_batched_verify__"
+_ORIGINAL_ATTR = "__tq_warmup_original__"
+_announced = False
+
+
+def serves(vllm_config: Any) -> bool:
+    """Whether a TurboQuant builder of this configuration takes the batched path: a
+    TurboQuant cache under speculative decoding whose builders' decode threshold can
+    exceed 1 (``compat.spec_decode_threshold``)."""
+    cache = getattr(vllm_config, "cache_config", None)
+    dtype = str(getattr(cache, "cache_dtype", ""))
+    threshold = compat.spec_decode_threshold(vllm_config)
+    return dtype.startswith(compat.TQ_DTYPE_PREFIX) and threshold > 1
+
+
+def rows_of(builder: Any) -> VerifyRows | None:
+    """The builder's rows while the batched path serves it, else None."""
+    rows = getattr(builder, ROWS_ATTR, None)
+    return rows if isinstance(rows, VerifyRows) else None
+
+
+def _announce(rows: VerifyRows, k_tokens: int) -> None:
+    global _announced
+    if _announced:
+        return
+    _announced = True
+    logger.info(
+        "tq-warmup: speculative decoding with TurboQuant: verify batches take the batched "
+        "decode path (requests of up to %d tokens as one decode row per token, %d rows, "
+        "one launch per layer; FULL CUDA graphs of verify batches kept); "
+        "TQ_WARMUP_SPEC_GUARD=piecewise forces PIECEWISE, 0 turns both off",
+        k_tokens,
+        rows.capacity,
+    )
+
+
+def _serve(builder: Any) -> None:
+    """After vLLM's ``__init__``: the spec-as-decode threshold and the builder's rows."""
+    config = builder.vllm_config
+    if not serves(config):
+        return
+    builder._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+    # The support level keys on ``serves``, so the builder must serve what it exempts
+    # (the contract tests pin vLLM's threshold to ``spec_decode_threshold``).
+    expected = compat.spec_decode_threshold(config)
+    threshold = max(int(builder.reorder_batch_threshold or 1), expected)
+    builder.reorder_batch_threshold = threshold
+    capacity = int(config.scheduler_config.max_num_seqs) * threshold
+    rows = VerifyRows(capacity, threshold, builder.device)
+    setattr(builder, ROWS_ATTR, rows)
+    _announce(rows, threshold)
+
+
+def _wrap_init(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        _serve(self)
+
+    setattr(__init__, _ORIGINAL_ATTR, original)
+    return __init__
+
+
+def _wrap_build(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def build(self: Any, *args: Any, **kwargs: Any) -> Any:
+        meta = original(self, *args, **kwargs)
+        rows = rows_of(self)
+        if rows is not None:
+            rows.rewrite(meta)
+        return meta
+
+    setattr(build, _ORIGINAL_ATTR, original)
+    return build
+
+
+def install(backend: ModuleType) -> bool:
+    """Serve verify batches with the rows where the release is proven for them, and cap
+    the support level of whatever they do not serve; elsewhere the PIECEWISE cap
+    alone. Returns whether the rows are in place; never raises into vLLM's import."""
+    if install_where_needed(
+        "batched verify", lambda feats: feats.spec_verify_batched, lambda: _apply(backend)
+    ):
+        return True
+    release = compat.installed_vllm_version()
+    spec_graphs.install(backend, why=f"vLLM {release} has no proven batched verify path")
+    return False
+
+
+def _apply(backend: ModuleType) -> bool:
+    builder: type = getattr(backend, compat.BUILDER_CLASS)
+    if builder.__dict__.get(_GUARD_ATTR):
+        return True
+    init, build = builder.__dict__["__init__"], builder.__dict__["build"]
+    builder.__init__ = _wrap_init(init)  # type: ignore[misc]
+    builder.build = _wrap_build(build)  # type: ignore[attr-defined]
+    setattr(builder, _GUARD_ATTR, True)
+    why = "a configuration the batched verify path does not serve"
+    if not spec_graphs.install(backend, exempt=serves, why=why):
+        remove(backend)
+        raise RuntimeError("the support-level cap for unserved configurations is not in place")
+    return True
+
+
+def installed(backend: ModuleType) -> bool:
+    """Whether the builder class of ``backend`` builds verify rows."""
+    builder = getattr(backend, compat.BUILDER_CLASS, None)
+    return builder is not None and bool(builder.__dict__.get(_GUARD_ATTR))
+
+
+def remove(backend: ModuleType) -> None:
+    """Give the builder vLLM's own ``__init__``/``build`` and support level back."""
+    builder = getattr(backend, compat.BUILDER_CLASS, None)
+    if builder is not None and builder.__dict__.get(_GUARD_ATTR):
+        for name in ("__init__", "build"):
+            current = builder.__dict__[name]
+            setattr(builder, name, getattr(current, _ORIGINAL_ATTR, current))
+        delattr(builder, _GUARD_ATTR)
+    spec_graphs.remove(backend)
