@@ -9,7 +9,17 @@ from typing import Any
 
 import pytest
 
-from benchmarks.tqbench import collect, logs, phases, recorder, records, run, summary, tables
+from benchmarks.tqbench import (
+    collect,
+    engine,
+    logs,
+    phases,
+    recorder,
+    records,
+    run,
+    summary,
+    tables,
+)
 
 
 @pytest.mark.parametrize(
@@ -22,7 +32,7 @@ from benchmarks.tqbench import collect, logs, phases, recorder, records, run, su
     ],
 )
 def test_jit_monitor_support(version: str, expected: tuple[str, bool]) -> None:
-    assert run.jit_monitor_support(version) == expected
+    assert engine.jit_monitor_support(version) == expected
 
 
 def test_first_request_extra_orders_by_growth() -> None:

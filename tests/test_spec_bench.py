@@ -12,7 +12,17 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.tqbench import entry_point, records, spec, tables  # noqa: E402
+from benchmarks.tqbench import (  # noqa: E402
+    entry_point,
+    logs,
+    records,
+    spec,
+    spec_child,
+    spec_configs,
+    spec_tables,
+    tables,
+    verdicts,
+)
 
 
 def _row(
@@ -24,20 +34,22 @@ def _row(
 
 
 def test_all_configs_reference_first_then_each_k() -> None:
-    names = [c.name for c in spec.build_configs("all", [1, 3], "ngram")]
+    names = [c.name for c in spec_configs.build_configs("all", [1, 3], "ngram")]
     assert names == [
         "ref-eager",
         "nospec-full",
-        *(f"ngram{k}-{kind}" for k in (1, 3) for kind in spec.SPEC_KINDS),
+        *(f"ngram{k}-{kind}" for k in (1, 3) for kind in spec_configs.SPEC_KINDS),
     ]
 
 
 def test_config_fields() -> None:
-    by_name = {c.name: c for c in spec.build_configs("all", [3], "ngram")}
+    by_name = {c.name: c for c in spec_configs.build_configs("all", [3], "ngram")}
     ref, off = by_name["ref-eager"], by_name["ngram3-full-noguard"]
     assert (ref.method, ref.cudagraph_mode, ref.speculative_config("/m")) == (None, None, None)
-    assert (off.cudagraph_mode, off.guard, off.k) == ("FULL_AND_PIECEWISE", False, 3)
-    assert by_name["ngram3-full-guard"].guard
+    assert (off.cudagraph_mode, off.spec_guard, off.k) == ("FULL_AND_PIECEWISE", "0", 3)
+    guard, batched = by_name["ngram3-full-guard"], by_name["ngram3-full-batched"]
+    assert (guard.cudagraph_mode, guard.spec_guard) == ("FULL_AND_PIECEWISE", "piecewise")
+    assert (batched.cudagraph_mode, batched.spec_guard) == ("FULL_AND_PIECEWISE", None)
     assert by_name["ngram3-piecewise"].cudagraph_mode == "PIECEWISE"
     assert by_name["ngram3-eager"].cudagraph_mode is None
     assert off.speculative_config("/m") == {
@@ -46,7 +58,7 @@ def test_config_fields() -> None:
         "prompt_lookup_max": 4,
         "prompt_lookup_min": 2,
     }
-    draft = spec.build_configs("full-guard", [2], "draft_model")[1]
+    draft = spec_configs.build_configs("full-guard", [2], "draft_model")[1]
     assert draft.name == "draft2-full-guard"
     assert draft.speculative_config("/m") == {
         "method": "draft_model",
@@ -56,9 +68,11 @@ def test_config_fields() -> None:
 
 
 def test_selection_by_kind_and_name_keeps_reference() -> None:
-    names = [c.name for c in spec.build_configs("full-noguard,ngram5-eager", [1, 3], "ngram")]
+    names = [
+        c.name for c in spec_configs.build_configs("full-noguard,ngram5-eager", [1, 3], "ngram")
+    ]
     assert names == ["ref-eager", "ngram1-full-noguard", "ngram3-full-noguard", "ngram5-eager"]
-    assert [c.name for c in spec.build_configs("nospec-full", [1], "ngram")] == [
+    assert [c.name for c in spec_configs.build_configs("nospec-full", [1], "ngram")] == [
         "ref-eager",
         "nospec-full",
     ]
@@ -69,28 +83,28 @@ def test_selection_by_kind_and_name_keeps_reference() -> None:
     [
         ("bogus", [1], "ngram"),
         ("all", [0], "ngram"),
-        ("all", [1], "eagle"),
+        ("all", [1], "medusa"),
         ("draft1-eager", [1], "ngram"),
     ],
 )
 def test_bad_selection(selection: str, ks: list[int], method: str) -> None:
     with pytest.raises(ValueError):
-        spec.build_configs(selection, ks, method)
+        spec_configs.build_configs(selection, ks, method)
 
 
 def test_prompts_repeat_a_pattern_over_the_length_range() -> None:
-    prompts = spec.spec_prompts()
+    prompts = spec_configs.spec_prompts()
     assert [len(p) for p in prompts] == [150 + 40 * i for i in range(8)]
     for p in prompts:
         assert p[24:48] == p[:24] and p[: len(p) - 24] == p[24:]
         assert all(3 <= t < 1024 for t in p)
     assert len({tuple(p[:24]) for p in prompts}) == 8
-    assert spec.spec_prompts(seed=1) != prompts and spec.spec_prompts() == prompts
+    assert spec_configs.spec_prompts(seed=1) != prompts and spec_configs.spec_prompts() == prompts
 
 
 def test_identical_sequences_compare_as_zero() -> None:
     ref = _row([[5, 6, 7], [8, 9]])
-    cmp = spec.compare(ref, ref)
+    cmp = verdicts.compare(ref, ref)
     assert cmp == {
         "exact": True,
         "prompts_divergent": 0,
@@ -108,7 +122,7 @@ def test_divergent_sequence_reports_index_count_and_prefix_logprob_delta() -> No
     ref["margins"][0][3] = 0.001
     # diverges at index 3, then emits token 0; the logprob at index 5 (after it) is ignored
     got = _row([[1, 2, 3, 0, 0, 6], [7, 8]], [[-1.0, -1.25, -1.0, -9.0, -9.0, -50.0], [-2.0, -2.0]])
-    cmp = spec.compare(ref, got)
+    cmp = verdicts.compare(ref, got)
     assert cmp["exact"] is False
     assert cmp["first_divergence"] == [3, None]
     assert cmp["prompts_divergent"] == 1
@@ -120,7 +134,7 @@ def test_divergent_sequence_reports_index_count_and_prefix_logprob_delta() -> No
 
 def test_shorter_output_and_missing_prompt_count_as_divergent() -> None:
     ref = _row([[1, 2, 3], [4, 5]])
-    cmp = spec.compare(ref, _row([[1, 2]]))
+    cmp = verdicts.compare(ref, _row([[1, 2]]))
     assert cmp["first_divergence"] == [2, 0]
     assert (cmp["tokens_differing"], cmp["prompts_divergent"], cmp["exact"]) == (3, 2, False)
 
@@ -135,10 +149,10 @@ def test_chosen_logprobs_and_margins() -> None:
         {3: -2.0},
         None,
     ]
-    lps, margins = spec.chosen_logprobs([7, 3, 4, 5], positions)
+    lps, margins = verdicts.chosen_logprobs([7, 3, 4, 5], positions)
     assert lps == [-0.5, -2.0, None, None]
     assert margins == [1.0, None, None, None]
-    assert spec.chosen_logprobs([1], None) == ([None], [None])
+    assert verdicts.chosen_logprobs([1], None) == ([None], [None])
 
 
 def _finished_rows() -> list[dict[str, Any]]:
@@ -157,13 +171,13 @@ def _finished_rows() -> list[dict[str, Any]]:
 
 def test_comparisons_verdicts_and_speedup() -> None:
     rows = _finished_rows()
-    spec.add_comparisons(rows, lp_tol=1e-3)
+    verdicts.add_comparisons(rows, lp_tol=1e-3)
     assert [r["verdict"] for r in rows] == ["equal", "equal", "WRONG", "crashed (rc -6)"]
     assert rows[2]["cmp"]["first_divergence"] == [3] and rows[3]["cmp"] is None
     assert [r["speedup_vs_ref"] for r in rows] == [1.0, 2.0, 2.5, None]
-    spec.add_comparisons(rows, lp_tol=1e-4)  # equal tokens, logprobs off, no floor
+    verdicts.add_comparisons(rows, lp_tol=1e-4)  # equal tokens, logprobs off, no floor
     assert rows[1]["verdict"] == "WRONG"
-    spec.add_comparisons(rows[1:], lp_tol=1e-3)  # no reference: nothing is compared
+    verdicts.add_comparisons(rows[1:], lp_tol=1e-3)  # no reference: nothing is compared
     assert rows[1]["verdict"] == "no-reference" and rows[1]["speedup_vs_ref"] is None
 
 
@@ -179,7 +193,7 @@ def test_noise_floor_from_the_nospec_graph_engine() -> None:
     decided = _row([[1, 9, 9, 9]], name="ngram2-full-noguard", status="ok")
     ref["margins"][0][1] = 0.05  # the reference was sure of token 2
     rows = [ref, nospec, guard, off, decided]
-    spec.add_comparisons(rows, lp_tol=1e-3)
+    verdicts.add_comparisons(rows, lp_tol=1e-3)
     assert [r["verdict"] for r in rows] == [
         "equal",
         "within-noise",
@@ -188,10 +202,10 @@ def test_noise_floor_from_the_nospec_graph_engine() -> None:
         "WRONG",
     ]
     assert guard["noise_floor"] == pytest.approx(0.02)
-    summary = spec.summarize({}, rows)
+    summary = verdicts.summarize({}, rows)
     assert (summary["guard_on_right"], summary["guard_off_wrong_or_crashed"]) == (True, True)
     # Without a no-spec graph engine there is no floor: any difference is WRONG.
-    spec.add_comparisons([ref, guard], lp_tol=1e-3)
+    verdicts.add_comparisons([ref, guard], lp_tol=1e-3)
     assert guard["verdict"] == "WRONG"
 
 
@@ -204,17 +218,18 @@ def test_report_from_a_raw_run(tmp_path: Path) -> None:
 
 def test_table_rows_and_summary() -> None:
     rows = _finished_rows()
-    spec.add_comparisons(rows, lp_tol=1e-3)
-    table = spec.table_rows(rows)
-    assert all(len(r) == len(spec.TABLE_HEADER) for r in table)
+    verdicts.add_comparisons(rows, lp_tol=1e-3)
+    table = spec_tables.table_rows(rows)
+    assert all(len(r) == len(spec_tables.TABLE_HEADER) for r in table)
     ref, on, off, crash = table
     assert ref[:2] == ("ref-eager", "equal") and ref[2] == "eager"
-    assert on[2] == "FULL_AND_PIECEWISE -> FULL_AND_PIECEWISE" and on[5] == "0/1"
-    assert on[7] == "5.00e-04" and on[9] == "0" and off[9] == "-"
-    assert off[5:7] == ("1/1 @3", "1/4") and off[10] == "0.50"
+    assert on[2] == "FULL_AND_PIECEWISE -> FULL_AND_PIECEWISE" and on[6] == "0/1"
+    assert on[5] == "0.80" and off[5] == "1.00" and ref[5] == "-"  # tok/s over noguard's
+    assert on[8] == "5.00e-04" and on[10] == "0" and off[10] == "-"
+    assert off[6:8] == ("1/1 @3", "1/4") and off[11] == "0.50"
     assert crash[1] == "crashed (rc -6)" and "illegal memory access" in crash[-1]
-    assert "ngram3-full-noguard" in tables.render(spec.TABLE_HEADER, table)
-    summary = spec.summarize({"vllm_version": "0.22.0"}, rows)
+    assert "ngram3-full-noguard" in tables.render(spec_tables.TABLE_HEADER, table)
+    summary = verdicts.summarize({"vllm_version": "0.22.0"}, rows)
     assert summary["guard_off_wrong_or_crashed"] is True
     assert summary["guard_on_right"] is True
     assert summary["tq_compiles_after_startup"] == 0
@@ -223,7 +238,7 @@ def test_table_rows_and_summary() -> None:
 
 def test_raw_run_round_trip(tmp_path: Path) -> None:
     rows = _finished_rows()
-    spec.add_comparisons(rows, lp_tol=1e-3)
+    verdicts.add_comparisons(rows, lp_tol=1e-3)
     records.write_run(tmp_path / "r.jsonl", {"kind": "spec"}, rows)
     run, back = records.read_run(tmp_path / "r.jsonl")
     assert run == {"kind": "spec"} and back == rows
@@ -249,17 +264,23 @@ def test_raw_run_round_trip(tmp_path: Path) -> None:
     ],
 )
 def test_last_error_line(log: str, expected: str | None) -> None:
-    assert spec.last_error_line(log) == expected
+    assert logs.last_error_line(log) == expected
 
 
 def test_child_env_and_engine_kwargs(tmp_path: Path) -> None:
-    cfgs = {c.name: c for c in spec.build_configs("all", [3], "ngram")}
-    env = spec.child_env(cfgs["ngram3-full-noguard"], tmp_path, share_compile_cache=False)
-    assert env["TQ_WARMUP_SPEC_GUARD"] == "0" and env["TQ_WARMUP"] == "1"
+    cfgs = {c.name: c for c in spec_configs.build_configs("all", [3], "ngram")}
+    parent = {"TQ_WARMUP_SPEC_GUARD": "piecewise", "HOME": "/h"}
+    env = spec_child.child_env(cfgs["ngram3-full-noguard"], tmp_path, False, parent)
+    assert env["TQ_WARMUP_SPEC_GUARD"] == "0" and env["TQ_WARMUP"] == "1" and env["HOME"] == "/h"
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert env["TRITON_CACHE_DIR"] == str(tmp_path / "triton") and "VLLM_CACHE_ROOT" in env
-    shared = spec.child_env(cfgs["ref-eager"], tmp_path, share_compile_cache=True)
-    assert shared["TQ_WARMUP_SPEC_GUARD"] == "1" and "VLLM_CACHE_ROOT" not in shared
+    guard = spec_child.child_env(cfgs["ngram3-full-guard"], tmp_path, False, parent)
+    assert guard["TQ_WARMUP_SPEC_GUARD"] == "piecewise"
+    # unset is the plugin's auto: the parent's value must not leak into the batched row
+    batched = spec_child.child_env(cfgs["ngram3-full-batched"], tmp_path, True, parent)
+    assert "TQ_WARMUP_SPEC_GUARD" not in batched and "VLLM_CACHE_ROOT" not in batched
+    shared = spec_child.child_env(cfgs["ref-eager"], tmp_path, True, {})
+    assert "TQ_WARMUP_SPEC_GUARD" not in shared and "VLLM_CACHE_ROOT" not in shared
     opts = {
         "preset": "turboquant_4bit_nc",
         "max_model_len": 1024,
@@ -267,15 +288,21 @@ def test_child_env_and_engine_kwargs(tmp_path: Path) -> None:
         "gpu_mem_util": 0.2,
         "kv_cache_gib": 2.0,
     }
-    kw = spec.engine_kwargs(cfgs["ngram3-full-guard"], opts, "/m", "error")
+    kw = spec_child.engine_kwargs(cfgs["ngram3-full-guard"], opts, "/m", "error")
     assert kw["enforce_eager"] is False and kw["kv_cache_memory_bytes"] == 2 << 30
     assert kw["compilation_config"] == {"cudagraph_mode": "FULL_AND_PIECEWISE"}
     assert kw["speculative_config"]["num_speculative_tokens"] == 3
     assert kw["jit_monitor_mode"] == "error" and kw["load_format"] == "dummy"
-    ref = spec.engine_kwargs(cfgs["ref-eager"], {**opts, "kv_cache_gib": 0}, "/m", None)
+    assert "async_scheduling" not in kw
+    ref = spec_child.engine_kwargs(cfgs["ref-eager"], {**opts, "kv_cache_gib": 0}, "/m", None)
     assert ref["enforce_eager"] is True
     assert not {"compilation_config", "speculative_config", "jit_monitor_mode"} & set(ref)
     assert "kv_cache_memory_bytes" not in ref
+    for value, expected in (("on", True), ("off", False)):
+        kw = spec_child.engine_kwargs(
+            cfgs["ref-eager"], {**opts, "async_scheduling": value}, "/m", None
+        )
+        assert kw["async_scheduling"] is expected
 
 
 def test_entry_point_stub_is_discoverable(tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -28,7 +27,8 @@ __all__ = [
 Option = tuple[str, Any, str]
 
 PACKAGE = "benchmarks.tqbench"
-# The modules that add a subcommand, in --help order; a missing one is skipped.
+# The modules that add a subcommand, in --help order. Each must import: a module that
+# does not is an error that names it, never a subcommand silently missing from --help.
 COMMAND_MODULES = (
     "run",
     "matrix",
@@ -41,13 +41,15 @@ COMMAND_MODULES = (
 )
 
 
-def command_modules() -> list[ModuleType]:
-    """The modules of :data:`COMMAND_MODULES` that exist in the package."""
+def command_modules(names: Sequence[str] = COMMAND_MODULES) -> list[ModuleType]:
+    """The modules of :data:`COMMAND_MODULES`, imported; ImportError names the one that failed."""
     found = []
-    for name in COMMAND_MODULES:
+    for name in names:
         full = f"{PACKAGE}.{name}"
-        if importlib.util.find_spec(full) is not None:
+        try:
             found.append(importlib.import_module(full))
+        except ImportError as e:
+            raise ImportError(f"tqbench: the command module {full} does not import: {e}") from e
     return found
 
 

@@ -1,4 +1,4 @@
-"""Reads a run's log: vLLM's JIT-monitor lines by phase, and the plugin's own lines.
+"""Reads a run's log: vLLM's JIT-monitor lines by phase, the plugin's own lines, the error.
 
 With tp > 1 the model runs in worker processes the in-process hooks cannot see: the
 kernel lists then come from vLLM's JIT-monitor log lines ("Triton kernel JIT
@@ -16,11 +16,13 @@ from typing import Any
 from benchmarks.tqbench.recorder import is_tq_kernel
 
 __all__ = [
+    "ERROR_RES",
     "MARKER",
     "MARKER_RE",
     "MONITOR_RE",
     "PLUGIN_LOG_PREFIX",
     "apply_log",
+    "last_error_line",
     "marker",
     "parse_monitor_log",
     "plugin_log_lines",
@@ -31,6 +33,10 @@ MARKER = "[tq-bench]"
 PLUGIN_LOG_PREFIX = "tq-warmup:"
 MONITOR_RE = re.compile(r"Triton kernel JIT compilation during inference: (\S+?)(?:\s\(|\.\s|\.?$)")
 MARKER_RE = re.compile(re.escape(MARKER) + r" (?:phase=(\S+) part=(\S+) begin|(startup done))")
+ERROR_RES = (
+    re.compile(r"^\s*[\w.]*(Error|Exception|Interrupt)\b:?"),  # a traceback's last line
+    re.compile(r"CUDA error|ERROR|Fatal|Aborted|Segmentation fault|core dumped"),
+)
 
 
 def marker(text: str) -> None:
@@ -95,3 +101,14 @@ def apply_log(records: Sequence[dict[str, Any]], log_text: str) -> None:
 def tail_lines(text: str, n: int = 25) -> str:
     """The last ``n`` lines of a log."""
     return "\n".join(text.rstrip().splitlines()[-n:])
+
+
+def last_error_line(text: str) -> str | None:
+    """The line of a child's log that best says why it failed: the last exception line
+    (``RuntimeError: CUDA error: ...``), else the last ERROR / CUDA error / fatal line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for pattern in ERROR_RES:
+        hit = next((ln for ln in reversed(lines) if pattern.search(ln)), None)
+        if hit is not None:
+            return hit[-500:]
+    return None

@@ -36,16 +36,12 @@ runs go round-robin over the configurations after their cold runs, so TurboQuant
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
-import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -53,14 +49,15 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.tqbench import entry_point, logs, phases, records, tables
+from benchmarks.tqbench.children import Children, Deadline, Exit, child_pythonpath
 from benchmarks.tqbench.cli import Option, add_options, new_parser
+from benchmarks.tqbench.engine import REPO_ROOT, installed_vllm_version, nvidia_smi_name
 from benchmarks.tqbench.phases import AUTO, PHASES, Geometry
 from benchmarks.tqbench.run import add_common_options
 
 __all__ = [
     "DEFAULT_RESULTS_DIR",
     "MATRIX_OPTIONS",
-    "REPO_ROOT",
     "SHARED_OPTIONS",
     "Matrix",
     "RunSpec",
@@ -69,7 +66,6 @@ __all__ = [
     "interleave",
 ]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 # ``run`` options every child takes from the matrix's own options, unchanged.
 SHARED_OPTIONS = (
@@ -123,7 +119,8 @@ class Matrix:
         self.args = args
         self.run_id = dt.datetime.now().strftime("%Y%m%dT%H%M%S")
         self.series = args.series or f"matrix {self.run_id}"
-        self.t0 = time.monotonic()
+        self.deadline = Deadline(args.deadline_s)
+        self.children = Children()
         self.lock = threading.Lock()
         self.records: list[dict[str, Any]] = []
         results = Path(args.results_dir).resolve()
@@ -135,19 +132,12 @@ class Matrix:
         self.work_root = Path(
             args.work_dir or tempfile.mkdtemp(prefix="tq-bench-matrix-")
         ).resolve()
-        self.fallback_gpu = _nvidia_smi_name()
-        self.fallback_vllm = _installed_vllm_version()
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
-        self.stopping = False
+        self.fallback_gpu = nvidia_smi_name()
+        self.fallback_vllm = installed_vllm_version()
         # Where the children find the plugin's entry point when it is not installed.
         self.stub: list[str] = []
         if args.entry_point_stub and not entry_point.found():
             self.stub = [str(entry_point.write_stub(self.work_root / "entry-point"))]
-
-    def remaining(self) -> float | None:
-        if not self.args.deadline_s:
-            return None
-        return float(self.args.deadline_s) - (time.monotonic() - self.t0)
 
     def _spec(
         self, preset: str, mode: str, geom: Geometry, variant: str, repeat: int = 0
@@ -261,9 +251,8 @@ class Matrix:
 
     def child_env(self, spec: RunSpec) -> dict[str, str]:
         env = dict(os.environ)
-        path = [*self.stub, str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])]
         env.update(
-            PYTHONPATH=os.pathsep.join(path),
+            PYTHONPATH=child_pythonpath(self.stub, env),
             PYTHONUNBUFFERED="1",
             VLLM_ENABLE_V1_MULTIPROCESSING="0",
             TRITON_CACHE_DIR=str(spec.cache_root / "triton"),
@@ -273,40 +262,17 @@ class Matrix:
             env["TORCHINDUCTOR_CACHE_DIR"] = str(spec.cache_root / "inductor")
         return env
 
-    def spawn(self, spec: RunSpec, timeout: float) -> tuple[int, bool, float]:
-        """Run the child with its log; (exit code, timed out, wall seconds)."""
+    def spawn(self, spec: RunSpec, timeout: float) -> Exit:
+        """Run the child with its log (the command on its first line)."""
         argv = self.argv(spec)
         print(f"[matrix] start {spec.config_id} {spec.variant} (log {spec.log})", flush=True)
-        t = time.monotonic()
-        timed_out = False
-        with spec.log.open("wb") as logf:
-            logf.write(("$ " + " ".join(argv) + "\n").encode())
-            logf.flush()
-            proc = subprocess.Popen(
-                argv,
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                env=self.child_env(spec),
-                start_new_session=True,
-            )
-            with self.lock:
-                self.procs[proc.pid] = proc
-            try:
-                rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                _kill_group(proc)
-                rc = proc.wait()
-            finally:
-                with self.lock:
-                    self.procs.pop(proc.pid, None)
-        return rc, timed_out, time.monotonic() - t
+        return self.children.run(argv, spec.log, self.child_env(spec), timeout, echo_argv=True)
 
     def run_one(self, spec: RunSpec) -> list[dict[str, Any]]:
         base = self.base_record(spec)
-        left = self.remaining()
-        if self.stopping or (left is not None and left < 30):
-            why = "matrix stopped" if self.stopping else "deadline reached"
+        left = self.deadline.left()
+        if self.children.stopping or left < 30:
+            why = "matrix stopped" if self.children.stopping else "deadline reached"
             skipped = [{**base, "phase": p, "status": "skipped", "error": why} for p in PHASES]
             with self.lock:  # shown in the table, not written as a raw run
                 self.records.extend(skipped)
@@ -318,10 +284,8 @@ class Matrix:
         spec.cache_root.mkdir(parents=True, exist_ok=True)
         spec.out.unlink(missing_ok=True)
         spec.log.parent.mkdir(parents=True, exist_ok=True)
-        timeout = float(self.args.timeout)
-        if left is not None:
-            timeout = max(1.0, min(timeout, left - 10))
-        rc, timed_out, wall = self.spawn(spec, timeout)
+        ended = self.spawn(spec, self.deadline.limit(self.args.timeout, margin=10))
+        rc, timed_out, wall = ended.rc, ended.timed_out, ended.wall_s
         log_text = spec.log.read_text(errors="replace")
         recs = records.read_records(spec.out)
         if rc != 0 or timed_out or len(recs) < len(PHASES):
@@ -363,21 +327,8 @@ class Matrix:
             self.records.extend(new)
         records.write_records(self.raw_dir / records.run_file_name(new[0]), new)
 
-    def kill_all(self) -> None:
-        self.stopping = True
-        with self.lock:
-            procs = list(self.procs.values())
-        for p in procs:
-            _kill_group(p)
-
-    def _on_sigterm(self, signum: int, _frame: Any) -> None:
-        """Killed from outside (e.g. a device-call time limit): take the children along."""
-        self.kill_all()
-        raise SystemExit(128 + signum)
-
     def run(self) -> int:
-        with contextlib.suppress(ValueError):  # only possible in the main thread
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+        self.children.stop_on_sigterm()
         units = self.specs()
         if not units:
             print("nothing to run", file=sys.stderr)
@@ -401,7 +352,7 @@ class Matrix:
                     for fut in [pool.submit(self.run_unit, u) for u in units]:
                         fut.result()
         except KeyboardInterrupt:
-            self.kill_all()
+            self.children.kill_all()
             raise
         finally:
             if self.own_work_root and not self.args.keep_caches:
@@ -421,36 +372,6 @@ def interleave(units: list[list[RunSpec]]) -> list[list[RunSpec]]:
     """
     rounds = max((len(u) for u in units), default=0)
     return [[u[k]] for k in range(rounds) for u in units if k < len(u)]
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """Kill the process group of a subprocess we started (it and its workers)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
-def _nvidia_smi_name() -> str | None:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    names = [n.strip() for n in out.splitlines() if n.strip()]
-    return names[0] if names else None
-
-
-def _installed_vllm_version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("vllm")
-    except PackageNotFoundError:
-        return None
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:

@@ -38,8 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.tqbench import entry_point, logs, phases, recorder, records, tables
+from benchmarks.tqbench import engine, entry_point, logs, phases, recorder, records, tables
 from benchmarks.tqbench.cli import Option, add_options, new_parser
+from benchmarks.tqbench.phase_runner import run_phases
 from benchmarks.tqbench.phases import AUTO, PHASES, Geometry, PhasePlan
 
 __all__ = [
@@ -47,8 +48,6 @@ __all__ = [
     "REPORT_GLOB",
     "REPORT_TEMPLATE",
     "RUN_OPTIONS",
-    "TQ_ONLY_FIELDS",
-    "PhaseRunner",
     "RunContext",
     "add_common_options",
     "add_parser",
@@ -56,33 +55,13 @@ __all__ = [
     "cmd_run",
     "default_monitor_mode",
     "engine_kwargs",
-    "jit_monitor_support",
     "prepare",
-    "run_phases",
     "set_environment",
     "start_engine",
 ]
 
 REPORT_GLOB = "tq-warmup-report-*.json"
 REPORT_TEMPLATE = "tq-warmup-report-{rank}.json"
-# Blank (None) in the records of the ``auto`` preset, which has no TurboQuant layer.
-TQ_ONLY_FIELDS: tuple[str, ...] = (
-    *("tq_compiles_after_startup", "tq_loads_after_startup", "first_tq_jit", "steady_tq_jit"),
-)
-
-
-def jit_monitor_support(vllm_version: str) -> tuple[str, bool]:
-    """Where vLLM's JIT monitor lives and whether ``jit_monitor_mode`` exists.
-
-    0.25+: ``vllm.utils.jit_monitor`` and ``observability_config.jit_monitor_mode``
-    (``warn``/``error``). 0.22 (and the releases around it) has a warn-only monitor in
-    ``vllm.triton_utils.jit_monitor``; 0.20 has none, which ``run`` tolerates.
-    """
-    from tq_warmup_plugin.compat import parse_version
-
-    if (parse_version(vllm_version) or (0, 0)) >= (0, 25):
-        return "vllm.utils.jit_monitor", True
-    return "vllm.triton_utils.jit_monitor", False
 
 
 def default_monitor_mode(preset: str, plugin_on: bool) -> str:
@@ -213,30 +192,26 @@ def prepare(args: argparse.Namespace) -> RunContext:
 
 
 def engine_kwargs(ctx: RunContext, model_dir: Path, monitor_has_mode: bool) -> dict[str, Any]:
-    """The ``LLM(...)`` keyword arguments of the configuration."""
+    """The ``LLM(...)`` keyword arguments of the configuration: the shared ones
+    (:func:`benchmarks.tqbench.engine.engine_kwargs`) and the scheduler the phases assume."""
     a = ctx.args
-    kwargs: dict[str, Any] = {
-        "model": str(model_dir),
-        "skip_tokenizer_init": True,
-        "load_format": "dummy",
-        "dtype": "bfloat16",
-        "kv_cache_dtype": a.preset,
-        "max_model_len": ctx.max_model_len,
-        "max_num_batched_tokens": a.budget,
-        "max_num_seqs": a.max_num_seqs,
-        "enable_chunked_prefill": True,
-        "enable_prefix_caching": True,
-        "enforce_eager": a.mode == "eager",
-        "tensor_parallel_size": a.tp,
-        "gpu_memory_utilization": ctx.base["gpu_memory_utilization"],
-        "seed": 0,
-    }
-    if monitor_has_mode:
-        kwargs["jit_monitor_mode"] = ctx.base["jit_monitor_mode"]
-    if a.kv_cache_gib > 0:
-        kwargs["kv_cache_memory_bytes"] = int(a.kv_cache_gib * (1 << 30))
-    if a.mode == "cudagraph" and a.cudagraph_mode:
-        kwargs["compilation_config"] = {"cudagraph_mode": a.cudagraph_mode}
+    kwargs = engine.engine_kwargs(
+        model=str(model_dir),
+        preset=a.preset,
+        max_model_len=ctx.max_model_len,
+        max_num_seqs=a.max_num_seqs,
+        gpu_mem_util=ctx.base["gpu_memory_utilization"],
+        kv_cache_gib=a.kv_cache_gib,
+        cudagraph_mode=a.cudagraph_mode if a.mode == "cudagraph" else None,
+        enforce_eager=a.mode == "eager",
+        monitor_mode=ctx.base["jit_monitor_mode"] if monitor_has_mode else None,
+    )
+    kwargs.update(
+        max_num_batched_tokens=a.budget,
+        enable_chunked_prefill=True,
+        enable_prefix_caching=True,
+        tensor_parallel_size=a.tp,
+    )
     return kwargs
 
 
@@ -256,18 +231,6 @@ def _pick_rank0(reports: dict[str, Any]) -> dict[str, Any] | None:
     names = sorted(reports)
     rep = reports[next((n for n in names if n.endswith("-0.json")), names[0])]
     return rep if isinstance(rep, dict) else None
-
-
-def _gpu_name() -> str:
-    with contextlib.suppress(Exception):
-        from vllm.platforms import current_platform
-
-        return str(current_platform.get_device_name(0))
-    with contextlib.suppress(Exception):
-        import torch
-
-        return str(torch.cuda.get_device_name(0))
-    return "unknown-gpu"
 
 
 def _config_warnings(ctx: RunContext, vcfg: Any, rep0: dict[str, Any] | None) -> list[str]:
@@ -305,7 +268,7 @@ def start_engine(ctx: RunContext, rec: recorder.JitRecorder) -> Any | None:
 
         base["torch_version"] = torch.__version__
     base["plugin_entry_point_found"] = entry_point.found()
-    monitor_module, monitor_has_mode = jit_monitor_support(vllm.__version__)
+    monitor_module, monitor_has_mode = engine.jit_monitor_support(vllm.__version__)
     if not monitor_has_mode:
         base["jit_monitor_mode"] = "warn (no jit_monitor_mode before 0.25)"
 
@@ -335,7 +298,7 @@ def start_engine(ctx: RunContext, rec: recorder.JitRecorder) -> Any | None:
             status="failed",
             startup_s=round(time.perf_counter() - t0, 3),
             error=f"{type(e).__name__}: {e}"[-4000:],
-            gpu=_gpu_name(),
+            gpu=engine.gpu_name() or "unknown-gpu",
         )
         base["plugin_report"] = _pick_rank0(_read_plugin_reports(ctx.report_dir))
         ctx.records.append(base)
@@ -358,7 +321,7 @@ def start_engine(ctx: RunContext, rec: recorder.JitRecorder) -> Any | None:
     rep0 = _pick_rank0(reports)
     warnings = _config_warnings(ctx, vcfg, rep0)
     base.update(
-        gpu=_gpu_name(),
+        gpu=engine.gpu_name() or "unknown-gpu",
         startup_s=round(startup_s, 3),
         warmup_s=rep0.get("warmup_s") if rep0 else None,
         launch_s=rep0.get("launch_s") if rep0 else None,
@@ -375,129 +338,6 @@ def start_engine(ctx: RunContext, rec: recorder.JitRecorder) -> Any | None:
     for w in warnings:
         logs.marker(f"WARNING {w}")
     return llm
-
-
-# --------------------------------------------------------------------------------------
-# Phases
-# --------------------------------------------------------------------------------------
-
-
-def _abort_unfinished(llm: Any) -> None:
-    """After a failed ``generate``, drop its requests so later phases start clean."""
-    eng = llm.llm_engine
-    with contextlib.suppress(Exception):
-        ids = list(eng.output_processor.request_states.keys())
-        if ids:
-            eng.abort_request(ids, internal=True)
-
-
-class PhaseRunner:
-    """Times each phase's first and steady request and turns them into records."""
-
-    def __init__(self, ctx: RunContext, llm: Any, rec: recorder.JitRecorder) -> None:
-        from vllm import SamplingParams
-
-        a = ctx.args
-        self.ctx, self.llm, self.rec = ctx, llm, rec
-        self.sp = SamplingParams(
-            max_tokens=a.max_tokens, ignore_eos=True, temperature=0.0, detokenize=False
-        )
-        self.prompts = phases.PromptSource(ctx.plan, a.vocab_size)
-        self.profiled = (
-            set(phases.parse_list(a.profile_phases, PHASES)) if a.profile_phases else set()
-        )
-        self.profiles: dict[tuple[str, str], dict[str, float]] = {}
-        self.leaves: dict[tuple[str, str], list[dict[str, Any]]] = {}
-        if self.profiled:
-            with recorder.profiler():  # Kineto's one-time setup, outside the timed requests
-                pass
-
-    def timed(self, phase: str, part: str) -> dict[str, Any]:
-        """One request of the phase: seconds, error, cached and generated tokens."""
-        prompts = self.prompts.prompts(phase, part)
-        self.rec.set_phase(phase, part)
-        logs.marker(f"phase={phase} part={part} begin")
-        prof = recorder.profiler() if phase in self.profiled else contextlib.nullcontext()
-        t = time.perf_counter()
-        res: dict[str, Any] = {"s": None, "error": None, "cached": None, "out_tokens": None}
-        try:
-            with prof as session:
-                outs = self.llm.generate(
-                    [{"prompt_token_ids": p} for p in prompts], self.sp, use_tqdm=False
-                )
-            if session is not None:
-                self.profiles[phase, part] = recorder.op_cpu_times(session)
-                self.leaves[phase, part] = recorder.slow_leaves(session)
-            res["s"] = round(time.perf_counter() - t, 4)
-            res["cached"] = sum(int(o.num_cached_tokens or 0) for o in outs)
-            res["out_tokens"] = sum(len(o.outputs[0].token_ids) for o in outs if o.outputs)
-        except Exception as e:
-            res["s"] = round(time.perf_counter() - t, 4)
-            res["error"] = f"{type(e).__name__}: {e}"[-2000:]
-            traceback.print_exc()
-            _abort_unfinished(self.llm)
-        self.rec.set_phase("between", "")
-        return res
-
-    def record(self, phase: str) -> dict[str, Any]:
-        """Run the phase (first, then steady) and build its record."""
-        plan = self.ctx.plan
-        first = self.timed(phase, "first")
-        steady = self.timed(phase, "steady")
-        failed = bool(first["error"] or steady["error"])
-        rec: dict[str, Any] = {
-            **self.ctx.base,
-            "phase": phase,
-            "status": "failed" if failed else "ok",
-            "first_s": first["s"],
-            "steady_s": steady["s"],
-            "ratio": round(first["s"] / steady["s"], 2)
-            if first["s"] and steady["s"] and not failed
-            else None,
-            "first_error": first["error"],
-            "steady_error": steady["error"],
-            "prompt_lens": plan.prompt_lens(phase),
-            "expected_chunks": phases.describe_chunks(plan.expected_chunks(phase)),
-            "expected_cached_tokens": plan.expected_cached(phase),
-            "first_cached_tokens": first["cached"],
-            "steady_cached_tokens": steady["cached"],
-            "out_tokens": [first["out_tokens"], steady["out_tokens"]],
-        }
-        events = self.rec.phase_events(phase)
-        rec.update(recorder.JitRecorder.summarize(events), jit_events=events)
-        if phase in self.profiled:
-            rec["profile_top_extra"] = recorder.first_request_extra(
-                self.profiles.get((phase, "first"), {}), self.profiles.get((phase, "steady"), {})
-            )
-            rec["profile_slow_leaves"] = {
-                part: self.leaves.get((phase, part), []) for part in ("first", "steady")
-            }
-        if plan.expected_cached(phase) == 0 and (first["cached"] or steady["cached"]):
-            rec["phase_warning"] = "unexpected prefix-cache hit"
-        prefix_missed = any(
-            not part["error"] and (part["cached"] or 0) < plan.prefix_len
-            for part in (first, steady)
-        )
-        if phase == "prefix_hit" and prefix_missed:
-            rec["phase_warning"] = "prefix was not (fully) served from the cache"
-        if self.ctx.args.preset == AUTO:
-            rec.update(dict.fromkeys(TQ_ONLY_FIELDS))
-        return rec
-
-
-def run_phases(ctx: RunContext, llm: Any, rec: recorder.JitRecorder) -> None:
-    """Every phase of ``--phases``, in the order given; records flushed after each."""
-    runner = PhaseRunner(ctx, llm, rec)
-    a = ctx.args
-    order = phases.parse_list(a.phases, PHASES) if a.phases != "all" else PHASES
-    for phase in order:
-        ctx.records.append(runner.record(phase))
-        ctx.flush()
-    stray = rec.phase_events("between") + rec.phase_events("after_startup")
-    if stray:
-        for r in ctx.records:
-            r["jit_outside_phases"] = [e["kernel"] for e in stray]
-        ctx.flush()
 
 
 # --------------------------------------------------------------------------------------

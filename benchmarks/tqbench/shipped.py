@@ -40,21 +40,23 @@ import re
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.tqbench import entry_point, phases, records, spec, tables
+from benchmarks.tqbench import entry_point, phases, records, tables
+from benchmarks.tqbench.children import Children, Deadline, child_pythonpath
 from benchmarks.tqbench.cli import Option, add_options, new_parser
+from benchmarks.tqbench.engine import REPO_ROOT
+from benchmarks.tqbench.spec_child import child_argv, child_env, read_result
+from benchmarks.tqbench.spec_configs import MODEL_SIZES, REFERENCE, SpecConfig, spec_prompts
 
 __all__ = [
     "COLUMNS",
     "DECODE_KERNEL",
     "DEFAULT_OUT_DIR",
     "MANAGER",
-    "REPO_ROOT",
     "SHIPPED_OPTIONS",
     "Shipped",
     "add_parser",
@@ -71,7 +73,6 @@ __all__ = [
     "warnings_in",
 ]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT_DIR = REPO_ROOT / "benchmarks" / "results" / "shipped"
 MANAGER = "tq_warmup_plugin.layered_cache:LayeredCacheManager"
 DECODE_KERNEL = "_tq_decode_stage1"
@@ -145,26 +146,22 @@ class Shipped:
         self.work = Path(args.work_dir or tempfile.mkdtemp(prefix="tq-shipped-")).resolve()
         self.log_dir = Path(args.log_dir or self.work / "logs").resolve()
         self.out = Path(args.out or DEFAULT_OUT_DIR / f"{self.run_id}{records.RAW_SUFFIX}")
-        self.prompts = spec.spec_prompts(args.prompts, 0)
-        self.pythonpath = [str(REPO_ROOT)]
+        self.prompts = spec_prompts(args.prompts, 0)
+        self.stub: list[str] = []
         if args.entry_point_stub and not entry_point.found():
-            self.pythonpath.insert(0, str(entry_point.write_stub(self.work / "entry-point")))
+            self.stub = [str(entry_point.write_stub(self.work / "entry-point"))]
         self.rows: list[dict[str, Any]] = []
-        self.t0 = time.monotonic()
-
-    def time_left(self) -> float:
-        """Seconds this engine may take: ``--timeout``, within ``--deadline-s``."""
-        if not self.args.deadline_s:
-            return float(self.args.timeout)
-        left = float(self.args.deadline_s) - (time.monotonic() - self.t0)
-        return min(float(self.args.timeout), left)
+        self.deadline = Deadline(args.deadline_s)
+        self.children = Children()
 
     def options(self, preset: str) -> dict[str, Any]:
         a = self.args
+        size = MODEL_SIZES["small"]
         return {
             "preset": preset,
             "geometry": a.geometry,
             "layers": a.layers,
+            "model_size": {**asdict(size), "geometry": a.geometry, "layers": a.layers},
             "max_model_len": a.max_model_len,
             "max_num_seqs": a.max_num_seqs,
             "budget": a.budget,
@@ -182,7 +179,7 @@ class Shipped:
         """One engine; its row (the child's result plus what its log shows). ``src``: a
         plugin source tree imported before the caller's (the build without the check)."""
         name = f"{preset}.{variant}"
-        if self.time_left() < 30:  # not worth starting an engine
+        if min(self.args.timeout, self.deadline.left()) < 30:  # not worth starting one
             skipped = {"preset": preset, "variant": variant, "status": "skipped", "tokens": None}
             self.rows.append(
                 {**skipped, "warnings": [], "triton_cache_dir": "", "error": "deadline"}
@@ -191,7 +188,7 @@ class Shipped:
         work = self.work / name
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
-        cfg = spec.SpecConfig(spec.REFERENCE)
+        cfg = SpecConfig(REFERENCE)
         records.write_json_atomic(
             work / "spec.json",
             {
@@ -204,27 +201,16 @@ class Shipped:
         )
         # vLLM's and Inductor's caches are shared (startup ~45 s -> ~15 s per engine on the
         # H200, 0.26.0); each engine keeps its own fresh TRITON_CACHE_DIR.
-        env = {**os.environ, **spec.child_env(cfg, work, True), **env_extra}
+        env = {**child_env(cfg, work, True, os.environ), **env_extra}
         env.setdefault("VLLM_CACHE_ROOT", str(self.work / "vllm-cache"))
-        path = [*self.pythonpath[:-1], *filter(None, [src]), self.pythonpath[-1]]
-        env["PYTHONPATH"] = os.pathsep.join([*path, env.get("PYTHONPATH", "")])
+        env["PYTHONPATH"] = child_pythonpath([*self.stub, *filter(None, [src])], env)
         log = self.log_dir / f"{name}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
         print(f"[shipped] start {name} (log {log})", flush=True)
-        argv = spec.child_argv(work / "spec.json")
-        with log.open("wb") as logf:
-            try:
-                rc: int | None = subprocess.run(
-                    argv,
-                    cwd=REPO_ROOT,
-                    env=env,
-                    stdout=logf,
-                    stderr=subprocess.STDOUT,
-                    timeout=max(1.0, self.time_left()),
-                ).returncode
-            except subprocess.TimeoutExpired:
-                rc = None
-        result = spec.read_result(work)
+        ended = self.children.run(
+            child_argv(work / "spec.json"), log, env, self.deadline.limit(self.args.timeout)
+        )
+        rc = None if ended.timed_out else ended.rc
+        result = read_result(work)
         report = result.get("plugin_report") or {}
         row: dict[str, Any] = {
             "preset": preset,
@@ -257,6 +243,7 @@ class Shipped:
         layer = Path(a.layer).resolve()
         before = file_hashes(layer)
         presets = phases.parse_list(a.presets, phases.TQ_PRESETS)
+        self.children.stop_on_sigterm()
         with read_only(layer, self.work / "layer-ro") as how:
             for preset in presets:
                 ref = self.child(preset, "ref", {})

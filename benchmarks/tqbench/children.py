@@ -1,0 +1,133 @@
+"""The benchmark's children: each in its own process group, logged, time-limited.
+
+``matrix``, ``spec`` and ``shipped`` run every engine in a child process, so that a crash
+(an illegal memory access, a hang in a CUDA graph) ends only that child. A child is
+started in a new session (``start_new_session``): vLLM's engine core and compile workers
+are its descendants, and killing the group takes them along, where killing only the child
+would leave them holding the GPU.
+A parent killed from outside (a device call's time limit sends SIGTERM) kills its
+children first: :meth:`Children.stop_on_sigterm`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.tqbench.engine import REPO_ROOT
+
+__all__ = ["Children", "Deadline", "Exit", "child_pythonpath"]
+
+
+class Deadline:
+    """Seconds left of ``--deadline-s`` (0: no deadline) since this object was made."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = float(seconds or 0.0)
+        self.t0 = time.monotonic()
+
+    def left(self) -> float:
+        """Seconds left; ``inf`` without a deadline."""
+        if not self.seconds:
+            return float("inf")
+        return self.seconds - (time.monotonic() - self.t0)
+
+    def limit(self, timeout: float, margin: float = 0.0) -> float:
+        """A child's time limit: ``timeout``, within the deadline less ``margin``, at least 1 s."""
+        return max(1.0, min(float(timeout), self.left() - margin))
+
+
+@dataclass(frozen=True)
+class Exit:
+    """How a child ended: its exit code (negative: killed by that signal), whether it
+    was killed at its time limit, and its wall seconds."""
+
+    rc: int
+    timed_out: bool
+    wall_s: float
+
+
+def child_pythonpath(first: Sequence[str], env: Mapping[str, str]) -> str:
+    """A child's ``PYTHONPATH``: ``first`` (an entry-point stub, another plugin tree),
+    the repository root, then what the parent's already had."""
+    return os.pathsep.join([*first, str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+
+
+class Children:
+    """The running children of one benchmark, each killed with its process group."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.stopping = False
+
+    def run(
+        self,
+        argv: Sequence[str],
+        log: Path,
+        env: Mapping[str, str],
+        timeout: float,
+        *,
+        echo_argv: bool = False,
+    ) -> Exit:
+        """Run ``argv`` from the repository root, stdout and stderr to ``log``; kill its
+        group after ``timeout`` seconds. ``echo_argv``: the log starts with the command."""
+        log.parent.mkdir(parents=True, exist_ok=True)
+        t = time.monotonic()
+        timed_out = False
+        with log.open("wb") as logf:
+            if echo_argv:
+                logf.write(("$ " + " ".join(argv) + "\n").encode())
+                logf.flush()
+            proc = subprocess.Popen(
+                list(argv),
+                cwd=REPO_ROOT,
+                env=dict(env),
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            with self.lock:
+                self.procs[proc.pid] = proc
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                _kill_group(proc)
+                rc = proc.wait()
+            finally:
+                with self.lock:
+                    self.procs.pop(proc.pid, None)
+        return Exit(rc, timed_out, time.monotonic() - t)
+
+    def kill_all(self) -> None:
+        """Kill every running child's group; children asked for later are not started."""
+        self.stopping = True
+        with self.lock:
+            procs = list(self.procs.values())
+        for p in procs:
+            _kill_group(p)
+
+    def stop_on_sigterm(self) -> None:
+        """On SIGTERM, kill the children, then exit 128 + 15 (main thread only)."""
+
+        def handler(signum: int, _frame: Any) -> None:
+            self.kill_all()
+            raise SystemExit(128 + signum)
+
+        with contextlib.suppress(ValueError):  # only possible in the main thread
+            signal.signal(signal.SIGTERM, handler)
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """Kill the process group of a child we started (it and its workers)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
