@@ -19,7 +19,7 @@ HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if HAVE_VLLM:
         return
-    skip = pytest.mark.skip(reason="vLLM is not installed (see README: Testing)")
+    skip = pytest.mark.skip(reason="vLLM is not installed (see docs/testing.md)")
     for item in items:
         if "real_vllm" in item.keywords:
             item.add_marker(skip)

@@ -1,5 +1,5 @@
-"""``deploy/``: the Containerfile, the Kubernetes manifest, the build script and the README's
-Deploy section name the same variables and paths as ``layered_cache`` (read from its source:
+"""``deploy/``: the Containerfile, the Kubernetes manifest, the build script and docs/deploy.md
+name the same variables and paths as ``layered_cache`` (read from its source:
 no Triton needed), the manifest parses, the script passes ``bash -n`` and ``shellcheck``."""
 
 from __future__ import annotations
@@ -85,13 +85,11 @@ def problems(repo: Path) -> list[str]:
     if own not in mounts or mounts[own]["name"] not in empty or mounts[own].get("readOnly"):
         out.append(f"kubernetes.yaml: {own} is not a writable emptyDir")
 
-    readme = (repo / "README.md").read_text()
-    deploy = readme[readme.find("## Deploy") :]
-    deploy = deploy[: deploy.find("\n## ", 1)]
+    deploy = (repo / "docs" / "deploy.md").read_text()
     files = ["deploy/Containerfile", "deploy/kubernetes.yaml", SCRIPT]
     for text in [f"{k}={v}" for k, v in want.items()] + files + [f"verify --cache-dir {layer}"]:
         if text not in deploy:
-            out.append(f"README Deploy section lacks {text!r}")
+            out.append(f"docs/deploy.md lacks {text!r}")
     return out
 
 
@@ -109,7 +107,7 @@ def test_deploy_files_agree_with_the_layered_cache() -> None:
             "TQ_WARMUP_CACHE_LAYERS=/opt/x",
         ),
         (SCRIPT, "CACHE=${CACHE:-/opt/tq-warmup/cache}", "CACHE=${CACHE:-/opt/cache}"),
-        ("README.md", "TRITON_CACHE_DIR=/var/cache/triton", "TRITON_CACHE_DIR=/tmp/triton"),
+        ("docs/deploy.md", "TRITON_CACHE_DIR=/var/cache/triton", "TRITON_CACHE_DIR=/tmp/triton"),
         (
             "src/tq_warmup_plugin/layered_cache.py",
             'LAYERS_ENV = "TQ_WARMUP_CACHE_LAYERS"',
@@ -118,7 +116,7 @@ def test_deploy_files_agree_with_the_layered_cache() -> None:
     ],
 )
 def test_a_disagreement_is_reported(tmp_path: Path, path: str, old: str, new: str) -> None:
-    for name in ("deploy", "README.md", "src/tq_warmup_plugin/layered_cache.py"):
+    for name in ("deploy", "docs/deploy.md", "src/tq_warmup_plugin/layered_cache.py"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy
         copy(REPO / name, tmp_path / name)
