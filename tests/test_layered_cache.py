@@ -432,7 +432,12 @@ def _child() -> None:
             for i, p in enumerate(spec["presets"])
         }
         report = run(fake_worker(impls, feats, 64), Settings(threads=1))
-        out.append({**json.loads(report.to_json()), "warnings": list(warnings)})
+        result = {**json.loads(report.to_json()), "warnings": list(warnings)}
+        if spec.get("unrelated"):
+            from unrelated_kernel import compiles
+
+            result["unrelated"] = compiles()
+        out.append(result)
         warnings.clear()
     print("RESULT " + json.dumps(out))
 
@@ -644,3 +649,39 @@ def test_a_corrupt_file_or_another_triton_build_is_one_warning_and_compiles_that
     (warning,) = mismatched["warnings"]
     assert "triton_build: the manifest says 000000000000, found " in warning, warning
     assert warning.endswith(f"none of its {one['distinct']} kernels is used")
+
+
+@pytest.mark.real_vllm
+def test_a_hostile_manifest_beside_a_real_layer_costs_only_itself(
+    shipped: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Before (issue 20): a manifest nested 100,000 levels deep raised RecursionError
+    in every Triton compile of the process: the warmup reported every key failed, and
+    the good manifest beside it was not used."""
+    build, one = shipped
+    source = tmp_path / "hostile-build"
+    shutil.copytree(build, source)
+    hostile = source / f"{manifest.PREFIX}0hostile.json"
+    hostile.write_text("[" * 100_000 + "]" * 100_000)
+    layer = tmp_path / "layer"
+    (result,) = _run_child(
+        tmp_path,
+        [
+            {
+                "presets": [SHIPPED],
+                "env": {
+                    "TRITON_CACHE_MANAGER": MANAGER,
+                    LAYERS: str(layer),
+                    DIR: str(tmp_path / "own"),
+                },
+                "unrelated": True,
+            }
+        ],
+        {source: layer},
+    )
+    assert result["status"] == "ok" and result["failed"] == 0, result
+    assert (result["shipped"], result["compiled"]) == (one["distinct"], 0), result
+    (warning,) = result["warnings"]
+    assert warning.startswith(f"tq-warmup: Triton cache layer {layer}: {hostile.name} is not a")
+    assert "nested more than 64 levels deep" in warning, warning
+    assert result["unrelated"] == "ok"

@@ -554,12 +554,17 @@ def verify(args: argparse.Namespace) -> int:
     root = Path(args.cache_dir)
     if not root.is_dir():
         raise CliError(f"--cache-dir {args.cache_dir}: not a directory")
+    from .precompile import stale_stages
+
+    stale = stale_stages(root)
+    for stage in stale:
+        print(f"{stage.name}: left by a precompile that did not finish (the next one removes it)")
     paths = manifest.manifest_files(root)
     if not paths:
         print(f"tq-warmup: no tq-warmup manifest in {root} (not built by tq-warmup precompile)")
         return 1
     here = manifest.installed_stack(arch=args.arch)
-    problems, found = 0, {}
+    problems, found = len(stale), {}
     for path in paths:
         try:
             found[path.name] = manifest.read(path)
@@ -572,11 +577,6 @@ def verify(args: argparse.Namespace) -> int:
         for problem in stack + manifest.file_problems(shipped, root):
             print(f"{name}: {problem}")
             problems += 1
-    from .precompile import stale_stages
-
-    for stage in stale_stages(root):
-        print(f"{stage.name}: left by a precompile that did not finish (the next one removes it)")
-        problems += 1
     kernels = sum(len(m.files) for m in found.values())
     files = sum(len(f) for m in found.values() for f in m.files.values())
     unchecked = [f for f in manifest.STACK_FIELDS if getattr(here, f) is None]

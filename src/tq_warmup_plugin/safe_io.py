@@ -25,6 +25,7 @@ the reason in a few words, for a WARNING or a ``tq-warmup:`` line.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import stat
@@ -54,6 +55,9 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 
+_SYMLINK = "a symlink (a layer's files must be regular files inside it)"
+
+
 class UnsafeFile(Exception):
     """A file that was not read: not a regular file, too large, unreadable, not JSON,
     nested too deeply. The message is the reason; ``missing``: there is no such file."""
@@ -79,8 +83,8 @@ def _kind(mode: int) -> str:
 
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, OSError):
-        if exc.errno == getattr(os, "ELOOP", -1):
-            return "a symlink (a layer's files must be regular files inside it)"
+        if exc.errno == errno.ELOOP:
+            return _SYMLINK
         return exc.strerror or str(exc)
     if isinstance(exc, RecursionError):
         return f"nested more than {MAX_JSON_DEPTH} levels deep"
@@ -104,7 +108,11 @@ def open_dir(name: str, dir_fd: int | None = None) -> int:
     """A descriptor of directory ``name`` (relative to ``dir_fd``), not followed if the
     final component is a symlink; the caller closes it."""
     with _guarded():
-        fd = os.open(name, _BASE | _NOFOLLOW | _DIRECTORY, dir_fd=dir_fd)
+        try:
+            fd = os.open(name, _BASE | _NOFOLLOW | _DIRECTORY, dir_fd=dir_fd)
+        except NotADirectoryError:  # Linux: also what a symlink is, with O_NOFOLLOW
+            mode = os.lstat(name, dir_fd=dir_fd).st_mode
+            raise UnsafeFile(_SYMLINK if stat.S_ISLNK(mode) else _kind(mode)) from None
         try:
             mode = os.fstat(fd).st_mode
             if not stat.S_ISDIR(mode):
