@@ -257,6 +257,7 @@ _OPTIONAL_FIELDS: dict[str, Callable[[object], bool]] = {
     "block_table_bytes": _is_size,
     "workspace_bytes": _is_sizes,
     "attention_chunk": _is_size,
+    "verify_len": _is_size,
 }
 _GEOMETRY_FIELDS = {
     f.name: f.type
