@@ -1,6 +1,6 @@
 """The CLI's file inputs read as hostile files, and vLLM's own refusals in one whole
 line (issue 20): ``inspect --model`` / ``--geometry-json`` / ``verify`` on a FIFO, a
-device, deeply nested or huge JSON end in one ``tq-warmup:`` line, within a time limit."""
+device or deeply nested JSON end in one ``tq-warmup:`` line, within a time limit."""
 
 from __future__ import annotations
 
@@ -29,18 +29,24 @@ def _hostile(path: Path, kind: str) -> None:
         os.mkfifo(path)
     elif kind == "dev-zero":
         path.symlink_to("/dev/zero")
-    elif kind == "nested":
+    else:
         path.write_text("[" * 100_000 + "]" * 100_000)
-    else:  # huge: sparse, over the 64 MiB bound
-        with open(path, "wb") as fh:
-            fh.truncate(65 * 2**20)
 
 
-@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "nested", "huge"])
-@pytest.mark.parametrize("flag", ["--model", "--geometry-json"])
+@pytest.mark.parametrize(
+    ("flag", "kind"),
+    [
+        ("--model", "nested"),
+        ("--geometry-json", "fifo"),
+        ("--geometry-json", "dev-zero"),
+        ("--geometry-json", "nested"),
+    ],
+)
 def test_a_hostile_json_input_is_one_line_and_exit_2(flag: str, kind: str, tmp_path: Path) -> None:
     """Before: a FIFO blocked forever, ``/dev/zero`` raised MemoryError, deep nesting
-    RecursionError (a traceback)."""
+    RecursionError (a traceback). A huge file, and a FIFO or device as ``--model``'s
+    config.json, were one line already (a JSON error; "no config.json"): the hypothesis
+    test (``test_cli_property``) keeps generating them."""
     if flag == "--model":
         (tmp_path / "model").mkdir()
         path = tmp_path / "model" / "config.json"
