@@ -88,8 +88,8 @@ def cmd_layer_check_cost(args: argparse.Namespace) -> int:
     print(f"{'measure':<44}{'median':>10}{'max':>10}")
     rows = [
         ("manifests read and stack checked", "manifests_ms", "ms"),
-        ("one key directory hashed, copied (first lookup)", "key_ms_median", "ms"),
-        ("every key directory hashed, copied", "all_keys_ms", "ms"),
+        ("one key dir hashed, copied (first lookup)", "key_ms_median", "ms"),
+        ("every key dir hashed, copied", "all_keys_ms", "ms"),
         ("a later lookup of a served file", "later_lookup_us", "us"),
     ]
     for text, name, unit in rows:
