@@ -35,10 +35,11 @@ def lc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
     pytest.importorskip("triton")
     import tempfile
 
-    from tq_warmup_plugin import layered_cache
+    from tq_warmup_plugin import layer_trust, layered_cache
 
-    monkeypatch.setattr(layered_cache, "_warned", set())
-    monkeypatch.setattr(layered_cache, "_trusts", {})
+    monkeypatch.setattr(layer_trust, "_warned", set())
+    monkeypatch.setattr(layer_trust, "_trusts", {})
+    monkeypatch.setattr(layer_trust, "_private_roots", {})
     monkeypatch.setattr(manifest, "installed_stack", _installed_stack)
     _use_driver(monkeypatch, _driver_config(_Driver()))
     monkeypatch.setattr(layered_cache, "_unwritable", set())
@@ -113,6 +114,15 @@ def _files(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
 
+def _copy_of(layer: Path) -> str:
+    """Where this process serves ``layer``'s files from: its private copies."""
+    from tq_warmup_plugin import layer_trust
+
+    private = layer_trust.private_root()
+    assert private is not None
+    return os.path.join(private, manifest.digest(str(layer))[:16])
+
+
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
@@ -128,13 +138,14 @@ def test_a_shipped_layer_is_read_and_a_miss_goes_to_the_own_directory(
     _build_layer(tmp_path / "build", monkeypatch)
     shutil.move(tmp_path / "build", tmp_path / "shipped")
     monkeypatch.setenv(lc.LAYERS_ENV, str(tmp_path / "shipped"))
+    monkeypatch.setenv("TQ_WARMUP_CACHE_UNVERIFIED", "1")  # a plain Triton cache
     shipped = _files(tmp_path / "shipped")
 
     group = _manager().get_group("k.json")
     assert group is not None and set(group) == {"k.cubin", "k.json"}
-    assert all(
-        p.startswith(str(tmp_path / "shipped")) and os.path.exists(p) for p in group.values()
-    )
+    copy = _copy_of(tmp_path / "shipped")
+    assert all(p.startswith(copy) and os.path.exists(p) for p in group.values())
+    assert Path(group["k.cubin"]).read_bytes() == b"cubin"
     assert _manager().get_file("k.cubin") == group["k.cubin"]
 
     assert _manager().get_group("other.json") is None
@@ -151,8 +162,9 @@ def test_layers_are_searched_in_order_before_the_own_directory(
     for name in ("a", "b", "own"):
         _build_layer(tmp_path / name, monkeypatch)
     monkeypatch.setenv(lc.LAYERS_ENV, f"{tmp_path / 'b'}{os.pathsep}{tmp_path / 'a'}")
+    monkeypatch.setenv("TQ_WARMUP_CACHE_UNVERIFIED", "1")
     group = _manager().get_group("k.json")
-    assert group is not None and group["k.cubin"].startswith(str(tmp_path / "b"))
+    assert group is not None and group["k.cubin"].startswith(_copy_of(tmp_path / "b"))
 
 
 def test_an_incomplete_group_in_a_layer_is_a_miss(
@@ -161,11 +173,13 @@ def test_an_incomplete_group_in_a_layer_is_a_miss(
     _build_layer(tmp_path / "layer", monkeypatch)
     (cubin,) = (tmp_path / "layer").rglob("k.cubin")
     cubin.unlink()
-    (grp,) = (tmp_path / "layer").rglob("__grp__k.json")
     monkeypatch.setenv(lc.LAYERS_ENV, str(tmp_path / "layer"))
+    monkeypatch.setenv("TQ_WARMUP_CACHE_UNVERIFIED", "1")
     assert _manager().get_group("k.json") is None
-    grp.write_text("{not json")
-    assert _manager().get_group("k.json") is None
+    _build_layer(tmp_path / "layer", monkeypatch, "cd" * 32)
+    (grp,) = (tmp_path / "layer" / _key_dir("cd" * 32)).glob("__grp__k.json")
+    grp.write_text("[" * 10_000 + "]" * 10_000)  # deeper than json can parse on a deep stack
+    assert _manager("cd" * 32).get_group("k.json") is None
 
 
 def test_a_missing_layer_is_ignored_with_one_warning(
@@ -238,11 +252,13 @@ def test_a_layer_serves_what_its_manifest_lists_with_every_file_as_listed(
     assert f"layer {tmp_path / 'layer'}, {manifest.PREFIX}" in warning
     assert f": {dirs[1]}/k.cubin: the manifest says sha256 " in warning
     assert "that kernel is not used and compiles into Triton's cache directory" in warning
-    in_layer = str(tmp_path / "layer" / dirs[0] / "k.cubin")
-    assert lc.served_by_layer(in_layer) is True
+    served = _manager("ab" * 32).get_group("k.json")
+    assert served is not None and served["k.cubin"].startswith(_copy_of(tmp_path / "layer"))
+    assert lc.served_by_layer(served["k.cubin"]) is True
+    assert lc.served_by_layer(str(tmp_path / "layer" / dirs[0] / "k.cubin")) is False
     assert lc.served_by_layer(str(tmp_path / "own" / dirs[0] / "k.cubin")) is False
     monkeypatch.delenv("TRITON_CACHE_MANAGER")  # Triton's own manager reads no layer
-    assert lc.served_by_layer(in_layer) is False
+    assert lc.served_by_layer(served["k.cubin"]) is False
 
 
 @pytest.mark.parametrize("field", ["triton_build", "vllm", "kernel_sources", "python_abi", "arch"])
@@ -284,7 +300,9 @@ def test_a_stack_that_cannot_be_read_leaves_the_file_check(
     def unreadable(active: Any) -> Any:
         raise PermissionError("vllm/v1/attention/ops")
 
-    monkeypatch.setattr(lc, "_running_stack", unreadable)
+    from tq_warmup_plugin import layer_trust
+
+    monkeypatch.setattr(layer_trust, "_running_stack", unreadable)
     monkeypatch.setenv(lc.LAYERS_ENV, str(tmp_path / "layer"))
     caplog.set_level(logging.WARNING, logger="vllm.tq_warmup_plugin")
     assert _served(lc, "ab" * 32, "cd" * 32) == [True, False]
@@ -324,22 +342,37 @@ def test_a_lookup_made_while_triton_creates_its_driver_neither_hangs_nor_makes_a
     assert _served(lc, "ab" * 32, "ab" * 32) == [True, True]  # checked once the driver is up
 
 
-def test_a_layer_without_a_manifest_is_served_unverified_with_one_warning(
-    lc: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("unverified", ["", "1"])
+def test_a_layer_without_a_manifest_is_served_only_when_the_operator_says_so(
+    unverified: str,
+    lc: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """A plain Triton cache, or what a precompile that died before its manifest left
+    (on a full disk it was served unverified, issue 20)."""
     _build_layer(tmp_path / "layer", monkeypatch)
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / f"{manifest.PREFIX}x.json").write_text("{")
     _build_layer(tmp_path / "bad", monkeypatch, "cd" * 32)
     monkeypatch.setenv(lc.LAYERS_ENV, f"{tmp_path / 'layer'}{os.pathsep}{tmp_path / 'bad'}")
+    monkeypatch.setenv("TQ_WARMUP_CACHE_UNVERIFIED", unverified)
     caplog.set_level(logging.WARNING, logger="vllm.tq_warmup_plugin")
-    assert _served(lc, KEY, KEY, "cd" * 32) == [True, True, False]
+    served = bool(unverified)
+    assert _served(lc, KEY, KEY, "cd" * 32) == [served, served, False]
+    first = f"tq-warmup: Triton cache layer {tmp_path / 'layer'} has no tq-warmup manifest: "
+    first += (
+        "its kernels are used unverified (TQ_WARMUP_CACHE_UNVERIFIED=1)"
+        if served
+        else "nothing in it is used (tq-warmup precompile writes one; "
+        "TQ_WARMUP_CACHE_UNVERIFIED=1 serves a plain Triton cache unverified)"
+    )
     assert _warnings(caplog) == [
-        f"tq-warmup: Triton cache layer {tmp_path / 'layer'} has no tq-warmup manifest: its "
-        "kernels are used unverified (tq-warmup precompile writes one)",
+        first,
         f"tq-warmup: Triton cache layer {tmp_path / 'bad'}: {manifest.PREFIX}x.json is not a "
-        "usable manifest (not JSON (Expecting property name enclosed in double quotes: line 1 "
-        "column 2 (char 1))); nothing it lists is used",
+        "usable manifest (unreadable: not valid JSON (Expecting property name enclosed in "
+        "double quotes: line 1 column 2 (char 1))); nothing it lists is used",
     ]
 
 
@@ -399,7 +432,12 @@ def _child() -> None:
             for i, p in enumerate(spec["presets"])
         }
         report = run(fake_worker(impls, feats, 64), Settings(threads=1))
-        out.append({**json.loads(report.to_json()), "warnings": list(warnings)})
+        result = {**json.loads(report.to_json()), "warnings": list(warnings)}
+        if spec.get("unrelated"):
+            from unrelated_kernel import compiles
+
+            result["unrelated"] = compiles()
+        out.append(result)
         warnings.clear()
     print("RESULT " + json.dumps(out))
 
@@ -611,3 +649,39 @@ def test_a_corrupt_file_or_another_triton_build_is_one_warning_and_compiles_that
     (warning,) = mismatched["warnings"]
     assert "triton_build: the manifest says 000000000000, found " in warning, warning
     assert warning.endswith(f"none of its {one['distinct']} kernels is used")
+
+
+@pytest.mark.real_vllm
+def test_a_hostile_manifest_beside_a_real_layer_costs_only_itself(
+    shipped: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Before (issue 20): a manifest nested 100,000 levels deep raised RecursionError
+    in every Triton compile of the process: the warmup reported every key failed, and
+    the good manifest beside it was not used."""
+    build, one = shipped
+    source = tmp_path / "hostile-build"
+    shutil.copytree(build, source)
+    hostile = source / f"{manifest.PREFIX}0hostile.json"
+    hostile.write_text("[" * 100_000 + "]" * 100_000)
+    layer = tmp_path / "layer"
+    (result,) = _run_child(
+        tmp_path,
+        [
+            {
+                "presets": [SHIPPED],
+                "env": {
+                    "TRITON_CACHE_MANAGER": MANAGER,
+                    LAYERS: str(layer),
+                    DIR: str(tmp_path / "own"),
+                },
+                "unrelated": True,
+            }
+        ],
+        {source: layer},
+    )
+    assert result["status"] == "ok" and result["failed"] == 0, result
+    assert (result["shipped"], result["compiled"]) == (one["distinct"], 0), result
+    (warning,) = result["warnings"]
+    assert warning.startswith(f"tq-warmup: Triton cache layer {layer}: {hostile.name} is not a")
+    assert "nested more than 64 levels deep" in warning, warning
+    assert result["unrelated"] == "ok"

@@ -17,6 +17,7 @@ from fakes import STACK, key_dir, write_manifest
 from tq_warmup_plugin import cli, manifest, precompile
 
 K1, K2 = "A" * 52, "B" * 52  # Triton names key directories by a base32 sha256
+L0 = manifest.Listed("0" * 64, 5)
 
 
 def flip(path: Path) -> None:
@@ -39,8 +40,8 @@ def test_a_built_manifest_parses_back(tmp_path: Path) -> None:
 
 def test_the_name_hashes_the_plan_not_the_files() -> None:
     plan = {"kv_cache_dtype": "turboquant_4bit_nc"}
-    one = manifest.build(STACK, plan, {K1: {"k.cubin": "0" * 64}})
-    two = manifest.build(STACK, plan, {K1: {"k.cubin": "1" * 64}})
+    one = manifest.build(STACK, plan, {K1: {"k.cubin": L0}})
+    two = manifest.build(STACK, plan, {K1: {"k.cubin": manifest.Listed("1" * 64, 5)}})
     other = manifest.build(dataclasses.replace(STACK, arch=80), plan, {})
     assert manifest.file_name(one) == manifest.file_name(two) != manifest.file_name(other)
     assert manifest.file_name(one).startswith(manifest.PREFIX)
@@ -55,14 +56,31 @@ OLD = {"vllm": "0.26.0", "triton": "3.6.0", "image_triton": "3.6.0", "arch": 90,
     [
         ("{", "not JSON"),
         ("[1]", "a JSON list, not an object"),
-        (json.dumps(OLD), "schema None, this tq-warmup reads 1"),
+        (json.dumps(OLD), "schema None, this tq-warmup reads 2"),
         (json.dumps({**manifest.build(STACK, {}, {}), "arch": True}), "arch True is not"),
         (json.dumps({**manifest.build(STACK, {}, {}), "triton": None}), "triton None is not"),
         (json.dumps({**manifest.build(STACK, {}, {}), "files": []}), "no 'files' object"),
-        (json.dumps(manifest.build(STACK, {}, {"..": {"x": "0" * 64}})), "files['..']"),
-        (json.dumps(manifest.build(STACK, {}, {K1: {"a/b": "0" * 64}})), "'a/b'"),
-        (json.dumps(manifest.build(STACK, {}, {K1: {"k.cubin": "xyz"}})), "a sha256"),
+        (json.dumps(manifest.build(STACK, {}, {"..": {"x": L0}})), "files['..']"),
+        (json.dumps(manifest.build(STACK, {}, {K1: {"a/b": L0}})), "'a/b'"),
+        (
+            json.dumps(manifest.build(STACK, {}, {K1: {"k.cubin": manifest.Listed("xyz", 5)}})),
+            "a sha256",
+        ),
         (json.dumps(manifest.build(STACK, {}, {K1: {}})), "not a key directory with files"),
+        (
+            json.dumps(manifest.build(STACK, {}, {K1: {"k": manifest.Listed("0" * 64, -1)}})),
+            "a size",
+        ),
+        (
+            json.dumps(manifest.build(STACK, {}, {K1: {"k": manifest.Listed("0" * 64, 2**40)}})),
+            "a size",
+        ),
+        (json.dumps({**manifest.build(STACK, {}, {}), "files": {K1: {"k": "0" * 64}}}), "'k'"),
+        (
+            json.dumps({**manifest.build(STACK, {}, {}), "schema": 1}),
+            "schema 1, this tq-warmup reads 2",
+        ),
+        ("[" * 100_000 + "]" * 100_000, "nested more than"),
     ],
 )
 def test_what_is_not_a_manifest_says_why(text: str, why: str) -> None:
@@ -99,7 +117,7 @@ def test_a_corrupt_or_missing_file_is_one_problem_naming_it(tmp_path: Path) -> N
     (tmp_path / K2 / "other.json").unlink()
     problems = manifest.check(shipped, STACK, tmp_path)
     assert [p.what for p in problems] == [f"{K1}/k.cubin", f"{K2}/other.json"]
-    assert problems[0].expected == f"sha256 {files[K1]['k.cubin'][:12]}"
+    assert problems[0].expected == f"sha256 {files[K1]['k.cubin'].sha256[:12]}"
     assert problems[0].found.startswith("sha256 ") and problems[0].found != problems[0].expected
     assert problems[1].found == "no such file"
     (tmp_path / K1 / "extra").write_text("")  # Triton reads only what the group names
@@ -196,7 +214,7 @@ def test_staging_links_what_a_manifest_for_the_target_vouches_for_and_is_removed
         raise RuntimeError("a failed compile")
     assert not stage.exists()
     with precompile.staging(cache, dataclasses.replace(STACK, arch=80)) as stage:
-        assert not list(stage.iterdir())  # built for another target
+        assert [p.name for p in stage.iterdir()] == [precompile.ALIVE_FILE]  # another target
 
 
 # --- tq-warmup verify ----------------------------------------------------------------

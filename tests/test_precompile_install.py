@@ -139,3 +139,95 @@ def test_concurrent_precompiles_into_one_directory_leave_it_whole(
             for word in (" keys for", " built, ", " already there")
         )
         assert built + there == keys > 0, out_
+
+
+def _unshare_available() -> bool:
+    probe = "d=$(mktemp -d) && mount -t tmpfs -o size=64k tmpfs $d && umount $d"
+    try:
+        return (
+            subprocess.run(["unshare", "-m", "sh", "-c", probe], capture_output=True).returncode
+            == 0
+        )
+    except OSError:
+        return False
+
+
+# Run inside the private mount namespace, after the precompile: what a reader of the
+# full directory would find (the tmpfs is gone once the namespace exits).
+_LISTING = """
+import json, sys
+from pathlib import Path
+from tq_warmup_plugin import manifest
+root = Path(sys.argv[1])
+listed = set()
+for path in manifest.manifest_files(root):
+    listed |= set(manifest.read(path).files)
+print("LISTING " + json.dumps({"entries": sorted(p.name for p in root.iterdir()),
+                               "listed": sorted(listed)}))
+"""
+
+
+@pytest.mark.parametrize("size", ["600k", "1360k"])
+def test_a_full_disk_is_one_line_and_leaves_nothing_unlisted(size: str, tmp_path: Path) -> None:
+    """Before (issue 20, vLLM 0.33.0): on a 1360 KiB tmpfs the six key directories were
+    installed, the manifest was not (a traceback), and the layered cache then served
+    them unverified; on 1 MiB and less, a traceback. Each size ends in a full disk
+    somewhere in the build (which step depends on the release's kernel sizes)."""
+    if not _unshare_available():
+        pytest.skip("no private mount namespace here (unshare -m and mount tmpfs)")
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    cmd = [sys.executable, "-m", "tq_warmup_plugin.cli", "precompile", *PLAN]
+    script = (
+        f"mount -t tmpfs -o size={size} tmpfs '{mnt}' && "
+        f'"$0" "$@" --cache-dir {mnt}/cache > {tmp_path}/out 2> {tmp_path}/err; '
+        f"echo RC $?; '{sys.executable}' -c '{_LISTING}' {mnt}/cache"
+    )
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script, *cmd],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    out, err = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
+    assert "RC 1\n" in done.stdout, (done.stdout, done.stderr[-2000:], out, err[-2000:])
+    assert "Traceback" not in err and err.count("\n") == 1, err[-3000:]
+    assert err.startswith("tq-warmup: ") and "No space left on device" in err, err
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("LISTING ")]
+    found = json.loads(line[len("LISTING ") :])
+    key_dirs = [n for n in found["entries"] if not n.startswith((".", manifest.PREFIX))]
+    assert set(key_dirs) <= set(found["listed"]), found  # nothing a reader would not check
+    assert [n for n in found["entries"] if n.startswith(".")] == [precompile.LOCK_FILE], found
+
+
+def test_a_precompile_killed_with_sigkill_is_named_by_verify_and_cleaned_by_the_next(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: the killed precompile's stage stayed, and neither verify nor a later
+    precompile mentioned or removed it."""
+    cache_dir = tmp_path / "cache"
+    proc = run_precompile(cache_dir)
+    deadline = time.monotonic() + 300
+    stages: list[Path] = []
+    while not stages and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+        if cache_dir.is_dir():
+            stages = [
+                p
+                for p in cache_dir.glob(f"{precompile.STAGE_PREFIX}*")
+                if (p / precompile.ALIVE_FILE).exists()
+            ]
+    assert stages, proc.communicate()
+    time.sleep(0.5)  # compiling into the stage
+    proc.kill()  # SIGKILL
+    proc.communicate()
+    assert proc.returncode == -9 and stages[0].is_dir()
+    rc, out = verify(capsys, cache_dir)
+    assert rc == 1 and f"{stages[0].name}: left by a precompile that did not finish" in out, out
+    out, err = run_precompile(cache_dir).communicate(timeout=540)
+    assert "0 failed" in out, (out, err[-3000:])
+    assert not stages[0].exists()
+    rc, out = verify(capsys, cache_dir, "--arch", "90")
+    assert rc == 0 and out.endswith(": 0 problems\n"), out

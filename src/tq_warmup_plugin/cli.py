@@ -27,7 +27,7 @@ from typing import NamedTuple, NoReturn
 
 import pluggy
 
-from . import compat, launches, manifest, warmup
+from . import compat, launches, manifest, safe_io, warmup
 from .geometry import DTYPE_BYTES, PRESETS, Geometry, preset
 from .report import Report
 from .settings import load, parse
@@ -85,14 +85,9 @@ def _config_dir(path: str) -> str:
     file = given / "config.json" if given.is_dir() else given
     if not given.exists():
         raise CliError(f"--model {path}: no such file or directory")
-    if not file.is_file():
+    if given.is_dir() and not file.is_file():
         raise CliError(f"--model {path}: no config.json in this directory")
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CliError(f"--model {file}: cannot read it ({exc})") from None
-    except json.JSONDecodeError as exc:
-        raise CliError(f"--model {file}: not valid JSON ({exc})") from None
+    data = _read_json("--model", str(file))
     if not isinstance(data, dict):
         raise CliError(f"--model {file}: a JSON {type(data).__name__}, not a model config object")
     if file.name == "config.json":
@@ -101,6 +96,16 @@ def _config_dir(path: str) -> str:
     tmp = Path(tempfile.mkdtemp(prefix="tq-warmup-config-"))
     (tmp / "config.json").write_text(json.dumps(data))
     return str(tmp)
+
+
+def _read_json(flag: str, path: str) -> object:
+    """A JSON input of the CLI, read as a hostile file (``safe_io``: a FIFO, a device,
+    huge or deeply nested JSON is refused in one line); a symlink is followed."""
+    try:
+        return safe_io.read_json(path, follow=True)
+    except safe_io.UnsafeFile as exc:
+        why = "no such file" if exc.missing else f"cannot read it ({exc})"
+        raise CliError(f"{flag} {path}: {why}") from None
 
 
 class Planned(NamedTuple):
@@ -252,6 +257,7 @@ _OPTIONAL_FIELDS: dict[str, Callable[[object], bool]] = {
     "block_table_bytes": _is_size,
     "workspace_bytes": _is_sizes,
     "attention_chunk": _is_size,
+    "verify_len": _is_size,
 }
 _GEOMETRY_FIELDS = {
     f.name: f.type
@@ -302,14 +308,7 @@ def _report_geometry(path: str, index: int, raw: object, feats: compat.Features)
 def geometries_from_report(path: str) -> tuple[list[Geometry], int, str]:
     """The geometries a real startup discovered (its ``TQ_WARMUP_REPORT`` JSON), the
     TurboQuant layers they stand for, and the vLLM version the report names."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise CliError(f"--geometry-json {path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CliError(f"--geometry-json {path}: cannot read it ({exc})") from None
-    except json.JSONDecodeError as exc:
-        raise CliError(f"--geometry-json {path}: not valid JSON ({exc})") from None
+    data = _read_json("--geometry-json", path)
     if not isinstance(data, dict) or not isinstance(data.get("geometries"), list):
         raise CliError(
             f"--geometry-json {path}: not a tq-warmup report (no 'geometries' list; "
@@ -505,6 +504,7 @@ def precompile(args: argparse.Namespace) -> int:
     the_plan, named, planned = _plan(args, pm)
 
     from .precompile import (
+        InstallError,
         cache_keys_for,
         install,
         staging,
@@ -521,17 +521,22 @@ def precompile(args: argparse.Namespace) -> int:
             wheel_key = triton_key_of_wheel(args.image_triton_wheel, tmp)
             stack.enter_context(cache_keys_for(wheel_key))
         target = _target_stack(args.arch, args.image_triton_wheel, wheel_key)
-        stage = stack.enter_context(staging(cache_dir, target))
-        os.environ["TRITON_CACHE_DIR"] = str(stage)
-        compile_start = time.perf_counter()
-        key_dirs = warmup.compile_into(report, pm, the_plan.keys, load().threads, _progress)
-        compile_s = time.perf_counter() - compile_start
-        plan = {
-            "kv_cache_dtype": planned.geometry.cache_dtype,
-            "geometries": [g.to_dict() for g in named.values()],
-            "keys": [warmup.describe(k) for k in the_plan.keys],
-        }
-        manifest_file = install(cache_dir, stage, key_dirs, plan, target)
+        try:
+            stage = stack.enter_context(staging(cache_dir, target))
+            os.environ["TRITON_CACHE_DIR"] = str(stage)
+            compile_start = time.perf_counter()
+            key_dirs = warmup.compile_into(report, pm, the_plan.keys, load().threads, _progress)
+            compile_s = time.perf_counter() - compile_start
+            plan = {
+                "kv_cache_dtype": planned.geometry.cache_dtype,
+                "geometries": [g.to_dict() for g in named.values()],
+                "keys": [warmup.describe(k) for k in the_plan.keys],
+            }
+            manifest_file = install(cache_dir, stage, key_dirs, plan, target)
+        except (InstallError, OSError) as exc:  # a full disk: one line, nothing installed
+            why = exc if isinstance(exc, InstallError) else f"{cache_dir}: {exc.strerror or exc}"
+            print(f"tq-warmup: {why}", file=sys.stderr)
+            return 1
     print(
         f"tq-warmup: {len(the_plan.keys)} keys for sm{args.arch} in {cache_dir}: "
         f"{report.compiled} built, {report.loaded} already there, {report.failed} failed "
@@ -550,12 +555,17 @@ def verify(args: argparse.Namespace) -> int:
     root = Path(args.cache_dir)
     if not root.is_dir():
         raise CliError(f"--cache-dir {args.cache_dir}: not a directory")
+    from .precompile import stale_stages
+
+    stale = stale_stages(root)
+    for stage in stale:
+        print(f"{stage.name}: left by a precompile that did not finish (the next one removes it)")
     paths = manifest.manifest_files(root)
     if not paths:
         print(f"tq-warmup: no tq-warmup manifest in {root} (not built by tq-warmup precompile)")
         return 1
     here = manifest.installed_stack(arch=args.arch)
-    problems, found = 0, {}
+    problems, found = len(stale), {}
     for path in paths:
         try:
             found[path.name] = manifest.read(path)

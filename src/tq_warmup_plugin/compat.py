@@ -970,6 +970,8 @@ def _exception_line(exc: BaseException) -> str:
         with contextlib.suppress(Exception):
             text = str(errors()[0]["msg"]).removeprefix("Value error, ")
     lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):  # huggingface_hub's strict dataclasses
+        lines[0] += f" {lines[1]}"  # (vLLM 0.33): "... for field 'x':" then the reason
     return (lines[0] if lines else type(exc).__name__)[:400]
 
 

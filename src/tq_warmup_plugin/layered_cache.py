@@ -18,9 +18,9 @@ lookup in a process reads them and checks each against the running stack, and th
 first lookup of each key directory checks that directory's files; only key
 directories listed by a manifest that holds, with every file as listed, are served.
 Each problem is one WARNING naming the layer, the manifest and the field or file, and
-Triton compiles what was not served into its own directory. A layer without any
-manifest (a plain Triton cache) is served as it is, with one WARNING that it is not
-verified.
+Triton compiles what was not served into its own directory.
+
+The trust model, how a layer is checked and what is served, is ``layer_trust``'s.
 
 Triton interface (``triton.runtime.cache``, identical in 3.6.0, 3.7.1 and 3.8.0 as
 far as this module goes): ``get_cache_manager(key)`` instantiates
@@ -39,19 +39,19 @@ from __future__ import annotations
 
 import atexit
 import functools
-import json
 import logging
 import os
 import shutil
 import tempfile
 import threading
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from triton.runtime.cache import FileCacheManager
 
-from . import manifest
+from . import safe_io
+from .layer_trust import layer_trust, private_root, warn_once
 
 LAYERS_ENV = "TQ_WARMUP_CACHE_LAYERS"
 MANAGER = "tq_warmup_plugin.layered_cache:LayeredCacheManager"
@@ -63,17 +63,8 @@ _GROUP_PREFIX = "__grp__"
 logger = logging.getLogger("vllm.tq_warmup_plugin")
 
 _lock = threading.Lock()
-_warned: set[tuple[str, str]] = set()
 _unwritable: set[str] = set()  # cache roots that failed a write in this process
 _fallback_root: str | None = None
-
-
-def _warn_once(problem: str, path: str, message: str, *args: object) -> None:
-    with _lock:
-        if (problem, path) in _warned:
-            return
-        _warned.add((problem, path))
-    logger.warning(message, *args)
 
 
 @functools.lru_cache(maxsize=8)
@@ -88,11 +79,11 @@ def layer_roots(value: str) -> tuple[str, ...]:
         if root in roots:
             continue
         if not os.path.isdir(root):
-            _warn_once(
+            warn_once(
                 "layer", root, "tq-warmup: Triton cache layer %s is not a directory; ignored", root
             )
         elif not os.access(root, os.R_OK | os.X_OK):
-            _warn_once(
+            warn_once(
                 "layer", root, "tq-warmup: Triton cache layer %s is not readable; ignored", root
             )
         else:
@@ -100,152 +91,26 @@ def layer_roots(value: str) -> tuple[str, ...]:
     return tuple(roots)
 
 
-@dataclass
-class _Trust:
-    """What one layer may serve in this process."""
-
-    root: str
-    listed: dict[str, list[tuple[str, dict[str, str]]]] | None
-    """Key directory -> (manifest, files) of each manifest that holds here and lists it;
-    ``None``: the layer has no manifest and serves everything."""
-    verdicts: dict[str, bool] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def serves(self, key: str) -> bool:
-        """Whether ``key``'s directory may be read; its files are hashed on the first
-        call for it: a worker reads a few of a layer's keys, 0.5 ms each on the CPU
-        (``python -m benchmarks.tqbench layer-check-cost``)."""
-        if self.listed is None:
-            return True
-        with self.lock:  # compile threads ask for the same key at once
-            if key not in self.verdicts:
-                self.verdicts[key] = self._check(key)
-            return self.verdicts[key]
-
-    def _check(self, key: str) -> bool:
-        assert self.listed is not None
-        checked = [
-            (n, manifest.key_dir_problems(self.root, key, f)) for n, f in self.listed.get(key, [])
-        ]
-        if not checked:  # not listed by a manifest that holds: not part of what was shipped
-            return False
-        if any(not problems for _, problems in checked):
-            return True
-        name, problems = checked[0]
-        for problem in problems:
-            logger.warning(
-                "tq-warmup: Triton cache layer %s, %s: %s; that kernel is not used and "
-                "compiles into Triton's cache directory",
-                self.root,
-                name,
-                problem,
-            )
-        return False
-
-
-_trusts: dict[str, _Trust] = {}
-_trust_lock = threading.Lock()
-
-
-def _running_driver() -> Any | None:
-    """Triton's active driver if it exists already, else None; never creates it.
-
-    Triton makes a cache manager while it creates its driver (``CudaDriver`` ->
-    ``CudaUtils`` -> ``compile_module_from_src``, 3.6-3.8), so a lookup may come from
-    inside ``driver.active``. Asking ``driver.active`` there created a second driver
-    inside the first, whose utils build asked this cache again and waited on
-    ``_trust_lock`` forever: the first engine with the layer hung at startup on the
-    H200 (vLLM 0.26.0, Triton 3.6.0). ``DriverConfig`` keeps ``_active`` and
-    ``_default`` in 3.6.0, 3.7.1 and 3.8.0."""
-    from triton.runtime.driver import driver as config
-
-    return getattr(config, "_active", None) or getattr(config, "_default", None)
-
-
-def _running_arch(active: Any) -> int | str | None:
-    """The target this process compiles for; ``None`` if the driver cannot say."""
-    try:
-        arch: int | str = active.get_current_target().arch
-    except Exception:  # no usable driver: arch is not checked (Triton's key has it anyway)
-        return None
-    return arch
-
-
-def _running_stack(active: Any) -> manifest.Stack:
-    return manifest.installed_stack(arch=_running_arch(active))
-
-
-def _layer_trust(root: str) -> _Trust | None:
-    """Read and check ``root``'s manifests, once per process (the first lookup after
-    Triton's driver exists). ``None`` before it exists: that lookup is the driver's own
-    utils build, which no manifest lists, so the layer serves nothing to it."""
-    with _trust_lock:
-        if root in _trusts:
-            return _trusts[root]
-        active = _running_driver()
-        if active is None:
-            return None
-        files = manifest.manifest_files(root)
-        if not files:
-            logger.warning(
-                "tq-warmup: Triton cache layer %s has no tq-warmup manifest: its kernels are "
-                "used unverified (tq-warmup precompile writes one)",
-                root,
-            )
-            _trusts[root] = _Trust(root, None)
-            return _trusts[root]
-        found: dict[str, manifest.Manifest] = {}
-        for path in files:
-            try:
-                found[path.name] = manifest.read(path)
-            except manifest.ManifestError as exc:
-                logger.warning(
-                    "tq-warmup: Triton cache layer %s: %s is not a usable manifest (%s); "
-                    "nothing it lists is used",
-                    root,
-                    path.name,
-                    exc,
-                )
-        try:
-            running = _running_stack(active)
-        except Exception as exc:  # never fail a compile: check the files only
-            logger.warning(
-                "tq-warmup: cannot read this process's vLLM/Triton stack (%s): Triton cache "
-                "layer %s is checked file by file only",
-                exc,
-                root,
-            )
-            running = manifest.Stack()
-        other = manifest.for_other_arch(found, running)
-        listed: dict[str, list[tuple[str, dict[str, str]]]] = {}
-        for name, shipped in found.items():
-            problems = [] if name in other else manifest.stack_problems(shipped, running)
-            for problem in problems:
-                logger.warning(
-                    "tq-warmup: Triton cache layer %s, %s: %s; none of its %d kernels is used",
-                    root,
-                    name,
-                    problem,
-                    len(shipped.files),
-                )
-            if problems or name in other:
-                continue
-            for key, names in shipped.files.items():
-                listed.setdefault(key, []).append((name, dict(names)))
-        _trusts[root] = _Trust(root, listed)
-        return _trusts[root]
-
-
 def served_by_layer(path: str) -> bool:
-    """Whether a file Triton loaded lies in a layer of this manager, when it is Triton's
-    manager (the report's "from the shipped cache")."""
+    """Whether a file Triton loaded was served from a layer of this manager, when it
+    is Triton's manager (the report's "from the shipped cache"): served files are
+    this process's private copies."""
     if os.environ.get("TRITON_CACHE_MANAGER") != MANAGER:
         return False
-    from triton import knobs
+    private = private_root()
+    return private is not None and Path(path).is_relative_to(private)
 
-    own = os.path.abspath(knobs.cache.dir) if knobs.cache.dir else ""  # never a layer
-    roots = layer_roots(os.environ.get(LAYERS_ENV, ""))
-    return any(Path(path).is_relative_to(root) for root in roots if root != own)
+
+def _overlap(root: str, own: str) -> str | None:
+    """How layer ``root`` and Triton's cache directory ``own`` overlap, if they do."""
+    if not own:
+        return None
+    layer, cache = Path(os.path.realpath(root)), Path(os.path.realpath(own))
+    if layer == cache:
+        return "is"
+    if layer.is_relative_to(cache):
+        return "lies inside"
+    return "holds" if cache.is_relative_to(layer) else None
 
 
 def _fallback() -> str:
@@ -262,7 +127,8 @@ class _Layer(FileCacheManager):  # type: ignore[misc]
     """One key's directory in one read-only layer: Triton's own lookups, no writes.
 
     ``FileCacheManager.__init__`` is not called: it creates the directory. A key
-    directory the layer's manifests do not vouch for is not there (``_Trust``)."""
+    directory the layer's manifests do not vouch for is not there (``_Trust``); one
+    they vouch for is served from this process's copy of its hashed files."""
 
     def __init__(self, root: str, key: str) -> None:
         self.key = key
@@ -271,11 +137,11 @@ class _Layer(FileCacheManager):  # type: ignore[misc]
         self.root = root
 
     def get_file(self, filename: str) -> str | None:
-        trust = _layer_trust(self.root)
-        if trust is None or not trust.serves(self.key):
+        trust = layer_trust(self.root)
+        served = trust.serves(self.key) if trust is not None else None
+        if served is None or filename not in served[1]:
             return None
-        path: str | None = super().get_file(filename)
-        return path
+        return os.path.join(served[0], filename)
 
     def put(self, data: Any, filename: str, binary: bool = True) -> str:
         raise PermissionError(f"{self.cache_dir} is a read-only cache layer")
@@ -292,19 +158,39 @@ class _Layer(FileCacheManager):  # type: ignore[misc]
         if path is None:
             return None
         try:
-            with open(path, encoding="utf-8") as fh:
-                children = json.load(fh).get("child_paths")
-        except (OSError, ValueError, AttributeError):
+            children = safe_io.read_json(path).get("child_paths")
+        except (safe_io.UnsafeFile, AttributeError):
             return None
         if not isinstance(children, dict):
             return None
         group: dict[str, str] = {}
         for name in children:
-            child = self.get_file(name)
+            child = self.get_file(name) if isinstance(name, str) else None
             if child is None:
                 return None
             group[name] = child
         return group
+
+
+_T = TypeVar("_T")
+
+
+def _never_raises(layer: _Layer, lookup: Callable[[str], _T | None], filename: str) -> _T | None:
+    """A layer's lookup, or a miss: whatever goes wrong in a layer compiles the kernel
+    instead of failing it (one WARNING per layer and process)."""
+    try:
+        return lookup(filename)
+    except Exception as exc:
+        warn_once(
+            "lookup",
+            layer.root,
+            "tq-warmup: Triton cache layer %s failed a lookup (%s: %s); what it misses "
+            "compiles into Triton's cache directory",
+            layer.root,
+            type(exc).__name__,
+            exc,
+        )
+        return None
 
 
 class LayeredCacheManager(FileCacheManager):  # type: ignore[misc]
@@ -325,7 +211,20 @@ class LayeredCacheManager(FileCacheManager):  # type: ignore[misc]
         if not self.cache_dir or own in _unwritable:
             self._use_fallback()
         roots = layer_roots(os.environ.get(LAYERS_ENV, ""))
-        self.layers = [_Layer(root, key) for root in roots if root != own]
+        for root in roots:
+            how = _overlap(root, own)
+            if how is not None:
+                warn_once(
+                    "own dir",
+                    root,
+                    "tq-warmup: Triton cache layer %s %s Triton's cache directory "
+                    "(TRITON_CACHE_DIR=%s): Triton's own lookups and writes there are not "
+                    "checked; point TRITON_CACHE_DIR at a directory of its own",
+                    root,
+                    how,
+                    own,
+                )
+        self.layers = [_Layer(root, key) for root in roots if _overlap(root, own) != "is"]
 
     def _root(self) -> str:
         return os.path.dirname(os.path.abspath(self.cache_dir)) if self.cache_dir else ""
@@ -336,7 +235,7 @@ class LayeredCacheManager(FileCacheManager):  # type: ignore[misc]
 
     def get_file(self, filename: str) -> str | None:
         for layer in self.layers:
-            path: str | None = layer.get_file(filename)
+            path = _never_raises(layer, layer.get_file, filename)
             if path is not None:
                 return path
         own: str | None = super().get_file(filename)
@@ -344,7 +243,7 @@ class LayeredCacheManager(FileCacheManager):  # type: ignore[misc]
 
     def get_group(self, filename: str) -> dict[str, str] | None:
         for layer in self.layers:
-            group: dict[str, str] | None = layer.get_group(filename)
+            group = _never_raises(layer, layer.get_group, filename)
             if group is not None:
                 return group
         own: dict[str, str] | None = super().get_group(filename)
@@ -361,7 +260,7 @@ class LayeredCacheManager(FileCacheManager):  # type: ignore[misc]
             with _lock:
                 _unwritable.add(own)
             self._use_fallback()
-            _warn_once(
+            warn_once(
                 "cache dir",
                 own,
                 "tq-warmup: cannot write Triton's cache directory %s (%s); this process "

@@ -10,16 +10,21 @@ catches what Triton's key cannot, a file that changed after it was built.
 
 A manifest is a JSON object: ``schema``, the stack fields (``STACK_FIELDS``), the plan
 (``kv_cache_dtype``, ``geometries``, ``keys``: what ``inspect`` prints) and ``files``,
-for each Triton cache key directory its files' sha256. The checks are pure; only
-``installed_stack`` and ``key_dir_hashes`` look at the machine.
+for each Triton cache key directory its files' ``{"sha256": ..., "size": ...}``. The
+checks are pure; only ``installed_stack``, ``read`` and the key directory readers look
+at the machine, and those read through ``safe_io``: a manifest or a listed file that
+is a symlink, a FIFO, a device, too large, or nested too deeply is a problem, never a
+hang or an exception other than ``ManifestError``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
 import json
+import os
 import re
 import sys
 import sysconfig
@@ -28,12 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from . import compat
+from . import compat, safe_io
 
 __all__ = [
     "PREFIX",
     "SCHEMA",
     "STACK_FIELDS",
+    "Listed",
     "Manifest",
     "ManifestError",
     "Problem",
@@ -44,10 +50,13 @@ __all__ = [
     "file_name",
     "file_problems",
     "for_other_arch",
+    "from_json",
     "installed_stack",
     "kernel_sources",
     "key_dir_hashes",
     "key_dir_problems",
+    "listed",
+    "load_key_dir",
     "manifest_files",
     "parse",
     "python_abi",
@@ -56,7 +65,8 @@ __all__ = [
     "triton_build",
 ]
 
-SCHEMA = 1
+SCHEMA = 2
+"""2: each listed file has its size (a file is read only up to it); 1 had the sha256 only."""
 PREFIX = "tq-warmup-manifest-"
 STACK_FIELDS = ("vllm", "kernel_sources", "triton", "triton_build", "python_abi", "arch")
 
@@ -99,11 +109,18 @@ class ManifestError(ValueError):
     """A file that is not a manifest this release reads; the message says why."""
 
 
+class Listed(NamedTuple):
+    """One file of a key directory as installed."""
+
+    sha256: str
+    size: int
+
+
 @dataclass(frozen=True)
 class Manifest:
     stack: Stack
-    files: Mapping[str, Mapping[str, str]]
-    """Triton cache key directory -> file name -> sha256 of the installed file."""
+    files: Mapping[str, Mapping[str, Listed]]
+    """Triton cache key directory -> file name -> the installed file's sha256 and size."""
 
 
 def _short(value: object) -> str:
@@ -122,14 +139,16 @@ def digest(data: bytes | str) -> str:
 
 
 def build(
-    stack: Stack, plan: Mapping[str, Any], files: Mapping[str, Mapping[str, str]]
+    stack: Stack, plan: Mapping[str, Any], files: Mapping[str, Mapping[str, Listed]]
 ) -> dict[str, Any]:
     """The JSON object of one plan's manifest."""
     return {
         "schema": SCHEMA,
         **dataclasses.asdict(stack),
         **plan,
-        "files": {k: dict(sorted(v.items())) for k, v in sorted(files.items())},
+        "files": {
+            k: {n: f._asdict() for n, f in sorted(v.items())} for k, v in sorted(files.items())
+        },
     }
 
 
@@ -150,12 +169,19 @@ def _simple_name(name: object) -> bool:
     )
 
 
-def parse(text: str) -> Manifest:
-    """The manifest in ``text``; ``ManifestError`` says what is wrong with it."""
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise ManifestError(f"not JSON ({exc})") from None
+def _listed(value: object) -> Listed | None:
+    if not isinstance(value, dict) or set(value) != {"sha256", "size"}:
+        return None
+    sha, size = value["sha256"], value["size"]
+    if not isinstance(sha, str) or not _SHA256.fullmatch(sha):
+        return None
+    if not isinstance(size, int) or isinstance(size, bool):
+        return None
+    return Listed(sha, size) if 0 <= size <= safe_io.MAX_FILE_BYTES else None
+
+
+def from_json(data: object) -> Manifest:
+    """The manifest in a parsed JSON value; ``ManifestError`` says what is wrong."""
     if not isinstance(data, dict):
         raise ManifestError(f"a JSON {type(data).__name__}, not an object")
     if data.get("schema") != SCHEMA:
@@ -170,31 +196,62 @@ def parse(text: str) -> Manifest:
         )
         if not ok:
             raise ManifestError(
-                f"{name} {value!r} is not a {'string or number' if name == 'arch' else 'string'}"
+                f"{name} {value!r:.40} is not a "
+                f"{'string or number' if name == 'arch' else 'string'}"
             )
     files = data.get("files")
     if not isinstance(files, dict):
         raise ManifestError("no 'files' object")
+    parsed: dict[str, dict[str, Listed]] = {}
     for key, listed in files.items():
         if not _simple_name(key) or not isinstance(listed, dict) or not listed:
-            raise ManifestError(f"files[{key!r}] is not a key directory with files")
-        for name, sha in listed.items():
-            if not _simple_name(name) or not isinstance(sha, str) or not _SHA256.fullmatch(sha):
-                raise ManifestError(f"files[{key!r}][{name!r}] is not a file name and a sha256")
-    return Manifest(Stack(**{name: data[name] for name in STACK_FIELDS}), files)
+            raise ManifestError(f"files[{key!r:.60}] is not a key directory with files")
+        parsed[key] = {}
+        for name, entry in listed.items():
+            found = _listed(entry)
+            if not _simple_name(name) or found is None:
+                raise ManifestError(
+                    f"files[{key!r:.60}][{name!r:.60}] is not a file name with a sha256 "
+                    f"and a size up to {safe_io.MAX_FILE_BYTES} bytes"
+                )
+            parsed[key][name] = found
+    return Manifest(Stack(**{name: data[name] for name in STACK_FIELDS}), parsed)
+
+
+def parse(text: str) -> Manifest:
+    """The manifest in ``text``; ``ManifestError`` says what is wrong with it."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ManifestError(f"not JSON ({exc})") from None
+    except RecursionError:
+        raise ManifestError(f"nested more than {safe_io.MAX_JSON_DEPTH} levels deep") from None
+    return from_json(data)
 
 
 def manifest_files(root: str | Path) -> list[Path]:
-    """The manifests in a cache directory, in name order."""
-    return sorted(Path(root).glob(f"{PREFIX}*.json"))
+    """The manifests in a cache directory, in name order (each one, whatever it is:
+    ``read`` refuses what is not a regular file)."""
+    try:
+        with os.scandir(root) as entries:
+            names = [e.name for e in entries if e.name.startswith(PREFIX)]
+    except OSError:
+        return []
+    return [Path(root, n) for n in sorted(names) if n.endswith(".json")]
 
 
 def read(path: Path) -> Manifest:
+    """The manifest at ``path``: any failure, whatever raised it (a FIFO, a symlink to
+    ``/dev/zero``, a ``RecursionError`` of deep JSON, a wrong type anywhere), is one
+    ``ManifestError``: it costs that manifest only."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ManifestError(f"unreadable ({exc})") from None
-    return parse(text)
+        return from_json(safe_io.read_json(str(path)))
+    except ManifestError:
+        raise
+    except safe_io.UnsafeFile as exc:
+        raise ManifestError(f"unreadable: {exc}") from None
+    except Exception as exc:  # RecursionError, MemoryError, ...: never past this manifest
+        raise ManifestError(f"unreadable: {type(exc).__name__}") from None
 
 
 # --------------------------------------------------------------------------
@@ -222,30 +279,83 @@ def for_other_arch(manifests: Mapping[str, Manifest], running: Stack) -> set[str
     return other if len(other) < len(manifests) else set()
 
 
-def key_dir_hashes(path: str | Path) -> dict[str, str]:
-    """sha256 of each file in a Triton cache key directory (none if it is missing)."""
+def listed(data: bytes) -> Listed:
+    return Listed(digest(data), len(data))
+
+
+def key_dir_hashes(path: str | Path) -> dict[str, Listed]:
+    """sha256 and size of each regular file in a Triton cache key directory (none if it
+    is missing, or is not a directory of its own: a symlink is not followed)."""
     try:
-        entries = list(Path(path).iterdir())
-    except OSError:
+        fd = safe_io.open_dir(str(path))
+    except safe_io.UnsafeFile:
         return {}
-    return {p.name: digest(p.read_bytes()) for p in entries if p.is_file()}
+    try:
+        found = {}
+        for name in safe_io.regular_files(fd):
+            with contextlib.suppress(safe_io.UnsafeFile):  # replaced meanwhile: left out
+                found[name] = listed(safe_io.read_bytes(name, dir_fd=fd))
+        return found
+    except safe_io.UnsafeFile:
+        return {}
+    finally:
+        os.close(fd)
 
 
-def key_dir_problems(root: str | Path, key: str, expected: Mapping[str, str]) -> list[Problem]:
-    """Each listed file of one key directory that is missing or differs."""
-    problems = []
-    for name, sha in sorted(expected.items()):
-        path = Path(root, key, name)
+def load_key_dir(
+    root: str | Path, key: str, expected: Mapping[str, Listed] | None
+) -> tuple[dict[str, bytes], list[Problem]]:
+    """The bytes of each listed file of one key directory, and each problem: a file
+    missing, not a regular file in the directory, of another size or sha256; or the
+    directory itself not one inside ``root`` (a symlink out of the layer). ``expected``
+    None: every regular file, unchecked (a layer served unverified)."""
+    try:
+        root_fd = safe_io.open_dir(str(root))
+    except safe_io.UnsafeFile as exc:
+        return {}, [Problem(str(root), "a directory", str(exc))]
+    try:
         try:
-            found = digest(path.read_bytes())
-        except OSError:
-            problems.append(Problem(f"{key}/{name}", f"sha256 {_short(sha)}", "no such file"))
+            fd = safe_io.open_dir(key, root_fd)
+        except safe_io.UnsafeFile as exc:
+            return {}, [Problem(key, "a key directory inside the layer", str(exc))]
+        try:
+            return _load_files(fd, key, expected)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(root_fd)
+
+
+def _load_files(
+    fd: int, key: str, expected: Mapping[str, Listed] | None
+) -> tuple[dict[str, bytes], list[Problem]]:
+    if expected is None:
+        try:
+            sizes = safe_io.regular_files(fd)
+        except safe_io.UnsafeFile as exc:
+            return {}, [Problem(key, "a readable directory", str(exc))]
+        found = {}
+        for name, size in sizes.items():
+            with contextlib.suppress(safe_io.UnsafeFile):
+                found[name] = safe_io.read_bytes(name, dir_fd=fd, size=size)
+        return found, []
+    data, problems = {}, []
+    for name, want in sorted(expected.items()):
+        what, said = f"{key}/{name}", f"sha256 {_short(want.sha256)}"
+        try:
+            data[name] = safe_io.read_bytes(name, dir_fd=fd, size=want.size)
+        except safe_io.UnsafeFile as exc:
+            problems.append(Problem(what, said, "no such file" if exc.missing else str(exc)))
             continue
-        if found != sha:
-            problems.append(
-                Problem(f"{key}/{name}", f"sha256 {_short(sha)}", f"sha256 {_short(found)}")
-            )
-    return problems
+        sha = digest(data[name])
+        if sha != want.sha256:
+            problems.append(Problem(what, said, f"sha256 {_short(sha)}"))
+    return ({}, problems) if problems else (data, [])
+
+
+def key_dir_problems(root: str | Path, key: str, expected: Mapping[str, Listed]) -> list[Problem]:
+    """Each listed file of one key directory that is missing or differs."""
+    return load_key_dir(root, key, expected)[1]
 
 
 def file_problems(manifest: Manifest, root: str | Path) -> list[Problem]:

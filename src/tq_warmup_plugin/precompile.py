@@ -23,12 +23,17 @@ from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import manifest
+from . import manifest, safe_io
 
 __all__ = [
+    "ALIVE_FILE",
+    "LOCK_FILE",
+    "STAGE_PREFIX",
+    "InstallError",
     "cache_keys_for",
     "install",
     "staging",
+    "stale_stages",
     "triton_key_of",
     "triton_key_of_wheel",
     "use_compile_only_target",
@@ -36,6 +41,7 @@ __all__ = [
 
 STAGE_PREFIX = ".tq-warmup-stage-"
 LOCK_FILE = ".tq-warmup.lock"
+ALIVE_FILE = ".alive"  # in a stage, locked by the precompile that uses it
 # Triton names a kernel's files in ``__grp__<kernel>.json`` (``FileCacheManager.put_group``,
 # 3.6-3.8): ``{"child_paths": {file name: absolute path at write time}}``.
 _GROUP_GLOB = "__grp__*.json"
@@ -141,37 +147,86 @@ def _locked(cache_dir: Path) -> Iterator[None]:
         yield  # closing the file releases the lock
 
 
+def _stage_in_use(stage: Path) -> bool:
+    """Whether a precompile still runs in ``stage``: it holds an ``flock`` on the
+    stage's ``ALIVE_FILE`` for as long as it lives, and the kernel drops it when the
+    process dies, SIGKILL included. A stage without that file predates it or died
+    before making it (stages are made under the directory's lock, with the file)."""
+    try:
+        fd = safe_io.open_dir(str(stage))
+    except safe_io.UnsafeFile:
+        return False
+    try:
+        alive = os.open(ALIVE_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    try:
+        fcntl.flock(alive, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(alive)
+    return False
+
+
+def stale_stages(cache_dir: Path) -> list[Path]:
+    """The stage directories in ``cache_dir`` left by a precompile that did not finish
+    (killed, or its machine lost): ``tq-warmup verify`` names them."""
+    try:
+        with os.scandir(cache_dir) as entries:
+            stages = [Path(e.path) for e in entries if e.name.startswith(STAGE_PREFIX)]
+    except OSError:
+        return []
+    return sorted(p for p in stages if not _stage_in_use(p))
+
+
 @contextlib.contextmanager
 def staging(cache_dir: Path, target: manifest.Stack) -> Iterator[Path]:
     """A private directory inside ``cache_dir`` (same file system: ``os.rename``
-    works) for Triton to compile into, removed afterwards whatever happens.
+    works) for Triton to compile into, removed afterwards whatever happens; made
+    under the directory's lock, which also removes the stages of precompiles that
+    died (``stale_stages``).
 
     It starts with hard links to every key directory of ``cache_dir`` that a manifest
     for ``target`` vouches for, file by file, so Triton finds what an earlier
     precompile built ("already there") instead of compiling it again; a corrupt one
     is left out and compiled anew."""
-    stage = Path(tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=cache_dir))
-    try:
+    with contextlib.ExitStack() as stack:
         with _locked(cache_dir):
-            for path in manifest.manifest_files(cache_dir):
-                try:
-                    found = manifest.read(path)
-                except manifest.ManifestError:
-                    continue
-                if manifest.stack_problems(found, target):
-                    continue
-                for key, files in found.files.items():
-                    if (stage / key).exists() or manifest.key_dir_problems(cache_dir, key, files):
-                        continue
-                    (stage / key).mkdir()
-                    for name in files:
-                        try:
-                            os.link(cache_dir / key / name, stage / key / name)
-                        except OSError:  # a file system without hard links
-                            shutil.copy2(cache_dir / key / name, stage / key / name)
+            for stale in stale_stages(cache_dir):
+                shutil.rmtree(stale, ignore_errors=True)
+            stage = Path(tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=cache_dir))
+            try:
+                alive = open(stage / ALIVE_FILE, "w")  # noqa: SIM115 (closed by the stack)
+            except OSError:
+                shutil.rmtree(stage, ignore_errors=True)
+                raise
+            stack.enter_context(alive)  # closed (unlocked) after the stage is removed
+            stack.callback(shutil.rmtree, stage, ignore_errors=True)
+            fcntl.flock(alive, fcntl.LOCK_EX)
+            _link_vouched(cache_dir, stage, target)
         yield stage
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _link_vouched(cache_dir: Path, stage: Path, target: manifest.Stack) -> None:
+    for path in manifest.manifest_files(cache_dir):
+        try:
+            found = manifest.read(path)
+        except manifest.ManifestError:
+            continue
+        if manifest.stack_problems(found, target):
+            continue
+        for key, files in found.files.items():
+            if (stage / key).exists() or manifest.key_dir_problems(cache_dir, key, files):
+                continue
+            (stage / key).mkdir()
+            for name in files:
+                try:
+                    os.link(cache_dir / key / name, stage / key / name, follow_symlinks=False)
+                except OSError:  # a file system without hard links
+                    shutil.copy2(cache_dir / key / name, stage / key / name, follow_symlinks=False)
 
 
 def _point_groups_at(key_dir: Path, final: Path) -> None:
@@ -191,20 +246,26 @@ def _point_groups_at(key_dir: Path, final: Path) -> None:
             os.replace(tmp, group)
 
 
-def _move_into_place(ours: Path, final: Path, trash: Path) -> None:
+def _move_into_place(ours: Path, final: Path, trash: Path) -> Path | None:
     """One ``os.rename`` of a whole key directory: a reader sees the old directory, none,
     or ours, never a half-written one. A non-empty old one (corrupt or incomplete:
-    see ``install``) is first renamed away into ``trash``."""
+    see ``install``) is first renamed away into ``trash``: where it went is returned."""
+    replaced = None
     for _ in range(3):
         try:
             os.rename(ours, final)
-            return
+            return replaced
         except OSError as exc:
             if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
         with contextlib.suppress(FileNotFoundError):
-            os.rename(final, trash / f"replaced-{uuid.uuid4().hex}")
+            replaced = trash / f"replaced-{uuid.uuid4().hex}"
+            os.rename(final, replaced)
     raise OSError(errno.EEXIST, f"{final} keeps being replaced by another writer")
+
+
+class InstallError(Exception):
+    """An install that could not finish and was rolled back; the message is one line."""
 
 
 def install(
@@ -221,26 +282,57 @@ def install(
     a manifest of the directory lists for it (Triton's compile is deterministic: two
     builds of one key differ only in the paths their group files record, which
     ``_point_groups_at`` makes equal); otherwise it is incomplete or corrupt and
-    ours replaces it."""
+    ours replaces it.
+
+    The manifest comes last, and a failure before it is there (a full disk: the
+    manifest or a group file cannot be written) moves every key directory this call
+    moved in back out and puts back what it replaced, so no key directory of this
+    build is left without its manifest; ``InstallError`` says so in one line. A
+    reader meanwhile sees key directories that no manifest lists yet, which are not
+    served (``layer_trust``)."""
     with _locked(cache_dir):
-        vouched: dict[str, list[dict[str, str]]] = {}
-        for path in manifest.manifest_files(cache_dir):
-            with contextlib.suppress(manifest.ManifestError):
-                for key, listed in manifest.read(path).files.items():
-                    vouched.setdefault(key, []).append(dict(listed))
-        for key in sorted(key_dirs):
-            ours, final = stage / key, cache_dir / key
-            if not ours.is_dir():
-                continue
-            _point_groups_at(ours, final)
-            there = manifest.key_dir_hashes(final)
-            if there and (there == manifest.key_dir_hashes(ours) or there in vouched.get(key, [])):
-                continue
-            _move_into_place(ours, final, stage)
-        installed = {key: manifest.key_dir_hashes(cache_dir / key) for key in key_dirs}
-        data = manifest.build(target, plan, {k: v for k, v in installed.items() if v})
-        file = cache_dir / manifest.file_name(data)
-        tmp = file.with_name(f".{file.name}.{uuid.uuid4().hex}")
-        tmp.write_text(json.dumps(data, indent=2))
-        os.replace(tmp, file)
-        return file
+        moved: list[tuple[str, Path | None]] = []  # (key, what it replaced, in the stage)
+        tmp: Path | None = None
+        try:
+            vouched: dict[str, list[dict[str, manifest.Listed]]] = {}
+            for path in manifest.manifest_files(cache_dir):
+                with contextlib.suppress(manifest.ManifestError):
+                    for key, listed in manifest.read(path).files.items():
+                        vouched.setdefault(key, []).append(dict(listed))
+            for key in sorted(key_dirs):
+                ours, final = stage / key, cache_dir / key
+                if not ours.is_dir():
+                    continue
+                _point_groups_at(ours, final)
+                there = manifest.key_dir_hashes(final)
+                if there and (
+                    there == manifest.key_dir_hashes(ours) or there in vouched.get(key, [])
+                ):
+                    continue
+                moved.append((key, _move_into_place(ours, final, stage)))
+            installed = {key: manifest.key_dir_hashes(cache_dir / key) for key in key_dirs}
+            data = manifest.build(target, plan, {k: v for k, v in installed.items() if v})
+            file = cache_dir / manifest.file_name(data)
+            tmp = file.with_name(f".{file.name}.{uuid.uuid4().hex}")
+            tmp.write_text(json.dumps(data, indent=2))
+            os.replace(tmp, file)
+            return file
+        except OSError as exc:
+            _roll_back(cache_dir, stage, moved, tmp)
+            raise InstallError(
+                f"cannot install into {cache_dir}: {exc.strerror or exc}; rolled back, "
+                "nothing of this build was installed"
+            ) from None
+
+
+def _roll_back(
+    cache_dir: Path, stage: Path, moved: list[tuple[str, Path | None]], tmp: Path | None
+) -> None:
+    """Undo ``install``'s renames, newest first (a rename needs no free space)."""
+    if tmp is not None:
+        tmp.unlink(missing_ok=True)
+    for key, replaced in reversed(moved):
+        with contextlib.suppress(OSError):
+            os.rename(cache_dir / key, stage / f"rolled-back-{uuid.uuid4().hex}")
+            if replaced is not None:
+                os.rename(replaced, cache_dir / key)

@@ -51,6 +51,10 @@ class Settings(NamedTuple):
         both off.
     spec_piecewise: ``TQ_WARMUP_SPEC_GUARD=piecewise``: the PIECEWISE cap everywhere,
         never the batched path.
+    cache_unverified: ``TQ_WARMUP_CACHE_UNVERIFIED`` (default off): a Triton cache layer
+        without a tq-warmup manifest (a plain Triton cache) is served unverified; off,
+        it is one WARNING and not served (``layered_cache``): a half-built layer, or one
+        whose manifest was removed, must not run on the GPU unchecked.
     """
 
     enabled: bool = True
@@ -60,6 +64,7 @@ class Settings(NamedTuple):
     launch: bool = True
     spec_guard: bool = True
     spec_piecewise: bool = False
+    cache_unverified: bool = False
 
 
 _FLAG_VALUES = "1, true, on, yes / 0, false, off, no (any case)"
@@ -132,6 +137,7 @@ def parse(env: Mapping[str, str] | None = None) -> tuple[Settings, list[str]]:
         spec_guard=spec_piecewise
         or _flag(env, "TQ_WARMUP_SPEC_GUARD", True, problems, " / piecewise"),
         spec_piecewise=spec_piecewise,
+        cache_unverified=_flag(env, "TQ_WARMUP_CACHE_UNVERIFIED", False, problems),
     )
     return settings, problems
 
