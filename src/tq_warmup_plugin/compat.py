@@ -579,11 +579,11 @@ def fa2_stand_in(scale: float) -> Any:
     boundary layers' ``scale`` / ``vllm_flash_attn_version``, with FlashAttention 2 as
     TurboQuant forces it (0.20-0.33). The kernel a call loads depends on dtype, head
     size, causality and paging, not on the scale."""
-    varlen = importlib.import_module(BACKEND_MODULE).flash_attn_varlen_func
 
     def flash_attn_varlen(
         q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int
     ) -> Any:  # TurboQuantAttentionImpl._flash_attn_varlen's call, fa_version 2
+        varlen = importlib.import_module(BACKEND_MODULE).flash_attn_varlen_func
         return varlen(
             q=q,
             k=k,
