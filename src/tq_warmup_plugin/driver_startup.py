@@ -44,7 +44,8 @@ MAXSIZE = str(4 << 30)
 
 class Decision(NamedTuple):
     """What ``apply`` does: ``use`` (set ``CUDA_CACHE_PATH=path``), ``copy`` (copy the
-    entry's cache to ``path`` first), ``keep`` (nothing, silently) or ``warn``."""
+    entry's cache to ``path`` first), ``keep`` (nothing, silently), ``info`` (nothing
+    shipped: one INFO line) or ``warn`` (one WARNING: a mismatch, or a variable in the way)."""
 
     action: str
     line: str = ""
@@ -82,8 +83,8 @@ def decide(
     head, tail = _head(root), TAIL
     if env.get("CUDA_CACHE_DISABLE", "0").strip() not in ("", "0"):
         return Decision("warn", f"{head}: not used, CUDA_CACHE_DISABLE is set: {tail}")
-    if not found:
-        return Decision("warn", f"{head}: no entry (built by tq-warmup driver-cache): {tail}")
+    if not found:  # nothing shipped (an image built without a GPU step): not a mismatch
+        return Decision("info", f"{head}: no entry (built by tq-warmup driver-cache): {tail}")
     reasons = []
     for entry, shipped in found:
         problems = [shipped] if isinstance(shipped, str) else driver_cache.match(shipped, node)
@@ -186,6 +187,9 @@ def _apply(
         os.path.join(tempfile.gettempdir(), f"tq-warmup-driver-cache-{os.getuid()}"),
     )
     if decision.action == "keep":
+        return decision
+    if decision.action == "info":
+        logger.info(decision.line)
         return decision
     if decision.action == "warn":
         logger.warning(decision.line)
