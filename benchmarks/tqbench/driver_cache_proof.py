@@ -50,7 +50,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.tqbench import entry_point, logs, phases, records, spec, tables
+from benchmarks.tqbench import entry_point, logs, phases, records, shipped, spec, tables
 from benchmarks.tqbench.cli import Option, add_options, new_parser
 
 __all__ = [
@@ -69,6 +69,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PRESET = "turboquant_4bit_nc"
 CUDA_CACHE_VARS = ("CUDA_CACHE_PATH", "CUDA_CACHE_DISABLE", "CUDA_CACHE_MAXSIZE")
 LOG_TAIL = 2 << 20
+ENGINE_SHAPE = ("--geometry", "--max-model-len", "--max-num-seqs", "--budget", "--kv-cache-gib")
 
 DECISION_PROBE = """
 import json, logging, os, sys
@@ -427,12 +428,9 @@ def cmd_driver_cache_proof(args: argparse.Namespace) -> int:
 
 OPTIONS: tuple[Option, ...] = (
     ("--out", "benchmarks/results/driver-cache", "directory for the JSON, table, manifest, logs"),
-    ("--geometry", "128x16x8", "HEADSIZExQHEADSxKVHEADS of the dummy Llama"),
     ("--layers", 8, "hidden layers (>= 6)"),
-    ("--max-model-len", 4096, "max_model_len of the build and the engines"),
-    ("--max-num-seqs", 32, "max_num_seqs"),
-    ("--budget", 512, "max_num_batched_tokens"),
-    ("--kv-cache-gib", 2.0, "kv_cache_memory_bytes of each engine"),
+    # The engine shape of the shipped-cache proof; the build is given the same.
+    *(o for o in shipped.SHIPPED_OPTIONS if o[0] in ENGINE_SHAPE),
     ("--build-timeout", 260.0, "seconds the build may take"),
     ("--engine-timeout", 120.0, "seconds each engine may take"),
     ("--probe-timeout", 60.0, "seconds each one-launch probe may take"),

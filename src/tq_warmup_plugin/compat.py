@@ -573,6 +573,13 @@ def flash_attn_varlen(impl: Any) -> Any:
     return impl._flash_attn_varlen
 
 
+def _fa_call(module: str, scale: float, fa_version: int, **kwargs: Any) -> Any:
+    """``module.flash_attn_varlen_func``, causal, looked up at call time (vLLM binds the
+    name at import, and only on CUDA)."""
+    varlen = importlib.import_module(module).flash_attn_varlen_func
+    return varlen(softmax_scale=scale, causal=True, fa_version=fa_version, **kwargs)
+
+
 def fa2_stand_in(scale: float) -> Any:
     """An impl that :func:`flash_attn_varlen` and :func:`flash_attn_paged` accept without
     an engine (``tq-warmup driver-cache``): TurboQuant's ``_flash_attn_varlen`` and the
@@ -583,19 +590,8 @@ def fa2_stand_in(scale: float) -> Any:
     def flash_attn_varlen(
         q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int
     ) -> Any:  # TurboQuantAttentionImpl._flash_attn_varlen's call, fa_version 2
-        varlen = importlib.import_module(BACKEND_MODULE).flash_attn_varlen_func
-        return varlen(
-            q=q,
-            k=k,
-            v=v,
-            cu_seqlens_q=cu_q,
-            cu_seqlens_k=cu_k,
-            max_seqlen_q=max_q,
-            max_seqlen_k=max_k,
-            softmax_scale=scale,
-            causal=True,
-            fa_version=2,
-        )
+        args = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": max_q}
+        return _fa_call(BACKEND_MODULE, scale, 2, q=q, k=k, v=v, max_seqlen_k=max_k, **args)
 
     return types.SimpleNamespace(
         scale=scale, vllm_flash_attn_version=2, _flash_attn_varlen=flash_attn_varlen
@@ -642,24 +638,16 @@ def flash_attn_paged(impl: Any, max_seqlen_q: int) -> Any:
     over 1 it is a boundary layer's prefill, which FA2 runs with its split-KV kernel
     too (a paged cache forces it) but causal, another module than the decode's (FA2
     treats a one-token causal query as non-causal)."""
-    varlen = importlib.import_module(FLASH_ATTN_MODULE).flash_attn_varlen_func
 
     def decode(
         q: Any, cache: Any, cu_seqlens_q: Any, seqused_k: Any, block_table: Any, max_seqlen_k: int
     ) -> Any:
-        return varlen(
-            q=q,
-            k=cache,
-            v=cache,
-            cu_seqlens_q=cu_seqlens_q,
-            max_seqlen_q=max_seqlen_q,
-            seqused_k=seqused_k,
-            max_seqlen_k=max_seqlen_k,
-            softmax_scale=impl.scale,
-            causal=True,
-            block_table=block_table,
-            fa_version=impl.vllm_flash_attn_version,
-        )
+        args = {"cu_seqlens_q": cu_seqlens_q, "seqused_k": seqused_k, "block_table": block_table}
+        version = impl.vllm_flash_attn_version
+        return _fa_call(
+            FLASH_ATTN_MODULE, impl.scale, version, q=q, k=cache, v=cache,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **args,
+        )  # fmt: skip
 
     return decode
 
