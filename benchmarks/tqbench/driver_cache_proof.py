@@ -50,8 +50,17 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.tqbench import entry_point, logs, phases, records, shipped, spec, tables
+from benchmarks.tqbench import entry_point, logs, phases, records, shipped, tables
 from benchmarks.tqbench.cli import Option, add_options, new_parser
+from benchmarks.tqbench.spec_child import child_argv, child_env, read_result
+from benchmarks.tqbench.spec_configs import (
+    MODEL_SIZES,
+    REFERENCE,
+    ModelSize,
+    SpecConfig,
+    model_config,
+    spec_prompts,
+)
 
 __all__ = [
     "DECISION_PROBE",
@@ -147,9 +156,11 @@ class Proof:
             self.path.insert(0, str(entry_point.write_stub(self.work / "entry-point")))
         self.model = self.work / "model"
         self.model.mkdir(parents=True, exist_ok=True)
-        g = phases.parse_geometry(args.geometry)
-        self.geometry = g
-        config = phases.build_model_config(g, args.layers, args.max_model_len)
+        self.geometry = phases.parse_geometry(args.geometry)
+        # The engines' model (spec_child.write_models writes the same config.json).
+        small = asdict(MODEL_SIZES["small"])
+        self.size = {**small, "geometry": args.geometry, "layers": args.layers}
+        config = model_config(None, ModelSize(**self.size), args.max_model_len)
         (self.model / "config.json").write_text(json.dumps(config, indent=1))
         self.entry: Path | None = None
         self.manifest: dict[str, Any] = {}
@@ -254,11 +265,12 @@ class Proof:
     def engine(self, name: str, copy_to: Path) -> dict[str, Any]:
         a = self.args
         work = self.work / name
-        cfg = spec.SpecConfig(spec.REFERENCE)  # eager, no speculation
+        cfg = SpecConfig(REFERENCE)  # eager, no speculation
         options = {
             "preset": PRESET,
             "geometry": a.geometry,
             "layers": a.layers,
+            "model_size": self.size,
             "max_model_len": a.max_model_len,
             "max_num_seqs": a.max_num_seqs,
             "budget": a.budget,
@@ -274,19 +286,19 @@ class Proof:
             {
                 "config": asdict(cfg),
                 "options": options,
-                "prompts": spec.spec_prompts(4, 0),
+                "prompts": spec_prompts(4, 0),
                 "work": str(work),
                 "result": str(work / "result.json"),
             },
         )
         env = self.env(
             f"home-{name}",
-            **spec.child_env(cfg, work, False),
+            **child_env(cfg, work, False, {}),
             TQ_WARMUP_DRIVER_CACHE=str(self.layer / "driver-cache"),
             TQ_WARMUP_DRIVER_CACHE_COPY_TO=str(copy_to),
         )
-        got = self.run(name, spec.child_argv(work / "spec.json"), env, a.engine_timeout)
-        result = spec.read_result(work)
+        got = self.run(name, child_argv(work / "spec.json"), env, a.engine_timeout)
+        result = read_result(work)
         report = result.get("plugin_report") or {}
         plugin = logs.plugin_log_lines(got["text"])
         return {
@@ -299,7 +311,7 @@ class Proof:
             "first_launches_ms": round(1000 * report["launch_s"]) if "launch_s" in report else None,
             "report_line": next((ln for ln in plugin if "first launches" in ln), None),
             "driver_cache_line": next((ln for ln in plugin if "driver cache" in ln), None),
-            "error": None if result.get("status") == "ok" else spec.last_error_line(got["text"]),
+            "error": None if result.get("status") == "ok" else logs.last_error_line(got["text"]),
             "copy_files": len(_tree(copy_to)) if copy_to.is_dir() else 0,
         }
 
