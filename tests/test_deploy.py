@@ -15,10 +15,12 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = "deploy/build-layer.sh"
+MODULES = ("layered_cache", "driver_cache")
+DRIVER_ENV, DRIVER_COPY_ENV = "TQ_WARMUP_DRIVER_CACHE", "TQ_WARMUP_DRIVER_CACHE_COPY_TO"
 
 
-def _constants(repo: Path) -> dict[str, str]:
-    tree = ast.parse((repo / "src/tq_warmup_plugin/layered_cache.py").read_text())
+def _constants(repo: Path, module: str = "layered_cache") -> dict[str, str]:
+    tree = ast.parse((repo / f"src/tq_warmup_plugin/{module}.py").read_text())
     return {
         node.targets[0].id: node.value.value
         for node in tree.body
@@ -49,12 +51,17 @@ def problems(repo: Path) -> list[str]:
     containerfile = (repo / "deploy/Containerfile").read_text()
     env = _image_env(containerfile)
     layer, own = env.get(layers_env, "?"), env.get("TRITON_CACHE_DIR", "?")
+    # The driver cache (issue 22): its entries in the layer, copied into a writable dir.
+    driver = f"{layer}/{_constants(repo, 'driver_cache')['DRIVER_DIR']}"
+    copy_to = env.get(DRIVER_COPY_ENV, "?")
     want = {"TRITON_CACHE_MANAGER": manager, layers_env: layer, "TRITON_CACHE_DIR": own}
-    if env != want or "?" in (layer, own):
+    want |= {DRIVER_ENV: driver, DRIVER_COPY_ENV: copy_to}
+    if env != want or "?" in (layer, own, copy_to):
         out.append(f"Containerfile ENV {env}, want {want}")
     for line in (
         f"COPY --from=layer {layer} {layer}",
-        f"chmod -R a-w {layer}",
+        f"COPY ${{DRIVER_CACHE}} {driver}\nRUN chmod -R a-w {layer}",  # read-only too
+        f"mkdir -p {own} {copy_to}",
         f"RUN /src/tq-warmup-plugin/{SCRIPT}",
     ):
         if line not in containerfile:
@@ -82,8 +89,9 @@ def problems(repo: Path) -> list[str]:
         out.append("kubernetes.yaml: the server's root file system is not read-only")
     mounts = {m["mountPath"]: m for m in server["volumeMounts"]}
     empty = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
-    if own not in mounts or mounts[own]["name"] not in empty or mounts[own].get("readOnly"):
-        out.append(f"kubernetes.yaml: {own} is not a writable emptyDir")
+    for path in (own, copy_to):
+        if path not in mounts or mounts[path]["name"] not in empty or mounts[path].get("readOnly"):
+            out.append(f"kubernetes.yaml: {path} is not a writable emptyDir")
 
     deploy = (repo / "docs" / "deploy.md").read_text()
     files = ["deploy/Containerfile", "deploy/kubernetes.yaml", SCRIPT]
@@ -108,6 +116,13 @@ def test_deploy_files_agree_with_the_layered_cache() -> None:
         ),
         (SCRIPT, "CACHE=${CACHE:-/opt/tq-warmup/cache}", "CACHE=${CACHE:-/opt/cache}"),
         ("docs/deploy.md", "TRITON_CACHE_DIR=/var/cache/triton", "TRITON_CACHE_DIR=/tmp/triton"),
+        ("deploy/kubernetes.yaml", "mountPath: /var/cache/nv}", "mountPath: /var/cache/n}"),
+        ("deploy/Containerfile", "/triton /var/cache/nv", "/triton"),
+        (
+            "docs/deploy.md",
+            "TQ_WARMUP_DRIVER_CACHE_COPY_TO=/var/cache/nv",
+            "TQ_WARMUP_DRIVER_CACHE_COPY_TO",
+        ),
         (
             "src/tq_warmup_plugin/layered_cache.py",
             'LAYERS_ENV = "TQ_WARMUP_CACHE_LAYERS"',
@@ -116,7 +131,7 @@ def test_deploy_files_agree_with_the_layered_cache() -> None:
     ],
 )
 def test_a_disagreement_is_reported(tmp_path: Path, path: str, old: str, new: str) -> None:
-    for name in ("deploy", "docs/deploy.md", "src/tq_warmup_plugin/layered_cache.py"):
+    for name in ("deploy", "docs/deploy.md", *(f"src/tq_warmup_plugin/{m}.py" for m in MODULES)):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy
         copy(REPO / name, tmp_path / name)

@@ -38,6 +38,7 @@ COMMAND_MODULES = (
     "register_cost",
     "layer_check_cost",
     "gemm_shapes",
+    "driver_cache_proof",
 )
 
 

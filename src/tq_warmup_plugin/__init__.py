@@ -57,6 +57,10 @@ def register() -> None:
     if not settings.enabled:
         logger.info("tq-warmup: disabled by TQ_WARMUP")
         return
+    if settings.driver_cache is not None:  # before any CUDA context: the driver reads it then
+        from .driver_startup import apply
+
+        apply(settings)
     from .install import install
 
     install(settings)

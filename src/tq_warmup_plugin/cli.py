@@ -1,4 +1,4 @@
-"""The ``tq-warmup`` command: doctor, inspect, precompile and verify.
+"""The ``tq-warmup`` command: doctor, inspect, precompile, verify and driver-cache.
 
 doctor checks the install; inspect prints the plan without a GPU; precompile builds
 the plan into a Triton cache directory for a target GPU, on any machine; verify
@@ -352,6 +352,13 @@ def _layers_text(n: int) -> str:
     return f"{n} TurboQuant layer{'' if n == 1 else 's'}" if n else "TurboQuant layers"
 
 
+def _boundary(planned: Planned) -> dict[str, tuple[int, int, int]]:
+    """A dense model's boundary layers have the TurboQuant layers' heads; a worker only
+    launches their decode if it finds them on plain FlashAttention 2. Hybrids have none."""
+    g = planned.geometry
+    return {"boundary": (g.num_heads, g.num_kv_heads, g.head_size)} if planned.boundary else {}
+
+
 def inspect(args: argparse.Namespace) -> int:
     """Print the keys startup would warm, per path, deduplicated."""
     the_plan, named, planned = _plan(args, warmup.plugin_manager())
@@ -360,14 +367,7 @@ def inspect(args: argparse.Namespace) -> int:
     for key, paths in the_plan.paths.items():
         for path in paths:
             per_path.setdefault(path, []).append(warmup.describe(key))
-    # A dense model's boundary layers have the TurboQuant layers' heads; a worker only
-    # launches their decode if it finds them on plain FlashAttention 2. Hybrids have none.
-    boundary = (
-        {"boundary": (geometry.num_heads, geometry.num_kv_heads, geometry.head_size)}
-        if planned.boundary
-        else {}
-    )
-    first_launches = launches.describe(launches.plan(named, boundary))
+    first_launches = launches.describe(launches.plan(named, _boundary(planned)))
     if args.json:
         out = {
             "distinct": len(the_plan.keys),
@@ -549,9 +549,38 @@ def precompile(args: argparse.Namespace) -> int:
     return 1 if report.errors else 0
 
 
+def driver_cache(args: argparse.Namespace) -> int:
+    """Launch the plan's FlashAttention-2 kernels on this GPU into a fresh CUDA driver
+    JIT cache and install it under ``--cache-dir`` (``driver_build``)."""
+    named, planned = _geometries(args)
+    from .driver_build import BuildError, build
+
+    todo = launches.driver_plan(named, _boundary(planned))
+    try:
+        return build(_cache_dir(args.cache_dir), todo, planned.geometry.scale, args.timeout)
+    except BuildError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _verify_driver_cache(root: Path) -> int | None:
+    """Print ``verify``'s lines for ``root/driver-cache``: its problem count, or None."""
+    from . import driver_cache as dc
+
+    node = dc.read_node("/proc", dc.fa2_library(), hash_fa2=True)
+    checked = dc.verify_layer(root, node)
+    if checked is None:
+        return None
+    summary, problems = checked
+    for line in problems:
+        print(line)
+    print(summary)
+    return len(problems)
+
+
 def verify(args: argparse.Namespace) -> int:
     """Check every manifest in ``--cache-dir``: its files, and its stack against what is
-    installed here (what the layered cache checks at startup, offline)."""
+    installed here (what the layered cache checks at startup, offline), and the driver
+    cache entries of ``driver-cache/``."""
     root = Path(args.cache_dir)
     if not root.is_dir():
         raise CliError(f"--cache-dir {args.cache_dir}: not a directory")
@@ -560,8 +589,11 @@ def verify(args: argparse.Namespace) -> int:
     stale = stale_stages(root)
     for stage in stale:
         print(f"{stage.name}: left by a precompile that did not finish (the next one removes it)")
+    driver_problems = _verify_driver_cache(root)
     paths = manifest.manifest_files(root)
     if not paths:
+        if driver_problems is not None:
+            return 1 if driver_problems or stale else 0
         print(f"tq-warmup: no tq-warmup manifest in {root} (not built by tq-warmup precompile)")
         return 1
     here = manifest.installed_stack(arch=args.arch)
@@ -590,7 +622,7 @@ def verify(args: argparse.Namespace) -> int:
     if unchecked:
         summary += f"; not checked (not known here): {', '.join(unchecked)}"
     print(summary)
-    return 1 if problems else 0
+    return 1 if problems or driver_problems else 0
 
 
 def _whole(minimum: int) -> Callable[[str], int]:
@@ -715,10 +747,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_verify.add_argument(
         "--arch", type=_arch, help="the GPU it is for, e.g. 90 (default: arch is not checked)"
     )
+    p_driver = sub.add_parser(
+        "driver-cache",
+        help="on a GPU: fill a CUDA driver JIT cache with the plan's FlashAttention-2 "
+        "kernels, into --cache-dir/driver-cache",
+    )
+    _geometry_flags(p_driver)
+    p_driver.add_argument("--cache-dir", required=True, help="the shipped layer")
+    p_driver.add_argument(
+        "--timeout", type=_whole(1), default=1200, help="seconds the launches may take"
+    )
     args = parser.parse_args(argv)
     # vLLM's import-time warnings (no CUDA here, no vllm._C) are not the CLI's answer.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    handlers = {"doctor": doctor, "inspect": inspect, "precompile": precompile, "verify": verify}
+    handlers = {
+        "doctor": doctor,
+        "inspect": inspect,
+        "precompile": precompile,
+        "verify": verify,
+        "driver-cache": driver_cache,
+    }
     handler = handlers[args.command]
     try:
         return handler(args)

@@ -13,6 +13,7 @@ import contextlib
 import importlib
 import math
 import re
+import types
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -51,8 +52,10 @@ __all__ = [
     "block_table_width",
     "boundary_layers",
     "effective_block_size",
+    "fa2_stand_in",
     "features",
     "flash_attn_available",
+    "flash_attn_paged",
     "flash_attn_paged_decode",
     "flash_attn_varlen",
     "flydsl_layer",
@@ -570,6 +573,31 @@ def flash_attn_varlen(impl: Any) -> Any:
     return impl._flash_attn_varlen
 
 
+def _fa_call(module: str, scale: float, fa_version: int, **kwargs: Any) -> Any:
+    """``module.flash_attn_varlen_func``, causal, looked up at call time (vLLM binds the
+    name at import, and only on CUDA)."""
+    varlen = importlib.import_module(module).flash_attn_varlen_func
+    return varlen(softmax_scale=scale, causal=True, fa_version=fa_version, **kwargs)
+
+
+def fa2_stand_in(scale: float) -> Any:
+    """An impl that :func:`flash_attn_varlen` and :func:`flash_attn_paged` accept without
+    an engine (``tq-warmup driver-cache``): TurboQuant's ``_flash_attn_varlen`` and the
+    boundary layers' ``scale`` / ``vllm_flash_attn_version``, with FlashAttention 2 as
+    TurboQuant forces it (0.20-0.33). The kernel a call loads depends on dtype, head
+    size, causality and paging, not on the scale."""
+
+    def flash_attn_varlen(
+        q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int
+    ) -> Any:  # TurboQuantAttentionImpl._flash_attn_varlen's call, fa_version 2
+        args = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": max_q}
+        return _fa_call(BACKEND_MODULE, scale, 2, q=q, k=k, v=v, max_seqlen_k=max_k, **args)
+
+    return types.SimpleNamespace(
+        scale=scale, vllm_flash_attn_version=2, _flash_attn_varlen=flash_attn_varlen
+    )
+
+
 def plain_fa2_heads(impl: Any) -> tuple[int, int, int] | None:
     """``(query heads, KV heads, head size)`` of a boundary layer whose decode we can
     warm, else None.
@@ -602,24 +630,24 @@ def flash_attn_paged_decode(impl: Any) -> Any:
     so FlashAttention's own heuristic splits the keys the way a first long decode does.
     0.33 makes that call through ``_FA4_DENSE_ATTENTION_KERNEL``, which hands the same
     keywords to the same function."""
-    varlen = importlib.import_module(FLASH_ATTN_MODULE).flash_attn_varlen_func
+    return flash_attn_paged(impl, 1)
+
+
+def flash_attn_paged(impl: Any, max_seqlen_q: int) -> Any:
+    """:func:`flash_attn_paged_decode` for one request of ``max_seqlen_q`` query tokens:
+    over 1 it is a boundary layer's prefill, which FA2 runs with its split-KV kernel
+    too (a paged cache forces it) but causal, another module than the decode's (FA2
+    treats a one-token causal query as non-causal)."""
 
     def decode(
         q: Any, cache: Any, cu_seqlens_q: Any, seqused_k: Any, block_table: Any, max_seqlen_k: int
     ) -> Any:
-        return varlen(
-            q=q,
-            k=cache,
-            v=cache,
-            cu_seqlens_q=cu_seqlens_q,
-            max_seqlen_q=1,
-            seqused_k=seqused_k,
-            max_seqlen_k=max_seqlen_k,
-            softmax_scale=impl.scale,
-            causal=True,
-            block_table=block_table,
-            fa_version=impl.vllm_flash_attn_version,
-        )
+        args = {"cu_seqlens_q": cu_seqlens_q, "seqused_k": seqused_k, "block_table": block_table}
+        version = impl.vllm_flash_attn_version
+        return _fa_call(
+            FLASH_ATTN_MODULE, impl.scale, version, q=q, k=cache, v=cache,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **args,
+        )  # fmt: skip
 
     return decode
 

@@ -39,7 +39,9 @@ __all__ = [
     "UNROTATE_LADDER",
     "Launch",
     "boundary_decode",
+    "boundary_prefill",
     "describe",
+    "driver_plan",
     "launch_all",
     "launches",
     "not_yet_launched",
@@ -126,8 +128,9 @@ class Launch(NamedTuple):
     """One kernel launch on scratch tensors. Equal launches load the same kernels."""
 
     kind: str
-    """``gemm`` (``rows x cols @ cols x cols``), ``attention`` (causal varlen) or
-    ``paged_decode`` (one query token over a paged cache: the boundary layers)."""
+    """``gemm`` (``rows x cols @ cols x cols``), ``attention`` (causal varlen),
+    ``paged_decode`` (one query token over a paged cache: the boundary layers) or
+    ``paged_prefill`` (a boundary layer's prompt over its own paged keys, causal)."""
     dtype: str
     rows: int
     """GEMM rows, or query tokens."""
@@ -181,6 +184,32 @@ def boundary_decode(g: Geometry, heads: tuple[int, int, int]) -> Launch:
     return Launch("paged_decode", g.model_dtype, 1, tokens, q_heads, kv_heads, head_size)
 
 
+def boundary_prefill(g: Geometry, heads: tuple[int, int, int]) -> Launch:
+    """A boundary layer's fresh prompt: causal over its own keys in a paged cache.
+
+    Not in :func:`plan`: a worker's boundary layers have run it before warmup only if a
+    prompt reached them, but the CUDA driver JIT-compiles its FA2 module (the causal
+    split-KV one, FA2's path for any paged cache) on a fresh sm90 machine, so
+    :func:`driver_plan` launches it into the shipped driver cache."""
+    q_heads, kv_heads, head_size = heads
+    tokens = min(_chunk(g), ATTENTION_TOKENS)
+    return Launch("paged_prefill", g.model_dtype, tokens, tokens, q_heads, kv_heads, head_size)
+
+
+def driver_plan(
+    geometries: Mapping[str, Geometry], boundary: Mapping[str, tuple[int, int, int]]
+) -> dict[Launch, str]:
+    """The FlashAttention-2 launches of :func:`plan` (no GEMM: cuBLAS ships sm90 code)
+    and each boundary head shape's prefill: what ``tq-warmup driver-cache`` runs so the
+    driver's JIT cache holds every FA2 module a server's attention loads."""
+    todo = {x: name for x, name in plan(geometries, boundary).items() if x.kind != "gemm"}
+    if geometries:
+        g = next(iter(geometries.values()))
+        for name, heads in boundary.items():
+            todo.setdefault(boundary_prefill(g, heads), name)
+    return todo
+
+
 def plan(
     geometries: Mapping[str, Geometry],
     boundary: Mapping[str, tuple[int, int, int]] | None = None,
@@ -215,14 +244,19 @@ def _launch(launch: Launch, impl: Any, device: Any) -> None:
         return
     q = torch.zeros(launch.rows, launch.q_heads, launch.head_size, dtype=dtype, device=device)
     cu_q = torch.tensor([0, launch.rows], dtype=torch.int32, device=device)
-    if launch.kind == "paged_decode":
+    if launch.kind in ("paged_decode", "paged_prefill"):
         pages = -(-launch.cols // PAGE_TOKENS)
         cache = torch.zeros(
             pages, PAGE_TOKENS, launch.kv_heads, launch.head_size, dtype=dtype, device=device
         )
         table = torch.arange(pages, dtype=torch.int32, device=device)[None]
         used = torch.tensor([launch.cols], dtype=torch.int32, device=device)
-        compat.flash_attn_paged_decode(impl)(q, cache, cu_q, used, table, launch.cols)
+        paged = (
+            compat.flash_attn_paged_decode(impl)
+            if launch.kind == "paged_decode"
+            else compat.flash_attn_paged(impl, launch.rows)
+        )
+        paged(q, cache, cu_q, used, table, launch.cols)
         return
     kv = torch.zeros(launch.cols, launch.kv_heads, launch.head_size, dtype=dtype, device=device)
     cu_k = torch.tensor([0, launch.cols], dtype=torch.int32, device=device)

@@ -55,6 +55,14 @@ class Settings(NamedTuple):
         without a tq-warmup manifest (a plain Triton cache) is served unverified; off,
         it is one WARNING and not served (``layered_cache``): a half-built layer, or one
         whose manifest was removed, must not run on the GPU unchecked.
+    driver_cache: ``TQ_WARMUP_DRIVER_CACHE``: a shipped CUDA driver JIT cache
+        (``tq-warmup driver-cache``'s ``LAYER/driver-cache``); where an entry matches
+        this node, ``register()`` points ``CUDA_CACHE_PATH`` at it (``driver_startup``).
+    driver_cache_copy_to: ``TQ_WARMUP_DRIVER_CACHE_COPY_TO``: a writable directory
+        the matching entry is copied into first (default: none, the entry itself when
+        it is writable, else a copy in the temporary directory).
+    driver_cache_override: ``TQ_WARMUP_DRIVER_CACHE_OVERRIDE`` (default off): replace a
+        ``CUDA_CACHE_PATH`` that is already set (else it is left alone, one WARNING).
     """
 
     enabled: bool = True
@@ -65,6 +73,9 @@ class Settings(NamedTuple):
     spec_guard: bool = True
     spec_piecewise: bool = False
     cache_unverified: bool = False
+    driver_cache: str | None = None
+    driver_cache_copy_to: str | None = None
+    driver_cache_override: bool = False
 
 
 _FLAG_VALUES = "1, true, on, yes / 0, false, off, no (any case)"
@@ -112,14 +123,27 @@ def _threads(env: Mapping[str, str], name: str, problems: list[str]) -> int:
     return value
 
 
-def _report_path(env: Mapping[str, str], name: str, problems: list[str]) -> str | None:
+def _path(
+    env: Mapping[str, str], name: str, problems: list[str], blank: str, accepted: str
+) -> str | None:
     raw = env.get(name, "")
     if raw and not raw.strip():
-        problems.append(
-            f"tq-warmup: {name}={raw!r} is blank: no JSON report is written "
-            "(accepted: a file path, '{rank}' replaced by the worker's rank)"
-        )
+        problems.append(f"tq-warmup: {name}={raw!r} is blank: {blank} (accepted: {accepted})")
     return raw if raw.strip() else None
+
+
+def _report_path(env: Mapping[str, str], name: str, problems: list[str]) -> str | None:
+    return _path(
+        env,
+        name,
+        problems,
+        "no JSON report is written",
+        "a file path, '{rank}' replaced by the worker's rank",
+    )
+
+
+def _directory(env: Mapping[str, str], name: str, problems: list[str]) -> str | None:
+    return _path(env, name, problems, "unset", "a directory")
 
 
 def parse(env: Mapping[str, str] | None = None) -> tuple[Settings, list[str]]:
@@ -138,6 +162,9 @@ def parse(env: Mapping[str, str] | None = None) -> tuple[Settings, list[str]]:
         or _flag(env, "TQ_WARMUP_SPEC_GUARD", True, problems, " / piecewise"),
         spec_piecewise=spec_piecewise,
         cache_unverified=_flag(env, "TQ_WARMUP_CACHE_UNVERIFIED", False, problems),
+        driver_cache=_directory(env, "TQ_WARMUP_DRIVER_CACHE", problems),
+        driver_cache_copy_to=_directory(env, "TQ_WARMUP_DRIVER_CACHE_COPY_TO", problems),
+        driver_cache_override=_flag(env, "TQ_WARMUP_DRIVER_CACHE_OVERRIDE", False, problems),
     )
     return settings, problems
 

@@ -1,0 +1,459 @@
+"""The ``driver-cache-proof`` command: a fresh Hopper node starts as fast as a warm one (issue 22).
+
+On one GPU, in one process tree, each step bounded by its own timeout and a deadline:
+
+``build``
+    ``tq-warmup driver-cache`` from the dummy Llama ``spec`` engines use (8 layers,
+    head size 128, 16/8 heads), into a fresh layer: on a fresh machine it pays the FA2
+    JIT (~130 s on the H200, 0.26.0): its seconds, per launch, the entry's size and files;
+``decision``
+    ``register()`` in a fresh interpreter over the layer (the INFO line and the
+    ``CUDA_CACHE_PATH`` it sets) and over a copy whose manifest names another driver
+    (one WARNING, nothing set); ``tq-warmup verify`` of the layer;
+``shipped``
+    a TurboQuant engine (``turboquant_4bit_nc``, dummy weights, eager, fixed KV cache,
+    plugin on) with a fresh HOME, Triton cache and ``TQ_WARMUP_DRIVER_CACHE_COPY_TO``,
+    given only the layer: startup seconds and the report's "first launches N ms";
+``warm``
+    the same engine again over the copy the first one used and grew: the warm engine;
+``read-only``
+    one FA2 launch (the build's slowest) with ``CUDA_CACHE_PATH`` a read-only bind mount
+    of the entry (``unshare -m``, root), beside one over a writable copy: does the driver
+    use a read-only cache, and does it write on a hit;
+``late-env``
+    the same launch with ``CUDA_CACHE_PATH`` set only after torch initialised CUDA and
+    made a context: does the driver read it at init (then ``register()`` in a process
+    that already has CUDA is too late) or at the JIT.
+
+Expected: ``shipped`` first launches under 1000 ms and its startup within 5 s of
+``warm``'s; ``decision`` one WARNING naming the driver for the other manifest. Run from
+the repository root on the GPU machine (about 5-6 minutes on a fresh one)::
+
+    source .stage/setup.sh && PYTHONPATH=$PWD/src:$PWD:$PYTHONPATH \\
+        python -m benchmarks.tqbench driver-cache-proof --out $OUT
+
+It prints a table and writes ``driver-cache-proof.json``, ``.md``, the entry's manifest and
+the children's logs (tails) to ``--out``. The parent imports neither vLLM nor torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from benchmarks.tqbench import entry_point, logs, phases, records, shipped, tables
+from benchmarks.tqbench.cli import Option, add_options, new_parser
+from benchmarks.tqbench.spec_child import child_argv, child_env, read_result
+from benchmarks.tqbench.spec_configs import (
+    MODEL_SIZES,
+    REFERENCE,
+    ModelSize,
+    SpecConfig,
+    model_config,
+    spec_prompts,
+)
+
+__all__ = [
+    "DECISION_PROBE",
+    "LAUNCH_PROBE",
+    "OPTIONS",
+    "Proof",
+    "add_parser",
+    "candidate_launches",
+    "cmd_driver_cache_proof",
+    "slowest_launch",
+    "table_rows",
+]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PRESET = "turboquant_4bit_nc"
+CUDA_CACHE_VARS = ("CUDA_CACHE_PATH", "CUDA_CACHE_DISABLE", "CUDA_CACHE_MAXSIZE")
+LOG_TAIL = 2 << 20
+ENGINE_SHAPE = ("--geometry", "--max-model-len", "--max-num-seqs", "--budget", "--kv-cache-gib")
+
+DECISION_PROBE = """
+import json, logging, os, sys
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stdout)
+import tq_warmup_plugin
+tq_warmup_plugin.register()
+print(json.dumps({"CUDA_CACHE_PATH": os.environ.get("CUDA_CACHE_PATH")}))
+"""
+
+LAUNCH_PROBE = """
+import json, os, sys, time
+probe = json.loads(sys.argv[1])
+path = probe["path"]
+try:
+    open(os.path.join(path, ".tq-probe"), "x").close()
+    os.unlink(os.path.join(path, ".tq-probe"))
+    writable = True
+except OSError:
+    writable = False
+t0 = time.perf_counter()
+import torch
+if probe["late"]:  # CUDA initialised and a context made before the variable is set
+    torch.cuda.init(); torch.zeros(1, device="cuda"); torch.cuda.synchronize()
+os.environ["CUDA_CACHE_PATH"] = path
+from tq_warmup_plugin.driver_build import run_launches
+from tq_warmup_plugin.launches import Launch
+out = run_launches([Launch(**x) for x in probe["launches"]], probe["scale"])
+print(json.dumps({**out, "writable": writable, "total_s": time.perf_counter() - t0}))
+"""
+
+
+def candidate_launches(
+    head: int, q: int, kv: int, budget: int, max_len: int
+) -> list[dict[str, Any]]:
+    """The FA2 launches ``launches.driver_plan`` makes for the proof's dense model (the
+    parent does not import the plugin's planning, which needs vLLM's config)."""
+    tokens = min(budget, max_len, 2048)
+    shape = {"q_heads": q, "kv_heads": kv, "head_size": head, "dtype": "bfloat16"}
+    out = [{"kind": "attention", "rows": tokens, "cols": tokens, **shape}]
+    out.append({"kind": "attention", "rows": tokens, "cols": 2 * tokens, **shape})
+    out.append({"kind": "paged_decode", "rows": 1, "cols": min(max_len, 2048), **shape})
+    out.append({"kind": "paged_prefill", "rows": tokens, "cols": tokens, **shape})
+    return out
+
+
+def _label(x: dict[str, Any]) -> str:
+    return f"{x['kind']} {x['dtype']} {x['rows']}x{x['cols']}"
+
+
+def slowest_launch(
+    seconds: dict[str, float], candidates: list[dict[str, Any]]
+) -> dict[str, Any] | None:
+    """The candidate the build spent the most seconds on (its module's JIT)."""
+    known = [c for c in candidates if _label(c) in seconds]
+    return max(known, key=lambda c: seconds[_label(c)], default=None)
+
+
+def _tree(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+
+
+class Proof:
+    """Runs the steps in order, keeping one row each; every step is time-bounded."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.t0 = time.monotonic()
+        self.work = Path(args.work_dir or tempfile.mkdtemp(prefix="tq-driver-proof-")).resolve()
+        self.out = Path(args.out).resolve()
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.layer = self.work / "layer"
+        self.rows: list[dict[str, Any]] = []
+        self.path = [str(REPO_ROOT / "src"), str(REPO_ROOT)]
+        if not entry_point.found():
+            self.path.insert(0, str(entry_point.write_stub(self.work / "entry-point")))
+        self.model = self.work / "model"
+        self.model.mkdir(parents=True, exist_ok=True)
+        self.geometry = phases.parse_geometry(args.geometry)
+        # The engines' model (spec_child.write_models writes the same config.json).
+        small = asdict(MODEL_SIZES["small"])
+        self.size = {**small, "geometry": args.geometry, "layers": args.layers}
+        config = model_config(None, ModelSize(**self.size), args.max_model_len)
+        (self.model / "config.json").write_text(json.dumps(config, indent=1))
+        self.entry: Path | None = None
+        self.manifest: dict[str, Any] = {}
+
+    def left(self, cap: float) -> float:
+        return min(cap, float(self.args.deadline_s) - (time.monotonic() - self.t0))
+
+    def env(self, home: str, **extra: str) -> dict[str, str]:
+        """The caller's environment without any CUDA cache variable (the staging may set
+        one), a fresh HOME (so ``~/.nv`` is empty), the plugin importable and loadable."""
+        env = {k: v for k, v in os.environ.items() if k not in CUDA_CACHE_VARS}
+        env.update({"HOME": str(self.work / home), "PYTHONUNBUFFERED": "1", **extra})
+        (self.work / home).mkdir(parents=True, exist_ok=True)
+        env["PYTHONPATH"] = os.pathsep.join([*self.path, env.get("PYTHONPATH", "")])
+        return env
+
+    def run(self, name: str, argv: list[str], env: dict[str, str], cap: float) -> dict[str, Any]:
+        """One child, its log under ``--out`` (tail), rc (None: timed out) and seconds."""
+        limit = self.left(cap)
+        if limit < 10:
+            return {"rc": None, "wall_s": 0.0, "text": "", "skipped": "deadline"}
+        t = time.monotonic()
+        try:
+            done = subprocess.run(
+                argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=limit
+            )
+            rc, text = done.returncode, done.stdout + done.stderr
+        except subprocess.TimeoutExpired as exc:
+            parts = [exc.stdout, exc.stderr]
+            rc = None
+            text = "".join(
+                p.decode(errors="replace") if isinstance(p, bytes) else p or "" for p in parts
+            )
+        (self.out / f"{name}.log").write_text(text[-LOG_TAIL:])
+        return {"rc": rc, "wall_s": round(time.monotonic() - t, 1), "text": text}
+
+    def add(self, row: dict[str, Any]) -> None:
+        row.pop("text", None)
+        self.rows.append(row)
+        records.write_json_atomic(self.out / "driver-cache-proof.json", {"rows": self.rows})
+        print(f"[driver-cache-proof] {row['step']}: {json.dumps(row)[:600]}", flush=True)
+
+    # -- the steps ------------------------------------------------------------------------
+
+    def build(self) -> None:
+        a = self.args
+        argv = [sys.executable, "-m", "tq_warmup_plugin.cli", "driver-cache"]
+        argv += ["--model", str(self.model), "--kv-cache-dtype", PRESET, "--dtype", "bfloat16"]
+        argv += ["--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs)]
+        argv += ["--max-num-batched-tokens", str(a.budget), "--cache-dir", str(self.layer)]
+        got = self.run("build", argv, self.env("home-build"), a.build_timeout)
+        found = sorted((self.layer / "driver-cache").glob("*/manifest.json"))
+        row: dict[str, Any] = {"step": "build", **got, "line": got["text"].strip()[-600:]}
+        if found:
+            self.entry = found[0].parent
+            self.manifest = json.loads(found[0].read_text())
+            shutil.copy(found[0], self.out / "manifest.json")
+            files = _tree(self.entry / "cache")
+            row.update(
+                entry=self.entry.name,
+                files=len(files),
+                mib=round(sum(files.values()) / 2**20, 1),
+                du=subprocess.run(
+                    ["du", "-sh", str(self.entry / "cache")], capture_output=True, text=True
+                ).stdout.split("\t")[0],
+                launch_s=self.manifest.get("extra", {}).get("launch_s"),
+                driver=self.manifest.get("driver"),
+                gpu=self.manifest.get("gpu"),
+                cuda_driver_api=self.manifest.get("cuda_driver_api"),
+            )
+        self.add(row)
+
+    def decision(self) -> None:
+        assert self.entry is not None
+        other = self.work / "layer-other" / "driver-cache" / self.entry.name
+        shutil.copytree(self.entry, other)
+        data = json.loads((other / "manifest.json").read_text())
+        (other / "manifest.json").write_text(json.dumps({**data, "driver": "1.0.0"}))
+        for name, root in (("decision-shipped", self.layer), ("decision-other", other.parents[1])):
+            env = self.env(f"home-{name}", TQ_WARMUP_DRIVER_CACHE=str(root / "driver-cache"))
+            env["TQ_WARMUP_DRIVER_CACHE_COPY_TO"] = str(self.work / f"nv-{name}")
+            got = self.run(name, [sys.executable, "-c", DECISION_PROBE], env, 60)
+            lines = [ln for ln in got["text"].splitlines() if "tq-warmup" in ln]
+            set_to = (
+                json.loads(got["text"].strip().splitlines()[-1] or "{}") if got["rc"] == 0 else {}
+            )
+            self.add(
+                {
+                    "step": name,
+                    "rc": got["rc"],
+                    "warnings": [ln for ln in lines if ln.startswith("WARNING")],
+                    "info": [ln for ln in lines if ln.startswith("INFO")],
+                    "cuda_cache_path": set_to.get("CUDA_CACHE_PATH"),
+                }
+            )
+        argv = [sys.executable, "-m", "tq_warmup_plugin.cli", "verify", "--cache-dir"]
+        got = self.run("verify", [*argv, str(self.layer)], self.env("home-verify"), 60)
+        self.add(
+            {"step": "verify", "rc": got["rc"], "lines": got["text"].strip().splitlines()[-4:]}
+        )
+
+    def engine(self, name: str, copy_to: Path) -> dict[str, Any]:
+        a = self.args
+        work = self.work / name
+        cfg = SpecConfig(REFERENCE)  # eager, no speculation
+        options = {
+            "preset": PRESET,
+            "geometry": a.geometry,
+            "layers": a.layers,
+            "model_size": self.size,
+            "max_model_len": a.max_model_len,
+            "max_num_seqs": a.max_num_seqs,
+            "budget": a.budget,
+            "kv_cache_gib": a.kv_cache_gib,
+            "gpu_mem_util": 0.3,
+            "jit_monitor_mode": "warn",
+            "weight_scale": 1.0,
+            "max_tokens": 8,
+            "logprobs": 0,
+        }
+        records.write_json_atomic(
+            work / "spec.json",
+            {
+                "config": asdict(cfg),
+                "options": options,
+                "prompts": spec_prompts(4, 0),
+                "work": str(work),
+                "result": str(work / "result.json"),
+            },
+        )
+        env = self.env(
+            f"home-{name}",
+            **child_env(cfg, work, False, {}),
+            TQ_WARMUP_DRIVER_CACHE=str(self.layer / "driver-cache"),
+            TQ_WARMUP_DRIVER_CACHE_COPY_TO=str(copy_to),
+        )
+        got = self.run(name, child_argv(work / "spec.json"), env, a.engine_timeout)
+        result = read_result(work)
+        report = result.get("plugin_report") or {}
+        plugin = logs.plugin_log_lines(got["text"])
+        return {
+            "step": name,
+            "rc": got["rc"],
+            "wall_s": got["wall_s"],
+            "status": result.get("status", "no result"),
+            "startup_s": result.get("startup_s"),
+            "first_launches": report.get("launches"),
+            "first_launches_ms": round(1000 * report["launch_s"]) if "launch_s" in report else None,
+            "report_line": next((ln for ln in plugin if "first launches" in ln), None),
+            "driver_cache_line": next((ln for ln in plugin if "driver cache" in ln), None),
+            "error": None if result.get("status") == "ok" else logs.last_error_line(got["text"]),
+            "copy_files": len(_tree(copy_to)) if copy_to.is_dir() else 0,
+        }
+
+    def probe(self, name: str, path: Path, late: bool, read_only: Path | None = None) -> None:
+        a = self.args
+        g = self.geometry
+        pick = slowest_launch(
+            (self.manifest.get("extra") or {}).get("launch_s") or {},
+            candidate_launches(g.head_size, g.q_heads, g.kv_heads, a.budget, a.max_model_len),
+        )
+        if pick is None:
+            self.add({"step": name, "skipped": "no build seconds to pick a launch from"})
+            return
+        probe = {"path": str(path), "late": late, "launches": [pick], "scale": g.head_size**-0.5}
+        argv = [sys.executable, "-c", LAUNCH_PROBE, json.dumps(probe)]
+        if read_only is not None:  # a private mount namespace: nothing outside sees it
+            mount = (
+                'mount --bind "$1" "$2" && mount -o remount,bind,ro "$2" && shift 2 && exec "$@"'
+            )
+            argv = ["unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh"]
+            argv += [
+                str(read_only),
+                str(path),
+                sys.executable,
+                "-c",
+                LAUNCH_PROBE,
+                json.dumps(probe),
+            ]
+            path.mkdir(parents=True, exist_ok=True)
+        before = _tree(path) if read_only is None else None
+        got = self.run(name, argv, self.env(f"home-{name}"), a.probe_timeout)
+        out: dict[str, Any] = {}
+        if got["rc"] == 0:
+            out = json.loads(got["text"].strip().splitlines()[-1])
+        row = {
+            "step": name,
+            "rc": got["rc"],
+            "wall_s": got["wall_s"],
+            "launch": _label(pick),
+            "build_s": self.manifest["extra"]["launch_s"][_label(pick)],
+            "probe_s": (out.get("seconds") or {}).get(_label(pick)),
+            "writable": out.get("writable"),
+            "errors": out.get("errors"),
+            "tail": None if got["rc"] == 0 else got["text"].strip()[-300:],
+        }
+        if before is not None:
+            row["files_added_or_changed"] = sum(
+                1 for k, v in _tree(path).items() if before.get(k) != v
+            )
+        self.add(row)
+
+    def go(self) -> int:
+        self.build()
+        if self.entry is None:
+            print("[driver-cache-proof] the build made no entry: nothing else to run", flush=True)
+            return self.save(1)
+        self.decision()
+        copy_to = self.work / "nv-engines"
+        self.add(self.engine("shipped", copy_to))
+        self.add(self.engine("warm", copy_to))
+        rw = self.work / "rw-copy"
+        shutil.copytree(self.entry / "cache", rw)
+        self.probe("writable", rw, late=False)
+        self.probe("read-only", self.work / "ro-mount", late=False, read_only=self.entry / "cache")
+        late = self.work / "late-copy"
+        shutil.copytree(self.entry / "cache", late)
+        self.probe("late-env", late, late=True)
+        return self.save(0)
+
+    def save(self, rc: int) -> int:
+        text = tables.render(["step", "result"], table_rows(self.rows))
+        print(text, flush=True)
+        (self.out / "driver-cache-proof.md").write_text(
+            tables.render_markdown(["step", "result"], table_rows(self.rows)) + "\n"
+        )
+        if not self.args.work_dir:
+            shutil.rmtree(self.work, ignore_errors=True)
+        ok = [r for r in self.rows if r["step"] in ("shipped", "warm")]
+        return rc or (0 if ok and all(r.get("status") == "ok" for r in ok) else 1)
+
+
+def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """One line per step: what it shows."""
+    out = []
+    for r in rows:
+        step = r["step"]
+        if step == "build":
+            text = (
+                f"rc {r.get('rc')}, {r.get('wall_s')} s; {r.get('files')} files, {r.get('du')} "
+                f"({r.get('mib')} MiB); launches {r.get('launch_s')}"
+            )
+        elif step in ("shipped", "warm"):
+            text = (
+                f"{r.get('status')}, startup {r.get('startup_s')} s, first launches "
+                f"{r.get('first_launches')} in {r.get('first_launches_ms')} ms; "
+                f"{r.get('error') or ''}"
+            )
+        elif step.startswith("decision"):
+            text = (
+                f"{len(r.get('warnings') or [])} WARNING, "
+                f"CUDA_CACHE_PATH={r.get('cuda_cache_path')}; "
+                f"{(r.get('warnings') or r.get('info') or [''])[0][:300]}"
+            )
+        elif step == "verify":
+            text = f"rc {r.get('rc')}: {' / '.join(r.get('lines') or [])[:300]}"
+        else:
+            text = (
+                f"{r.get('launch')}: {r.get('probe_s')} s (build {r.get('build_s')} s), "
+                f"cache dir writable {r.get('writable')}, rc {r.get('rc')}"
+                + (
+                    f", files added/changed {r['files_added_or_changed']}"
+                    if "files_added_or_changed" in r
+                    else ""
+                )
+                + (f"; {r['skipped']}" if r.get("skipped") else "")
+            )
+        out.append([step, text])
+    return out
+
+
+def cmd_driver_cache_proof(args: argparse.Namespace) -> int:
+    if args.layers < 6:
+        raise SystemExit("driver-cache-proof: --layers must be >= 6")
+    return Proof(args).go()
+
+
+OPTIONS: tuple[Option, ...] = (
+    ("--out", "benchmarks/results/driver-cache", "directory for the JSON, table, manifest, logs"),
+    ("--layers", 8, "hidden layers (>= 6)"),
+    # The engine shape of the shipped-cache proof; the build is given the same.
+    *(o for o in shipped.SHIPPED_OPTIONS if o[0] in ENGINE_SHAPE),
+    ("--build-timeout", 260.0, "seconds the build may take"),
+    ("--engine-timeout", 120.0, "seconds each engine may take"),
+    ("--probe-timeout", 60.0, "seconds each one-launch probe may take"),
+    ("--deadline-s", 345.0, "no step runs past this many seconds"),
+    ("--work-dir", "", "kept if given (default: a tmp dir, removed)"),
+)
+
+
+def add_parser(subparsers: Any) -> None:
+    """The ``driver-cache-proof`` subcommand."""
+    summary = "GPU: ship the CUDA driver's FA2 JIT cache and start engines from it (issue 22)"
+    p = new_parser(subparsers, "driver-cache-proof", summary, __doc__)
+    add_options(p, OPTIONS)
+    p.set_defaults(func=cmd_driver_cache_proof)

@@ -1,0 +1,224 @@
+"""``tq-warmup driver-cache``: fill a fresh CUDA driver JIT cache on this GPU and ship it.
+
+The driver reads ``CUDA_CACHE_PATH`` when CUDA initialises, so the launches run in a
+child process started with it set to a fresh stage directory (and ``CUDA_CACHE_MAXSIZE``
+at 4 GiB: the default 256 MiB could evict what was just compiled). The child launches
+``launches.driver_plan`` -- the FlashAttention-2 calls of the plan ``precompile`` and the
+worker use, with FA2 as TurboQuant forces it (``compat.fa2_stand_in``: no engine) -- on
+device 0, and reports the GPU's facts. The parent hashes what the driver wrote, writes
+the manifest (``driver_cache``) and renames the stage into ``LAYER/driver-cache/<key>``.
+An existing entry of the same key that verifies seeds the stage, so a second plan
+(another model, preset) adds its modules to the first's.
+
+It needs the GPU kind and driver version it is for (the driver JIT-compiles for the GPU
+it runs on, and a new driver invalidates its cache): unlike ``precompile``, it runs on
+one GPU of each kind and driver of the fleet. The child is the only part that touches
+CUDA (``_child``); nothing else here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from . import driver_cache
+from .driver_startup import MAXSIZE
+from .launches import Launch
+
+__all__ = ["BuildError", "build", "gpu_facts", "run_launches"]
+
+
+class BuildError(Exception):
+    """A build that cannot be made here; the message is the one line the CLI prints."""
+
+
+def _fa2() -> tuple[Path, driver_cache.Node]:
+    fa2 = driver_cache.fa2_library()
+    if fa2 is None:
+        raise BuildError(
+            "vLLM's FlashAttention-2 library (vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so) "
+            "is not installed here: nothing for the driver to JIT-compile"
+        )
+    node = driver_cache.read_node("/proc", fa2, hash_fa2=True)
+    if node.driver is None:
+        raise BuildError(
+            "no NVIDIA driver version in /proc/driver/nvidia/version: driver-cache runs on "
+            "a GPU of the kind and driver the cache is for"
+        )
+    return fa2, node
+
+
+def _seed(root: Path, key: str, node: driver_cache.Node, cache: Path) -> tuple[str, ...]:
+    """Copy an existing entry of ``key`` that verifies into ``cache``; its launches."""
+    entry = root / key
+    try:
+        shipped = driver_cache.read(entry)
+    except (driver_cache.EntryError, OSError):
+        return ()
+    if driver_cache.match(shipped, node) or driver_cache.file_problems(entry, shipped):
+        return ()  # replaced by this build
+    driver_cache.copy_entry(entry, shipped, cache)
+    return shipped.launches
+
+
+def _run_child(todo: Mapping[Launch, str], scale: float, cache: Path, timeout: float) -> Any:
+    spec = cache.parent / "launches.json"
+    result = cache.parent / "result.json"
+    spec.write_text(
+        json.dumps({"launches": [x._asdict() for x in todo], "scale": scale, "out": str(result)})
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_CACHE_DISABLE"}
+    env.update(CUDA_CACHE_PATH=str(cache), CUDA_CACHE_MAXSIZE=MAXSIZE)
+    here = str(Path(__file__).resolve().parents[1])  # the child imports this same package
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
+    argv = [sys.executable, "-m", __name__, str(spec)]
+    try:
+        done = subprocess.run(argv, env=env, timeout=timeout, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        raise BuildError(f"the launches took over {timeout:.0f} s (--timeout)") from None
+    try:
+        return json.loads(result.read_text())
+    except (OSError, ValueError):
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise BuildError(f"the launch process failed (exit {done.returncode}): {tail[0]}") from None
+    finally:
+        spec.unlink(missing_ok=True)
+        result.unlink(missing_ok=True)
+
+
+def _hashed(cache: Path) -> dict[str, tuple[str, int]]:
+    """What the driver wrote, hashed (every file plain: the driver makes no links)."""
+    files: dict[str, tuple[str, int]] = {}
+    for name, item in driver_cache.walk(cache):
+        if item is None:
+            raise BuildError(f"{cache}/{name}: not a plain file")
+        size = item.stat(follow_symlinks=False).st_size
+        files[name] = (driver_cache.hash_file(cache / name, size), size)
+    return files
+
+
+def build(layer: Path, todo: Mapping[Launch, str], scale: float, timeout: float) -> int:
+    """Launch ``todo`` into a fresh driver cache and install it under ``layer``."""
+    start = time.perf_counter()
+    if not todo:
+        raise BuildError("the plan has no FlashAttention-2 launch: nothing to cache")
+    _, node = _fa2()
+    assert node.driver is not None and node.fa2_sha256 is not None and node.fa2_size is not None
+    root = layer / driver_cache.DRIVER_DIR
+    staged = driver_cache.stage(root)
+    try:
+        cache = staged / driver_cache.CACHE_DIR
+        cache.mkdir()
+        gpu = node.gpus[0] if node.gpus and len(set(node.gpus)) == 1 else None
+        earlier: tuple[str, ...] = ()
+        if gpu is not None:
+            key = driver_cache.entry_key(node.driver, gpu, node.fa2_sha256)
+            earlier = _seed(root, key, node, cache)
+        facts = _run_child(todo, scale, cache, timeout)
+        if facts["errors"]:
+            raise BuildError(f"{len(facts['errors'])} launches failed: {facts['errors'][0]}")
+        gpu = gpu or str(facts["gpu"])
+        shipped = driver_cache.DriverManifest(
+            driver=node.driver,
+            gpu=gpu,
+            fa2_sha256=node.fa2_sha256,
+            fa2_size=node.fa2_size,
+            files=_hashed(cache),
+            compute_capability=facts["compute_capability"],
+            cuda_runtime=facts["cuda_runtime"],
+            cuda_driver_api=facts["cuda_driver_api"],
+            launches=tuple(dict.fromkeys([*earlier, *(x.label for x in todo)])),
+            extra={
+                "gpu_cuda_name": facts["gpu"],
+                "torch": facts["torch"],
+                "vllm": facts["vllm"],
+                "launch_s": facts["seconds"],
+            },
+        )
+        (staged / driver_cache.MANIFEST).write_text(shipped.to_json())
+        key = driver_cache.entry_key(node.driver, gpu, node.fa2_sha256)
+        final = driver_cache.install(staged, root / key)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+    slowest = max(facts["seconds"].items(), key=lambda kv: kv[1], default=("-", 0.0))
+    print(
+        f"tq-warmup: driver cache for {gpu} (sm{str(shipped.compute_capability).replace('.', '')}, "
+        f"driver {node.driver}) in {final}: {len(todo)} FlashAttention-2 launches in "
+        f"{sum(facts['seconds'].values()):.1f} s (slowest {slowest[0]}: {slowest[1]:.1f} s), "
+        f"{len(shipped.files)} files, {shipped.size / 2**20:.1f} MiB; "
+        f"{time.perf_counter() - start:.1f} s in all"
+    )
+    return 0
+
+
+# --------------------------------------------------------------------------
+# The child: the only code that touches CUDA
+# --------------------------------------------------------------------------
+
+
+def gpu_facts() -> dict[str, Any]:
+    """Device 0's name and compute capability, the CUDA runtime torch was built with,
+    and ``cuDriverGetVersion`` (from ``libcuda``, no context needed)."""
+    import ctypes
+
+    import torch
+
+    api = None
+    try:
+        value = ctypes.c_int()
+        if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(value)) == 0:
+            api = value.value
+    except OSError:
+        pass
+    major, minor = torch.cuda.get_device_capability(0)
+    try:
+        from importlib.metadata import version
+
+        vllm: str | None = version("vllm")
+    except Exception:
+        vllm = None
+    return {
+        "gpu": torch.cuda.get_device_name(0),
+        "compute_capability": f"{major}.{minor}",
+        "cuda_runtime": torch.version.cuda,
+        "cuda_driver_api": api,
+        "torch": torch.__version__,
+        "vllm": vllm,
+    }
+
+
+def run_launches(todo: list[Launch], scale: float) -> dict[str, Any]:
+    """Each launch on device 0, one at a time (its seconds are its module's load and,
+    on a fresh driver cache, JIT), and the GPU's facts."""
+    import torch
+
+    from . import compat, launches
+
+    device = torch.device("cuda", 0)
+    impls = {"driver-cache": compat.fa2_stand_in(scale)}
+    seconds: dict[str, float] = {}
+    errors: list[str] = []
+    for launch in todo:
+        done, took, failed = launches.launch_all({launch: "driver-cache"}, impls, device)
+        errors += failed
+        if not done and not failed:
+            errors.append(f"launch {launch.label}: vLLM's TurboQuant backend has no FlashAttention")
+        seconds[launch.label] = round(took, 3)
+    return {**gpu_facts(), "seconds": seconds, "errors": errors}
+
+
+def _child(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    todo = [Launch(**x) for x in spec["launches"]]
+    Path(spec["out"]).write_text(json.dumps(run_launches(todo, float(spec["scale"]))))
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])

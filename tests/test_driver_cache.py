@@ -1,0 +1,275 @@
+"""The shipped driver cache's entries: manifest, node facts from /proc, match, hostile
+files, verify, copy and atomic install (no GPU: the cache files are stand-ins; what the
+driver writes is the GPU proof's, ``benchmarks/tqbench/driver_cache_proof.py``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import fakes
+import pytest
+
+from tq_warmup_plugin import cli, launches
+from tq_warmup_plugin import driver_cache as dc
+from tq_warmup_plugin.driver_cache import DriverManifest, EntryError, Node
+
+NVRM = (
+    "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.86.15  Release Build  "
+    "(dvs-builder@U16-I3-B03-4-3)  Thu Jan 16 07:39:21 UTC 2025\nGCC version:  gcc 12.3.0\n"
+)
+FA2 = b"\x7fELF fa2 library stand-in"
+
+
+def fake_proc(root: Path, nvrm: str = NVRM, gpus: tuple[str, ...] = ("NVIDIA H200",)) -> Path:
+    base = root / "proc" / "driver" / "nvidia"
+    base.mkdir(parents=True)
+    (base / "version").write_text(nvrm)
+    for i, name in enumerate(gpus):
+        info = base / "gpus" / f"0000:{i:02x}:00.0" / "information"
+        info.parent.mkdir(parents=True)
+        info.write_text(f"Model: \t\t {name}\nIRQ:   \t\t 34\nBus Type: \t PCIe\n")
+    return root / "proc"
+
+
+def make_entry(root: Path, files: dict[str, bytes] | None = None, **fields: object) -> Path:
+    """An entry as the build writes it, with real hashes of stand-in cache files."""
+    files = {"index": b"idx", "ab/cd/1234": b"sass" * 100} if files is None else files
+    entry = root / str(fields.pop("key", "NVIDIA_H200-570.86.15-fa2-x"))
+    for name, data in files.items():
+        (entry / dc.CACHE_DIR / name).parent.mkdir(parents=True, exist_ok=True)
+        (entry / dc.CACHE_DIR / name).write_bytes(data)
+    listed = {n: (hashlib.sha256(d).hexdigest(), len(d)) for n, d in files.items()}
+    values: dict[str, object] = {
+        "driver": "570.86.15",
+        "gpu": "NVIDIA H200",
+        "fa2_sha256": hashlib.sha256(FA2).hexdigest(),
+        "fa2_size": len(FA2),
+        "files": listed,
+        "compute_capability": "9.0",
+        "launches": ("attention bfloat16 512x512",),
+        **fields,
+    }
+    (entry / dc.MANIFEST).write_text(DriverManifest(**values).to_json())  # type: ignore[arg-type]
+    return entry
+
+
+def test_the_manifest_round_trips(tmp_path: Path) -> None:
+    entry = make_entry(tmp_path)
+    shipped = dc.read(entry)
+    assert shipped.driver == "570.86.15" and shipped.gpu == "NVIDIA H200"
+    assert shipped.files["ab/cd/1234"] == (hashlib.sha256(b"sass" * 100).hexdigest(), 400)
+    assert shipped.size == 403 and shipped.launches == ("attention bfloat16 512x512",)
+    assert dc.parse(shipped.to_json()) == shipped
+    assert dc.file_problems(entry, shipped) == []
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda d: d.update(kind="other"), "not a tq-warmup-driver-cache manifest"),
+        (lambda d: d.update(schema=2), "schema 2, this tq-warmup reads 1"),
+        (lambda d: d.update(driver=5), "driver 5 is not a string"),
+        (lambda d: d.update(fa2_sha256="abc"), "fa2_sha256 is not a sha256"),
+        (lambda d: d.update(fa2_size=-1), "fa2_size -1 is not a size"),
+        (lambda d: d["files"].update({"../x": d["files"]["index"]}), "files['../x']"),
+        (lambda d: d["files"].update({"/etc/x": d["files"]["index"]}), "files['/etc/x']"),
+        (lambda d: d["files"]["index"].update(size=True), "files['index'].size True"),
+        (lambda d: d.update(launches="x"), "launches is not a list of strings"),
+    ],
+)
+def test_a_bad_field_is_one_line(tmp_path: Path, change: object, message: str) -> None:
+    data = json.loads((make_entry(tmp_path) / dc.MANIFEST).read_text())
+    change(data)  # type: ignore[operator]
+    with pytest.raises(EntryError) as raised:
+        dc.parse(json.dumps(data))
+    assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_hostile_manifests_cost_one_line(tmp_path: Path) -> None:
+    entry = make_entry(tmp_path)
+    manifest = entry / dc.MANIFEST
+    good = manifest.read_text()
+    manifest.write_text("[" * 100_000 + "]" * 100_000)  # deep: RecursionError in json
+    with pytest.raises(EntryError, match="nested too deeply"):
+        dc.read(entry)
+    manifest.write_bytes(b" " * (dc.MAX_MANIFEST_BYTES + 1))
+    with pytest.raises(EntryError, match="over the"):
+        dc.read(entry)
+    manifest.unlink()
+    os.mkfifo(manifest)  # would block an open() without O_NONBLOCK
+    with pytest.raises(EntryError, match="not a regular file"):
+        dc.read(entry)
+    manifest.unlink()
+    (tmp_path / "elsewhere.json").write_text(good)
+    manifest.symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(EntryError, match="a symlink"):
+        dc.read(entry)
+
+
+def test_file_problems_name_each_file_the_driver_would_load_unvouched(tmp_path: Path) -> None:
+    entry = make_entry(tmp_path)
+    shipped = dc.read(entry)
+    cache = entry / dc.CACHE_DIR
+    (cache / "index").write_bytes(b"IDX")  # same size, other content
+    (cache / "planted").write_bytes(b"x")
+    (tmp_path / "outside").write_bytes(b"sass" * 100)
+    (cache / "ab/cd/1234").unlink()
+    (cache / "ab/cd/1234").symlink_to(tmp_path / "outside")
+    os.mkfifo(cache / "fifo")
+    problems = dc.file_problems(entry, shipped)
+    assert problems == [
+        "cache/ab/cd/1234: not a plain file (a symlink, or too deep)",
+        "cache/fifo: not a plain file (a symlink, or too deep)",
+        "cache/planted: not in the manifest",
+        "cache/ab/cd/1234: listed by the manifest, no such file",
+        f"cache/index: the manifest says sha256 {hashlib.sha256(b'idx').hexdigest()[:12]}, "
+        f"found {hashlib.sha256(b'IDX').hexdigest()[:12]}",
+    ]
+
+
+def test_the_node_is_read_from_proc_without_cuda(tmp_path: Path) -> None:
+    proc = fake_proc(tmp_path, gpus=("NVIDIA H200", "NVIDIA H200"))
+    (tmp_path / "fa2.so").write_bytes(FA2)
+    node = dc.read_node(proc, tmp_path / "fa2.so")
+    assert node == Node("570.86.15", ("NVIDIA H200", "NVIDIA H200"), len(FA2), None)
+    hashed = dc.read_node(proc, tmp_path / "fa2.so", hash_fa2=True)
+    assert hashed.fa2_sha256 == hashlib.sha256(FA2).hexdigest()
+    old = (
+        "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024\n"
+    )
+    assert dc.read_node(fake_proc(tmp_path / "b", old, ())).driver == "550.54.15"
+    assert dc.read_node(tmp_path / "no-proc") == Node()
+
+
+def test_match_names_each_difference_and_what_it_cannot_know(tmp_path: Path) -> None:
+    shipped = dc.read(make_entry(tmp_path))
+    same = Node("570.86.15", ("NVIDIA  h200",), len(FA2))
+    assert dc.match(shipped, same) == []
+    other = Node("580.95.05", ("NVIDIA H100 80GB HBM3", "NVIDIA H200"), len(FA2) + 1, "0" * 64)
+    assert dc.match(shipped, other) == [
+        "driver: the manifest says 570.86.15, found 580.95.05",
+        "gpu: the manifest says NVIDIA H200, found NVIDIA H100 80GB HBM3, NVIDIA H200",
+        f"fa2 library size: the manifest says {len(FA2)}, found {len(FA2) + 1}",
+        f"fa2 library sha256: the manifest says {shipped.fa2_sha256[:12]}, found 000000000000",
+    ]
+    assert dc.match(shipped, Node(fa2_size=len(FA2)), strict=False) == []
+    assert dc.match(shipped, Node(fa2_size=len(FA2))) == [
+        "driver: the manifest says 570.86.15, not known here",
+        "gpu: the manifest says NVIDIA H200, not known here",
+    ]
+
+
+def test_copy_hashes_what_it_copies_and_copies_only_what_is_listed(tmp_path: Path) -> None:
+    entry = make_entry(tmp_path / "layer")
+    (entry / dc.CACHE_DIR / "planted").write_bytes(b"x")
+    shipped = dc.read(entry)
+    dc.copy_entry(entry, shipped, tmp_path / "copy")
+    assert sorted(
+        str(p.relative_to(tmp_path / "copy")) for p in (tmp_path / "copy").rglob("*")
+    ) == [
+        "ab",
+        "ab/cd",
+        "ab/cd/1234",
+        "index",
+    ]
+    (entry / dc.CACHE_DIR / "index").write_bytes(b"IDX")
+    with pytest.raises(EntryError, match=r"cache/index: sha256 .*, the manifest says"):
+        dc.copy_entry(entry, shipped, tmp_path / "copy2")
+
+
+def test_install_replaces_an_entry_in_one_rename(tmp_path: Path) -> None:
+    root = tmp_path / dc.DRIVER_DIR
+    old = make_entry(root, {"index": b"old"}, key="k")
+    staged = dc.stage(root)
+    (staged / "marker").write_text("new")
+    assert dc.install(staged, old) == old
+    assert (old / "marker").read_text() == "new" and not staged.exists()
+    assert [p.name for p in root.iterdir()] == ["k"]  # the replaced one is gone
+    assert dc.entries(root) == [old]
+
+
+def test_entries_skip_stages_symlinks_and_files(tmp_path: Path) -> None:
+    root = tmp_path / dc.DRIVER_DIR
+    real = make_entry(root, key="b")
+    dc.stage(root)
+    (root / "a-link").symlink_to(real)
+    (root / "c-file").write_text("x")
+    assert dc.entries(root) == [real]
+    assert dc.entries(tmp_path / "none") == []
+
+
+def test_verify_layer_checks_files_and_the_node(tmp_path: Path) -> None:
+    assert dc.verify_layer(tmp_path, Node()) is None
+    root = tmp_path / dc.DRIVER_DIR
+    make_entry(root)
+    make_entry(root, key="h100", gpu="NVIDIA H100 80GB HBM3")
+    here = Node("570.86.15", ("NVIDIA H200",), len(FA2))
+    assert dc.verify_layer(tmp_path, here) == (
+        f"tq-warmup: {root}: 2 driver cache entries, 4 files: 0 problems; "
+        "1 for another GPU or driver",
+        [],
+    )
+    summary, problems = dc.verify_layer(tmp_path, Node()) or ("", [])
+    assert problems == [] and summary.endswith("not checked (not known here): driver, gpu")
+    newer = Node("580.95.05", ("NVIDIA H200",), len(FA2))
+    _, problems = dc.verify_layer(tmp_path, newer) or ("", [])
+    assert problems == [
+        "driver-cache/NVIDIA_H200-570.86.15-fa2-x: driver: the manifest says 570.86.15, "
+        "found 580.95.05",
+        "driver-cache/h100: driver: the manifest says 570.86.15, found 580.95.05",
+        "driver-cache/h100: gpu: the manifest says NVIDIA H100 80GB HBM3, found NVIDIA H200",
+    ]
+    (root / "h100" / dc.MANIFEST).write_text("{")
+    _, problems = dc.verify_layer(tmp_path, here) or ("", [])
+    assert problems[0].startswith("driver-cache/h100: not a usable manifest: not JSON")
+
+
+def test_entry_keys_are_simple_names() -> None:
+    key = dc.entry_key("570.86.15", "NVIDIA H100 80GB HBM3", "869c73f37150" + "0" * 52)
+    assert key == "NVIDIA_H100_80GB_HBM3-570.86.15-fa2-869c73f37150"
+    assert "/" not in dc.entry_key("1/../2", "../../x", "0" * 64)
+
+
+def test_the_driver_plan_is_the_fa2_launches_and_the_boundary_prefill() -> None:
+    g = fakes.geometry(batched=512, max_model_len=4096)
+    heads = {"b": (8, 2, 128)}
+    todo = launches.driver_plan({"l0": g}, heads)
+    assert [x.label for x in todo] == [
+        "attention bfloat16 512x512",
+        "attention bfloat16 512x1024",
+        "paged_decode bfloat16 1x2048",
+        "paged_prefill bfloat16 512x512",
+    ]
+    assert all(x.kind != "gemm" for x in todo)
+    assert launches.driver_plan({}, heads) == {}
+
+
+def test_verify_checks_a_layer_of_driver_cache_entries(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "fa2.so").write_bytes(FA2)  # this machine's FA2 library: the one built with
+    monkeypatch.setattr(dc, "fa2_library", lambda: tmp_path / "fa2.so")
+    entry = make_entry(tmp_path / dc.DRIVER_DIR)
+    assert cli.main(["verify", "--cache-dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith(f"tq-warmup: {tmp_path / dc.DRIVER_DIR}: 1 driver")
+    (entry / dc.CACHE_DIR / "index").write_bytes(b"IDX")
+    assert cli.main(["verify", "--cache-dir", str(tmp_path)]) == 1
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"driver-cache/{entry.name}: cache/index: the manifest says sha256")
+
+
+def test_driver_cache_without_a_gpu_node_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = ["--kv-cache-dtype", "turboquant_4bit_nc", "--head-size", "128", "--num-heads", "16"]
+    flags += ["--num-kv-heads", "8", "--vllm-version", "0.26.0", "--cache-dir", str(tmp_path)]
+    assert cli.main(["driver-cache", *flags]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    if dc.fa2_library() is None:  # the lint venv: no vLLM
+        assert "FlashAttention-2 library" in line and "is not installed here" in line
+    else:  # vLLM's wheel on a machine without the NVIDIA driver
+        assert "no NVIDIA driver version in /proc/driver/nvidia/version" in line
+    assert not any((tmp_path / dc.DRIVER_DIR).glob("*"))

@@ -1,0 +1,43 @@
+"""The GPU proof's pure parts: its one-launch probe is one of the launches the build
+made (the plugin's ``driver_plan`` for the proof's model), the slowest one, and the
+table says each step's result. The GPU steps themselves run only on the GPU machine."""
+
+from __future__ import annotations
+
+import fakes
+
+from benchmarks.tqbench import driver_cache_proof as proof
+from tq_warmup_plugin import launches
+
+
+def test_the_candidates_are_the_plugins_driver_plan_for_the_proofs_model() -> None:
+    g = fakes.geometry(num_heads=16, num_kv_heads=8, head_size=128, batched=512, max_model_len=4096)
+    plan = launches.driver_plan({"l2": g}, {"boundary": (16, 8, 128)})
+    candidates = proof.candidate_launches(128, 16, 8, 512, 4096)
+    assert [launches.Launch(**c) for c in candidates] == list(plan)
+
+
+def test_the_probe_is_the_launch_the_build_spent_most_on() -> None:
+    candidates = proof.candidate_launches(128, 16, 8, 512, 4096)
+    seconds = {"attention bfloat16 512x512": 40.0, "paged_decode bfloat16 1x2048": 61.5}
+    assert proof.slowest_launch(seconds, candidates) == candidates[2]
+    assert proof.slowest_launch({}, candidates) is None
+
+
+def test_the_table_says_each_steps_result() -> None:
+    rows = [
+        {"step": "build", "rc": 0, "wall_s": 150.0, "files": 9, "du": "41M", "mib": 40.2},
+        {"step": "shipped", "status": "ok", "startup_s": 31.2, "first_launches": 4,
+         "first_launches_ms": 310},
+        {"step": "decision-other", "warnings": ["WARNING tq-warmup: ... driver ..."],
+         "cuda_cache_path": None},
+        {"step": "read-only", "launch": "paged_decode bfloat16 1x2048", "probe_s": 0.2,
+         "build_s": 61.5, "writable": False, "rc": 0},
+    ]  # fmt: skip
+    cells = dict(map(tuple, proof.table_rows(rows)))
+    assert cells["build"].startswith("rc 0, 150.0 s; 9 files, 41M (40.2 MiB)")
+    assert cells["shipped"].startswith("ok, startup 31.2 s, first launches 4 in 310 ms")
+    assert cells["decision-other"].startswith("1 WARNING, CUDA_CACHE_PATH=None; WARNING")
+    assert cells["read-only"] == (
+        "paged_decode bfloat16 1x2048: 0.2 s (build 61.5 s), cache dir writable False, rc 0"
+    )

@@ -1,0 +1,185 @@
+"""register()'s use of a shipped driver cache: the decision (pure), and ``apply`` on fake
+``/proc`` files and real directories: it sets ``CUDA_CACHE_PATH`` only where an entry
+matches, copies once, keeps what the user set, and says a mismatch in one WARNING."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import fakes
+import pytest
+from test_driver_cache import FA2, fake_proc, make_entry
+
+from tq_warmup_plugin import driver_cache as dc
+from tq_warmup_plugin import driver_startup
+from tq_warmup_plugin.driver_cache import Node
+from tq_warmup_plugin.settings import Settings, parse
+
+NODE = Node("570.86.15", ("NVIDIA H200",), len(FA2))
+
+
+def decide(
+    tmp_path: Path, env: dict[str, str], node: Node = NODE, writable: bool = False, **kw: object
+) -> driver_startup.Decision:
+    root = tmp_path / dc.DRIVER_DIR
+    entry = make_entry(root)
+    settings = Settings(driver_cache=str(root), **kw)  # type: ignore[arg-type]
+    found = [(entry, dc.read(entry))]
+    return driver_startup.decide(settings, env, node, found, lambda p: writable, "/tmp/t")
+
+
+def test_a_matching_entry_is_used_in_place_when_writable_else_copied(tmp_path: Path) -> None:
+    entry = tmp_path / dc.DRIVER_DIR / "NVIDIA_H200-570.86.15-fa2-x"
+    used = decide(tmp_path, {}, writable=True)
+    assert (used.action, used.path) == ("use", str(entry / "cache"))
+    copied = decide(tmp_path / "b", {})
+    assert (copied.action, copied.path) == ("copy", f"/tmp/t/{entry.name}")
+    to = decide(tmp_path / "c", {}, writable=True, driver_cache_copy_to="/var/cache/nv")
+    assert (to.action, to.path) == ("copy", f"/var/cache/nv/{entry.name}")
+    assert to.line.endswith(
+        f"CUDA_CACHE_PATH=/var/cache/nv/{entry.name}, a copy of {entry.name} "
+        "(2 files, 0.0 MiB; NVIDIA H200, driver 570.86.15)"
+    )
+
+
+def test_another_driver_is_one_warning_and_nothing_set(tmp_path: Path) -> None:
+    other = decide(tmp_path, {}, Node("580.95.05", ("NVIDIA H200",), len(FA2)))
+    assert other.action == "warn" and other.path is None
+    assert other.line == (
+        f"tq-warmup: shipped CUDA driver cache {tmp_path / dc.DRIVER_DIR}: no entry for this "
+        f"node (driver 580.95.05, GPU NVIDIA H200, FA2 library {len(FA2)} bytes): "
+        "NVIDIA_H200-570.86.15-fa2-x: driver: the manifest says 570.86.15, found 580.95.05: "
+        "the CUDA driver JIT-compiles FlashAttention-2 as before"
+    )
+    no_driver = decide(tmp_path / "b", {}, Node(fa2_size=len(FA2)))
+    assert "driver: the manifest says 570.86.15, not known here" in no_driver.line
+
+
+def test_a_cuda_cache_path_the_user_set_is_kept_unless_overridden(tmp_path: Path) -> None:
+    kept = decide(tmp_path, {"CUDA_CACHE_PATH": "/mine"})
+    assert kept.action == "warn" and "CUDA_CACHE_PATH=/mine is set" in kept.line
+    over = decide(tmp_path / "b", {"CUDA_CACHE_PATH": "/mine"}, driver_cache_override=True)
+    assert over.action == "copy"
+    ours = decide(tmp_path / "c", {"CUDA_CACHE_PATH": over.path or ""})
+    assert ours == driver_startup.Decision("keep")  # set by this process's parent
+    disabled = decide(tmp_path / "d", {"CUDA_CACHE_DISABLE": "1"})
+    assert disabled.action == "warn" and "CUDA_CACHE_DISABLE is set" in disabled.line
+
+
+def test_an_unreadable_entry_is_a_reason_and_the_next_is_tried(tmp_path: Path) -> None:
+    root = tmp_path / dc.DRIVER_DIR
+    good = make_entry(root, key="b")
+    settings = Settings(driver_cache=str(root))
+    found = [(root / "a", "manifest: not JSON"), (good, dc.read(good))]
+    chosen = driver_startup.decide(settings, {}, NODE, found, lambda p: True, "/t")
+    assert (chosen.action, chosen.entry) == ("use", good)
+    alone = driver_startup.decide(settings, {}, NODE, found[:1], lambda p: True, "/t")
+    assert "a: manifest: not JSON" in alone.line
+    none = driver_startup.decide(settings, {}, NODE, [], lambda p: True, "/t")
+    assert none.action == "info" and "no entry (built by tq-warmup driver-cache)" in none.line
+
+
+@pytest.fixture
+def layer(tmp_path: Path) -> Iterator[tuple[Path, Path, Path]]:
+    """A read-only layer with one entry, a fake /proc and a fake FA2 library."""
+    root = tmp_path / "layer" / dc.DRIVER_DIR
+    entry = make_entry(root)
+    for path in [*entry.rglob("*"), entry]:
+        path.chmod(path.stat().st_mode & ~0o222)
+    (tmp_path / "fa2.so").write_bytes(FA2)
+    yield root, fake_proc(tmp_path), tmp_path / "fa2.so"
+    for path in [entry, *entry.rglob("*")]:
+        path.chmod(path.stat().st_mode | 0o200)
+
+
+def test_apply_copies_once_and_sets_the_environment(
+    tmp_path: Path, layer: tuple[Path, Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    root, proc, fa2 = layer
+    settings = Settings(driver_cache=str(root), driver_cache_copy_to=str(tmp_path / "nv"))
+    env: dict[str, str] = {}
+    with caplog.at_level(logging.INFO, "vllm.tq_warmup_plugin"):
+        decision = driver_startup.apply(settings, env, proc, fa2)
+    target = tmp_path / "nv" / "NVIDIA_H200-570.86.15-fa2-x"
+    assert env == {"CUDA_CACHE_PATH": str(target), "CUDA_CACHE_MAXSIZE": str(4 << 30)}
+    assert (target / "ab/cd/1234").read_bytes() == b"sass" * 100
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+    assert caplog.records[0].getMessage() == decision.line
+    (target / "index").write_bytes(b"written by the driver")
+    caplog.clear()
+    child = dict(env)  # a process vLLM starts: inherits the variable, changes nothing
+    assert driver_startup.apply(settings, child, proc, fa2).action == "keep"
+    assert child == env and caplog.records == []
+    fresh: dict[str, str] = {"CUDA_CACHE_MAXSIZE": "1000"}  # another process, same pod
+    driver_startup.apply(settings, fresh, proc, fa2)
+    assert (target / "index").read_bytes() == b"written by the driver"  # not copied again
+    assert fresh["CUDA_CACHE_MAXSIZE"] == "1000"
+    assert not [p for p in (tmp_path / "nv").iterdir() if p.name.startswith(".")]
+
+
+def test_apply_refuses_a_tampered_entry_in_one_warning(
+    tmp_path: Path, layer: tuple[Path, Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    root, proc, fa2 = layer
+    index = next(root.glob("*/cache/index"))
+    index.chmod(0o600)
+    index.write_bytes(b"IDX")
+    settings = Settings(driver_cache=str(root), driver_cache_copy_to=str(tmp_path / "nv"))
+    env: dict[str, str] = {}
+    with caplog.at_level(logging.INFO, "vllm.tq_warmup_plugin"):
+        driver_startup.apply(settings, env, proc, fa2)
+    assert env == {}
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING and "copy to" in record.getMessage()
+    assert "cache/index: sha256" in record.getMessage()
+    assert not (tmp_path / "nv" / index.parents[1].name).exists()
+
+
+def test_apply_on_another_driver_sets_nothing(
+    tmp_path: Path, layer: tuple[Path, Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    root, _, fa2 = layer
+    proc = fake_proc(tmp_path / "b", "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.95.05  x")
+    env: dict[str, str] = {}
+    with caplog.at_level(logging.INFO, "vllm.tq_warmup_plugin"):
+        driver_startup.apply(Settings(driver_cache=str(root)), env, proc, fa2)
+    assert env == {}
+    assert [(r.levelno, "found 580.95.05" in r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, True)
+    ]
+
+
+def test_the_settings_are_read_once_with_the_others() -> None:
+    env = {
+        "TQ_WARMUP_DRIVER_CACHE": "/opt/tq-warmup/cache/driver-cache",
+        "TQ_WARMUP_DRIVER_CACHE_COPY_TO": " ",
+        "TQ_WARMUP_DRIVER_CACHE_OVERRIDE": "yes",
+    }
+    settings, problems = parse(env)
+    assert settings.driver_cache == "/opt/tq-warmup/cache/driver-cache"
+    assert settings.driver_cache_copy_to is None and settings.driver_cache_override
+    assert problems == [
+        "tq-warmup: TQ_WARMUP_DRIVER_CACHE_COPY_TO=' ' is blank: unset (accepted: a directory)"
+    ]
+
+
+def test_register_with_a_driver_cache_imports_no_heavy_module(
+    tmp_path: Path, layer: tuple[Path, Path, Path]
+) -> None:
+    """What register() pays with the setting on: the stdlib, no torch / Triton / vLLM."""
+    root, _, _ = layer
+    code = (
+        "import json, os, sys\n"
+        f"os.environ['TQ_WARMUP_DRIVER_CACHE'] = {str(root)!r}\n"
+        "before = set(sys.modules)\n"
+        "import tq_warmup_plugin; tq_warmup_plugin.register()\n"
+        "new = sorted(set(sys.modules) - before)\n"
+        "print(json.dumps([new, os.environ.get('CUDA_CACHE_PATH')]))\n"
+    )
+    new, path = json.loads(fakes.fresh_python(code).splitlines()[-1])
+    assert {m.split(".")[0] for m in new} & {"torch", "triton", "vllm", "pluggy"} == set()
+    assert "tq_warmup_plugin.driver_startup" in new and "hashlib" not in new
+    assert path is None  # no node has the fake entry's driver: one WARNING, nothing set
