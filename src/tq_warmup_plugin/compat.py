@@ -439,7 +439,6 @@ def spec_decode_problem(
     async_scheduling: bool,
     runner_v2: bool,
     draft_guarded: bool = True,
-    batched_verify: bool = False,
 ) -> str | None:
     """The one-line warning for a speculative-decoding setup whose TurboQuant sequence
     lengths the plugin does not fix, else None. ``method`` is
@@ -454,8 +453,6 @@ def spec_decode_problem(
       (``step=0``, ``standalone_ar/speculator.py`` 0.33:230, ``speculator.py``
       0.33:362-368) for queries one token longer, the same -1 as on V1;
     * draft_model on V1 without the guard (``TQ_WARMUP_SPEC_GUARD=0``).
-    ``batched_verify``: the batched verify path serves the verify batches; their rows
-    take the device's exact lengths, so async scheduling is no cause.
     """
     if method is None or not feats.draft_cpu_seq_lens_stale:
         return None
@@ -472,7 +469,7 @@ def spec_decode_problem(
             'prompt over 128 tokens crashes ("expanded size ... (0)"); '
             "TQ_WARMUP_SPEC_GUARD=0 turned the plugin's fix off"
         )
-    if async_scheduling and not batched_verify:
+    if async_scheduling:
         causes.append(
             "TurboQuant reads seq_lens_cpu_upper_bound, which assumes every draft was "
             "accepted, as the exact length: after a rejected draft it attends past the "

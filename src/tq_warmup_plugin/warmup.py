@@ -222,14 +222,8 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
             report.reason += f" ({len(found.refused)} refused: {report.errors[0]})"
         return report
     method, async_scheduling = compat.speculative_setup(getattr(worker, "vllm_config", None))
-    batched = all(g.verify_len for g in found.geometries.values())
     problem = method and compat.spec_decode_problem(
-        feats,
-        method,
-        async_scheduling,
-        compat.worker_uses_v2(worker),
-        draft_seq_lens.in_place(),
-        batched,
+        feats, method, async_scheduling, compat.worker_uses_v2(worker), draft_seq_lens.in_place()
     )
     if problem:  # a warning, not an error: strict mode must not refuse it
         logger.warning(problem)
