@@ -100,3 +100,19 @@ def test_reserve_without_manager_or_requests(
     monkeypatch.setattr(compat, "workspace_manager", lambda feats: manager)
     assert workspace.reserve(groups, compat.features((0, 26))) == 0
     assert manager is None or manager.calls == []
+
+
+@pytest.mark.parametrize(("seqs", "verify_len", "chunk"), [(8, 3, 0), (16, 5, 0), (8, 2, 8192)])
+def test_the_batched_verify_path_reserves_a_row_per_query_token(
+    seqs: int, verify_len: int, chunk: int
+) -> None:
+    """Served by the batched verify path, a decode launch takes one row per token of
+    requests of up to ``1 + k`` tokens (``guards/batched_verify``): ``max_num_seqs x
+    (1 + k)`` rows, a chunked local layer's virtual batch included."""
+    g = dataclasses.replace(
+        fakes.geometry(max_num_seqs=seqs, splits=16),
+        verify_len=verify_len,
+        attention_chunk=chunk,
+    )
+    decode = workspace.runtime_requests(g)[0]
+    assert [shape[0] for shape, _ in decode] == [seqs * verify_len] * 3
