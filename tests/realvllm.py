@@ -104,7 +104,7 @@ def make_impl(cache_dtype: str, d: int, hq: int, hk: int, splits: int, max_len: 
 def layer_kv_cache(
     feats: compat.Features, blocks: int, bs: int, hk: int, slot: int, storage: int = 0
 ) -> Any:
-    """The layer's KV tensor as the release allocates it (see compat.kv_view_strides);
+    """The layer's KV tensor as the release allocates it (see planning.kv_view_strides);
     ``storage``: the bytes of the allocation it is a view of (vLLM's KV tensors are views
     of one raw buffer), left untouched (the OS maps it lazily)."""
     import torch

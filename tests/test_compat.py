@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tq_warmup_plugin import compat
+from tq_warmup_plugin import compat, planning
 
 
 @pytest.mark.parametrize(
@@ -111,7 +111,7 @@ def test_feature_gates(version: compat.Version, gates: tuple[bool, ...]) -> None
     ],
 )
 def test_kv_view_strides(version: compat.Version, strides: tuple[int, int, int]) -> None:
-    assert compat.kv_view_strides(compat.features(version), 16, 2, 134) == strides
+    assert planning.kv_view_strides(compat.features(version), 16, 2, 134) == strides
 
 
 @pytest.mark.parametrize(
@@ -151,7 +151,7 @@ print(json.dumps({"result": result, "tried": sorted(set(tried)), "loaded": loade
 def _workspace_manager_in_a_fresh_process(
     version: compat.Version, block: bool = False
 ) -> dict[str, Any]:
-    src = str(Path(compat.__file__).parents[1])
+    src = str(Path(compat.__file__).parents[2])
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])),
@@ -213,4 +213,4 @@ def test_every_kernel_module_is_a_known_vllm_module(
 def test_block_table_width_for_1000_tokens(
     version: compat.Version, bs: int, v2: bool, width: int
 ) -> None:
-    assert compat.block_table_width(compat.features(version), 1000, bs, v2) == width
+    assert planning.block_table_width(compat.features(version), 1000, bs, v2) == width

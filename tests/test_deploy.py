@@ -1,6 +1,7 @@
 """``deploy/``: the Containerfile, the Kubernetes manifest, the build script and the README's
-Deploy section name the same variables and paths as ``layered_cache`` (read from its source:
-no Triton needed), the manifest parses, the script passes ``bash -n`` and ``shellcheck``."""
+Deploy section name the same variables and paths as ``layered_cache`` and ``settings`` (read
+from their source: no Triton needed), the manifest parses, the script passes ``bash -n`` and
+``shellcheck``."""
 
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = "deploy/build-layer.sh"
+SOURCES = ("src/tq_warmup_plugin/layered_cache.py", "src/tq_warmup_plugin/settings.py")
 
 
 def _constants(repo: Path) -> dict[str, str]:
-    tree = ast.parse((repo / "src/tq_warmup_plugin/layered_cache.py").read_text())
+    """The string constants of ``SOURCES``: ``MANAGER`` and ``CACHE_LAYERS_ENV``."""
+    trees = [ast.parse((repo / source).read_text()) for source in SOURCES]
     return {
         node.targets[0].id: node.value.value
+        for tree in trees
         for node in tree.body
         if isinstance(node, ast.Assign)
         and isinstance(node.targets[0], ast.Name)
@@ -44,7 +48,7 @@ def _image_env(containerfile: str) -> dict[str, str]:
 def problems(repo: Path) -> list[str]:
     """Every disagreement between the deploy files; empty when they agree."""
     const = _constants(repo)
-    layers_env, manager = const["LAYERS_ENV"], const["MANAGER"]
+    layers_env, manager = const["CACHE_LAYERS_ENV"], const["MANAGER"]
     out: list[str] = []
     containerfile = (repo / "deploy/Containerfile").read_text()
     env = _image_env(containerfile)
@@ -111,14 +115,19 @@ def test_deploy_files_agree_with_the_layered_cache() -> None:
         (SCRIPT, "CACHE=${CACHE:-/opt/tq-warmup/cache}", "CACHE=${CACHE:-/opt/cache}"),
         ("README.md", "TRITON_CACHE_DIR=/var/cache/triton", "TRITON_CACHE_DIR=/tmp/triton"),
         (
+            "src/tq_warmup_plugin/settings.py",
+            'CACHE_LAYERS_ENV = "TQ_WARMUP_CACHE_LAYERS"',
+            'CACHE_LAYERS_ENV = "TQ_LAYERS"',
+        ),
+        (
             "src/tq_warmup_plugin/layered_cache.py",
-            'LAYERS_ENV = "TQ_WARMUP_CACHE_LAYERS"',
-            'LAYERS_ENV = "TQ_LAYERS"',
+            'MANAGER = "tq_warmup_plugin.layered_cache:LayeredCacheManager"',
+            'MANAGER = "tq_warmup_plugin.other:Manager"',
         ),
     ],
 )
 def test_a_disagreement_is_reported(tmp_path: Path, path: str, old: str, new: str) -> None:
-    for name in ("deploy", "README.md", "src/tq_warmup_plugin/layered_cache.py"):
+    for name in ("deploy", "README.md", *SOURCES):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy
         copy(REPO / name, tmp_path / name)

@@ -27,7 +27,7 @@ from typing import NamedTuple, NoReturn
 
 import pluggy
 
-from . import compat, launches, manifest, warmup
+from . import compat, launches, manifest, planning, warmup
 from .geometry import DTYPE_BYTES, PRESETS, Geometry, preset
 from .report import Report
 from .settings import load, parse
@@ -133,12 +133,12 @@ def geometry_from_args(args: argparse.Namespace) -> Planned:
         raise CliError("need --kv-cache-dtype (or --geometry-json)")
     feats = _features(args)
     tp = args.tensor_parallel_size
-    shape: compat.ModelShape | None = None
+    shape: planning.ModelShape | None = None
     if args.model is not None:
         directory = _config_dir(args.model)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local config: nothing to download
         try:
-            shape = compat.model_shape(
+            shape = planning.model_shape(
                 directory, tp, args.dtype, args.max_model_len, args.trust_remote_code
             )
         except ImportError as exc:
@@ -146,7 +146,7 @@ def geometry_from_args(args: argparse.Namespace) -> Planned:
                 f"--model needs vLLM installed to read the config ({exc}); or give "
                 "--head-size, --num-heads and --num-kv-heads"
             ) from None
-        except compat.UnsupportedModel as exc:
+        except planning.UnsupportedModel as exc:
             raise CliError(f"--model {args.model}: {exc}") from None
         if args.dtype is None and shape.config_dtype == "float32":
             raise CliError(
@@ -159,8 +159,8 @@ def geometry_from_args(args: argparse.Namespace) -> Planned:
     if not (heads and kv_heads and head_size):
         raise CliError("need --model, or --head-size, --num-heads and --num-kv-heads")
     try:
-        hq, hk = compat.heads_per_rank(heads, kv_heads, tp)
-    except compat.UnsupportedModel as exc:
+        hq, hk = planning.heads_per_rank(heads, kv_heads, tp)
+    except planning.UnsupportedModel as exc:
         raise CliError(str(exc)) from None
     if shape is not None and not (args.num_heads or args.num_kv_heads):
         hq, hk = shape.num_heads, shape.num_kv_heads  # vLLM's own split
@@ -169,10 +169,10 @@ def geometry_from_args(args: argparse.Namespace) -> Planned:
     if dtype not in ("bfloat16", "float16"):
         raise CliError(f"model dtype {dtype}: TurboQuant runs bfloat16 or float16 models")
     try:
-        skip = compat.boundary_layers(
+        skip = planning.boundary_layers(
             feats, shape.num_layers if shape else 0, shape.hybrid if shape else False
         )
-    except compat.UnsupportedModel as exc:
+    except planning.UnsupportedModel as exc:
         raise CliError(f"--model {args.model}: {exc}") from None
     if shape is not None:
         layers = len(set(shape.attention_layers) - set(skip))
@@ -190,7 +190,7 @@ def geometry_from_args(args: argparse.Namespace) -> Planned:
     scale = args.scale
     if scale is None:
         scale = shape.scale if shape and shape.scale is not None else head_size**-0.5
-    bs = compat.effective_block_size(feats, args.block_size, DTYPE_BYTES[dtype])
+    bs = planning.effective_block_size(feats, args.block_size, DTYPE_BYTES[dtype])
     layout = preset(args.kv_cache_dtype, head_size)
     runner = args.runner or ("v2" if feats.version >= (0, 25) else "v1")
     geometry = Geometry(
@@ -200,9 +200,9 @@ def geometry_from_args(args: argparse.Namespace) -> Planned:
         num_kv_heads=hk,
         block_size=bs,
         scale=scale,
-        kv_strides=compat.kv_view_strides(feats, bs, hk, layout.slot_size_aligned),
+        kv_strides=planning.kv_view_strides(feats, bs, hk, layout.slot_size_aligned),
         model_dtype=dtype,
-        block_table_width=compat.block_table_width(feats, max_model_len, bs, runner == "v2"),
+        block_table_width=planning.block_table_width(feats, max_model_len, bs, runner == "v2"),
         max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -606,16 +606,12 @@ def _scale(text: str) -> float:
     return value
 
 
-# NVIDIA targets Triton's CUDA backend compiles for (3.6-3.8); anything else aborts
-# inside LLVM ("--arch 0" exits with 134), so it is refused before compiling.
-SM_TARGETS = (75, 80, 86, 87, 89, 90, 100, 101, 103, 110, 120, 121)
-
-
 def _arch(text: str) -> int:
     value = _whole(0)(text.removeprefix("sm").removeprefix("sm_"))
-    if value not in SM_TARGETS:
+    if value not in compat.SM_TARGETS:
+        targets = ", ".join(map(str, compat.SM_TARGETS))
         raise argparse.ArgumentTypeError(
-            f"sm{value} is not a target Triton compiles for ({', '.join(map(str, SM_TARGETS))})"
+            f"sm{value} is not a target Triton compiles for ({targets})"
         )
     return value
 

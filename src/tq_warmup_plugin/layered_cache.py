@@ -51,14 +51,12 @@ from typing import Any
 
 from triton.runtime.cache import FileCacheManager
 
-from . import manifest
+from . import compat, manifest, settings
 
-LAYERS_ENV = "TQ_WARMUP_CACHE_LAYERS"
+LAYERS_ENV = settings.CACHE_LAYERS_ENV
 MANAGER = "tq_warmup_plugin.layered_cache:LayeredCacheManager"
 
-# The file that names a compiled kernel's files (``FileCacheManager.put_group``,
-# Triton 3.6-3.8): ``{"child_paths": {file name: absolute path at write time}}``.
-_GROUP_PREFIX = "__grp__"
+_GROUP_PREFIX = compat.GROUP_PREFIX  # the file naming a kernel's files (compat.triton)
 
 logger = logging.getLogger("vllm.tq_warmup_plugin")
 
@@ -244,7 +242,7 @@ def served_by_layer(path: str) -> bool:
     from triton import knobs
 
     own = os.path.abspath(knobs.cache.dir) if knobs.cache.dir else ""  # never a layer
-    roots = layer_roots(os.environ.get(LAYERS_ENV, ""))
+    roots = layer_roots(settings.cache_layers())
     return any(Path(path).is_relative_to(root) for root in roots if root != own)
 
 
@@ -324,7 +322,7 @@ class LayeredCacheManager(FileCacheManager):  # type: ignore[misc]
         own = self._root()
         if not self.cache_dir or own in _unwritable:
             self._use_fallback()
-        roots = layer_roots(os.environ.get(LAYERS_ENV, ""))
+        roots = layer_roots(settings.cache_layers())
         self.layers = [_Layer(root, key) for root in roots if root != own]
 
     def _root(self) -> str:

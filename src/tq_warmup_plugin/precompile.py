@@ -23,7 +23,7 @@ from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import manifest
+from . import compat, manifest
 
 __all__ = [
     "cache_keys_for",
@@ -36,9 +36,7 @@ __all__ = [
 
 STAGE_PREFIX = ".tq-warmup-stage-"
 LOCK_FILE = ".tq-warmup.lock"
-# Triton names a kernel's files in ``__grp__<kernel>.json`` (``FileCacheManager.put_group``,
-# 3.6-3.8): ``{"child_paths": {file name: absolute path at write time}}``.
-_GROUP_GLOB = "__grp__*.json"
+_GROUP_GLOB = f"{compat.GROUP_PREFIX}*.json"  # the files naming a kernel's files (compat.triton)
 
 
 def use_compile_only_target(arch: int) -> None:

@@ -28,18 +28,19 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from .. import compat
 from .gate import install_where_needed
 
 __all__ = ["CALL_SITES", "MODULE", "bumped", "in_place", "install", "installed", "remove"]
 
 
-MODULE = "vllm.v1.spec_decode.utils"
-"""Defines ``extend_all_queries_by_N`` in 0.20-0.33."""
+MODULE = compat.SPEC_UTILS_MODULE
+"""The vLLM module this guard adjusts once it has executed."""
 
-CALL_SITES = ("vllm.v1.spec_decode.llm_base_proposer",)
+CALL_SITES = compat.DRAFT_CALL_SITE_MODULES
 """Modules that import ``extend_all_queries_by_N`` by name (0.20-0.33: only this one)."""
 
-NAME = "extend_all_queries_by_N"
+NAME = compat.EXTEND_QUERIES_FUNCTION
 # ``_seq_lens_cpu`` is gone from 0.30 (``backend.py`` 0.30:393-473); absent fields are skipped.
 CPU_FIELDS = ("seq_lens_cpu_upper_bound", "_seq_lens_cpu")
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib
 import inspect
 import logging
 from collections.abc import Callable
@@ -43,10 +44,10 @@ __all__ = ["MODULE", "install", "installed", "remove", "skipped_layer"]
 
 logger = logging.getLogger("vllm.tq_warmup_plugin")
 
-MODULE = "vllm.model_executor.layers.attention.chunked_local_attention"
-"""Defines ``ChunkedLocalAttention`` in 0.20-0.33."""
+MODULE = compat.CHUNKED_LOCAL_MODULE
+"""The vLLM module this guard adjusts once it has executed."""
 
-CLASS = "ChunkedLocalAttention"
+CLASS = compat.CHUNKED_LOCAL_CLASS
 _ORIGINAL_ATTR = "__tq_warmup_original__"
 _announced = False
 _warned = False
@@ -66,8 +67,7 @@ def skipped_layer(cache_config: Any, layer_index: int | None) -> bool:
 
 
 def _layer_index(prefix: str) -> int | None:
-    from vllm.model_executor.models.utils import extract_layer_index
-
+    extract_layer_index = importlib.import_module(compat.MODEL_UTILS_MODULE).extract_layer_index
     try:
         return int(extract_layer_index(prefix))
     except (AssertionError, ValueError):  # no index in the name: vLLM's own path decides

@@ -39,8 +39,8 @@ logger = logging.getLogger("vllm.tq_warmup_plugin")
 MODULE = compat.BACKEND_MODULE
 """The vLLM module this guard adjusts once it has executed."""
 
-BACKEND_CLASS = "TurboQuantAttentionBackend"
-IMPL_CLASS = "TurboQuantAttentionImpl"
+BACKEND_CLASS = compat.BACKEND_CLASS
+IMPL_CLASS = compat.IMPL_CLASS
 
 _GUARD_ATTR = "__tq_warmup_v1_cache_dtype_guard__"
 _REPLACED_ATTR = "__tq_warmup_replaced__"
