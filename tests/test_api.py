@@ -33,6 +33,7 @@ REGISTER_MODULES = {
     f"{NAME}.compat.triton",
     f"{NAME}.compat.vllm_paths",
     f"{NAME}.guards",
+    f"{NAME}.guards._patching",
     f"{NAME}.guards.draft_seq_lens",
     f"{NAME}.guards.gate",
     f"{NAME}.guards.local_boundary",

@@ -171,8 +171,10 @@ def preallocate_prefill_buffers(impl: Any, device: Any, max_model_len: int) -> i
     ``_continuation_prefill`` would otherwise create on first use (0.21-0.33, same
     names and dtypes: int32 ``_cu_2``, ``_cu_2_q``, ``_cu_2_k`` of 2 and an int32
     ``_arange_cache`` of ``0..max_model_len + 1``, long enough that the loop never
-    regrows it). Created lazily, the first one made inside a capture would live in
-    the graph's private pool. Returns the bytes allocated; buffers that exist stay."""
+    regrows it). ``prefill_buffers_cached``: 0.21+ cache them on the impl the first
+    time the loop runs and grow the arange when a longer sequence comes; 0.20 allocates
+    them on every call. Created lazily, the first one made inside a capture would live
+    in the graph's private pool. Returns the bytes allocated; buffers that exist stay."""
     import torch
 
     made = 0
@@ -265,8 +267,10 @@ def ubatch_sliced(feats: Features, ubatching: bool, runner_v2: bool) -> tuple[st
     copy a block table whose kernel block size differs into ``kernel_block_table
     [ubatch]`` (``v1/worker/utils.py`` 0.33:380-392), whose base is also at an offset.
     V2 (``v2_ubatches``, 0.30-0.33, ``v1/worker/gpu/ubatch_utils.py``): ``seq_lens``
-    copied into a per-microbatch buffer, ``block_table[request_slice]`` and
-    ``slot_mappings[:, token_slice]`` (0.30:361-363, 0.33:367-369).
+    copied into a per-microbatch buffer (``_slice_seq_lens``, 0.30:229, 0.33:235),
+    ``block_table[request_slice]`` and ``slot_mappings[:, token_slice]`` (0.30:361-363,
+    0.33:367-369). 0.20-0.29 list dual-batch overlap as unsupported by V2
+    (``config/vllm.py`` 0.20:1803, 0.25:2096, 0.29:2591), so it runs on V1.
     """
     if not ubatching:
         return ()
@@ -347,9 +351,15 @@ def workspace_slot_bytes(manager: Any, ubatch: int, lane: int) -> int:
 
 def flydsl_layer(feats: Features, impl: Any) -> bool:
     """Whether a ``TurboQuantAttentionImpl`` runs ROCm's SoA/FlyDSL kernels instead of
-    the warmed ones: ``impl._soa_store`` is True (``rocm_flydsl``, 0.28-0.33; the store,
-    the decode and both continuation paths branch on it or on ``_use_flydsl``, set
-    together)."""
+    the warmed ones: ``impl._soa_store`` is True.
+
+    ``rocm_flydsl``, 0.28-0.33: on ROCm gfx950 with FlyDSL importable, the impl sets
+    ``_soa_store = _use_flydsl = is_flydsl_available()`` (``turboquant_attn.py``
+    0.28:398-399, 0.29-0.33:369-370) and then stores, decodes and dequantizes with the
+    SoA Triton and FlyDSL kernels (0.33: ``_store_kv`` :686, continuation :839,
+    ``_continuation_prefill`` :952, ``_decode_attention`` :1129; 0.28: :715, :868, :981,
+    :1158). 0.20-0.27 have no such path.
+    """
     return feats.rocm_flydsl and getattr(impl, "_soa_store", False) is True
 
 

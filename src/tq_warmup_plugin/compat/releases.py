@@ -56,7 +56,8 @@ def support_problem(version: Version | None) -> str | None:
 
 
 class Features(NamedTuple):
-    """What a release does, as far as TurboQuant warmup is concerned."""
+    """What a release does, as far as TurboQuant warmup is concerned. One line a gate;
+    the evidence (files, lines, measurements) is where the gate acts."""
 
     version: Version
     kv_view_transposed: bool
@@ -74,67 +75,23 @@ class Features(NamedTuple):
     """0.21+: a long continuation un-rotates MSE keys with an fp16 GEMM
     (``layer._tq_Pi_half``); 0.20 does it in fp32."""
     spec_graphs_unsafe: bool
-    """0.20-0.33: ``TurboQuantMetadataBuilder`` reports ``UNIFORM_BATCH`` while verify
-    batches are not decodes (``supports_spec_as_decode=False``), so under speculative
-    decoding vLLM captures FULL graphs of 1+k-token verify batches. Capture runs
-    ``_prefill_attention``'s per-request loop on dummy metadata (``seq_len == q_len``)
-    and bakes in "attention over the new tokens only": 0.21-0.33 replay it with the
-    cached context ignored (upstream #40831, #52475, #53180), 0.20 calls ``.tolist()``
-    on GPU tensors during capture and fails at startup (#40807). The fixes (#43747,
-    #53406) are unmerged in every release up to 0.33."""
+    """0.20-0.33: a FULL graph of a verify batch ignores the context (guards/spec_graphs.py)."""
     spec_verify_batched: bool
-    """0.21-0.33: verify batches can be served as decode rows inside FULL graphs
-    (``guards/batched_verify.py``); 0.20 keeps decode scratch on the layer."""
+    """0.21-0.33: verify batches run as decode rows in FULL graphs (guards/batched_verify.py)."""
     v1_tq_cache_dtype_lost: bool
-    """0.25-0.26: ``TQFullAttentionSpec`` is built without ``kv_quant_mode``
-    (``attention.py`` 0.25:672-679, 0.26:677-684), so the V1 runner passes
-    ``cache_dtype_str="auto"`` to TurboQuant's ``get_kv_cache_shape``
-    (``gpu_model_runner.py`` 0.25:7192-7208, 0.26:7349-7365), which raises "Unknown
-    TurboQuant cache dtype: 'auto'" (upstream #50709). 0.20-0.24 pass the cache
-    config's dtype; 0.27.1+ have ``KVQuantMode.TURBOQUANT``; V2 special-cases it."""
+    """0.25-0.26: V1 asks TurboQuant for the shape of dtype "auto" (guards/v1_cache_dtype.py)."""
     prefill_buffers_cached: bool
-    """0.21+: ``_prefill_attention`` caches ``_cu_2`` and ``_arange_cache`` on the impl
-    the first time it runs (``_continuation_prefill`` ``_cu_2_q``/``_cu_2_k``), growing
-    the arange when a longer sequence comes; 0.20 allocates them on every call."""
+    """0.21+: the prefill loop caches its buffers on the impl (live.preallocate_prefill_buffers)."""
     draft_cpu_seq_lens_stale: bool
-    """0.21-0.33: TurboQuant's prefill loop takes each request's length from
-    ``seq_lens_cpu_upper_bound`` (``turboquant_attn.py`` 0.22:238, 0.33:297; 0.20 reads
-    the GPU ``seq_lens``, :571), and ``extend_all_queries_by_N``, which lengthens every
-    query of a V1 draft pass by N (draft_model: N=1, ``llm_base_proposer.py`` 0.22:98-101,
-    823), raises the GPU ``seq_lens`` but not that bound nor ``_seq_lens_cpu``
-    (``spec_decode/utils.py`` 0.22:293-303, 0.33:413-423): a fresh prompt gets
-    ``cached_len = -1``, a crash over 128 tokens ("expanded size ... (0)"). draft_model
-    runs on V1 up to 0.30 (V2 refuses it, ``config/vllm.py`` 0.23:2011, 0.30:2844), on
-    request (``VLLM_USE_V2_MODEL_RUNNER=0``) in 0.31-0.33; async by default from 0.28, where
-    the bound's prefill rows are still exact (``backend.py`` 0.22:405-409): all need it."""
+    """0.21-0.33: a draft pass leaves CPU sequence lengths short (guards/draft_seq_lens.py)."""
     v2_ubatches: bool
-    """0.30+: the V2 runner splits batches into microbatches itself
-    (``v1/worker/gpu/ubatch_utils.py``) and copies each one's ``seq_lens`` into a buffer
-    of its own (``_slice_seq_lens``, 0.30:229, 0.33:235). 0.20-0.29 list dual-batch
-    overlap as unsupported by V2 (``config/vllm.py`` 0.20:1803, 0.25:2096, 0.29:2591),
-    so it runs on V1."""
+    """0.30+: the V2 runner makes its own microbatches (live.ubatch_sliced)."""
     rocm_flydsl: bool
-    """0.28+: on ROCm gfx950 with FlyDSL importable, ``TurboQuantAttentionImpl`` sets
-    ``_soa_store = _use_flydsl = is_flydsl_available()`` (``turboquant_attn.py``
-    0.28:398-399, 0.29-0.33:369-370) and then stores, decodes and dequantizes with the
-    SoA Triton and FlyDSL kernels (0.33: ``_store_kv`` :686, continuation :839,
-    ``_continuation_prefill`` :952, ``_decode_attention`` :1129; 0.28: :715, :868, :981,
-    :1158), never the ones warmed here. 0.20-0.27 have no such path."""
+    """0.28+: ROCm gfx950 runs the SoA/FlyDSL kernels instead (live.flydsl_layer)."""
     local_boundary_tq_backend: bool
-    """0.20-0.33: ``ChunkedLocalAttention`` picks its backend from the cache config's
-    dtype (``chunked_local_attention.py`` 0.20-0.26:102, 0.27.1-0.33:101) before
-    ``Attention.__init__`` gives a layer in ``kv_cache_dtype_skip_layers`` the dtype
-    ``"auto"`` (``attention.py`` 0.22:264, 0.26:312, 0.33:312): a TurboQuant boundary
-    layer that is chunked local (Llama 4's layer 0) gets TurboQuant's impl with
-    ``"auto"``, which raises "Unknown TurboQuant cache dtype: 'auto'" at startup."""
+    """0.20-0.33: a chunked local boundary layer fails to start (guards/local_boundary.py)."""
     local_tq_spec_plain: bool
-    """0.20-0.27: a TurboQuant layer's KV-cache spec is ``TQFullAttentionSpec``
-    (``attention.py`` 0.26:677, 0.27.1:677) but a chunked local TurboQuant layer's is
-    ``ChunkedLocalAttentionSpec`` of uint8 at the full head size
-    (``chunked_local_attention.py`` 0.20-0.26:122, 0.27.1:121): 32768 bytes a page
-    beside 17152 at 128x8 heads, so a Llama 4 fails in KV-cache grouping ("page size is
-    not divisible by the maximum page size", H200, 0.26.0). 0.28+ give both the same
-    spec with ``kv_quant_mode``."""
+    """0.20-0.27: a chunked local TurboQuant layer's spec is plain (guards/local_boundary.py)."""
     local_prefill_real_lens: bool
     """0.21-0.29: on a chunked local attention layer (Llama 4) TurboQuant's prefill loop
     takes each *virtual* request's length from ``seq_lens_cpu_upper_bound``
