@@ -7,22 +7,29 @@ model directory and the release's rules, each naming the releases it covers.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
 import importlib
 import math
+import os
 import re
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from . import compat
 from .compat import Features
+from .geometry import DTYPE_BYTES, Geometry, preset
 
 __all__ = [
     "ModelShape",
+    "PlanError",
+    "Planned",
     "UnsupportedModel",
     "block_table_width",
     "boundary_layers",
     "effective_block_size",
+    "geometry_from_args",
     "heads_per_rank",
     "kv_view_strides",
     "model_scale",
@@ -325,3 +332,135 @@ def model_shape(
             scale=model_scale(str(getattr(text, "model_type", "")), text),
             attention_chunk=getattr(model_config, "attention_chunk_size", None) or None,
         )
+
+
+# --------------------------------------------------------------------------
+# The geometry of ``inspect`` / ``precompile`` flags, as a worker would discover it.
+# --------------------------------------------------------------------------
+
+
+class PlanError(ValueError):
+    """Flags or a model that cannot be planned for; the message is the one line the
+    CLI prints (exit code 2)."""
+
+
+class Planned(NamedTuple):
+    """A geometry planned without a worker, and the layers it stands for."""
+
+    geometry: Geometry
+    layers: int
+    """TurboQuant layers (all ranks see the same count)."""
+    boundary: bool
+    """Whether TurboQuant leaves boundary layers in the model dtype (dense models)."""
+    note: str
+    """Where the shape came from, for the printed plan."""
+    local: Geometry | None = None
+    """The geometry of the model's chunked local attention layers (Llama 4), if any."""
+
+
+def _features(args: argparse.Namespace) -> Features:
+    installed = compat.installed_vllm_version()
+    try:
+        return compat.release_features(args.vllm_version or installed)
+    except compat.UnsupportedRelease as exc:
+        hint = "" if args.vllm_version else " (pass --vllm-version to plan for a release)"
+        raise PlanError(f"{exc}{hint}") from None
+
+
+def geometry_from_args(args: argparse.Namespace, model_dir: str | None) -> Planned:
+    """The geometry the worker would discover, from vLLM's ``ModelConfig`` of the
+    ``config.json`` in ``model_dir`` (``--model``, checked and read by the CLI) and the
+    explicit flags, which take precedence. Raises PlanError with one line."""
+    if args.kv_cache_dtype is None:
+        raise PlanError("need --kv-cache-dtype (or --geometry-json)")
+    feats = _features(args)
+    tp = args.tensor_parallel_size
+    shape: ModelShape | None = None
+    if model_dir is not None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local config: nothing to download
+        try:
+            shape = model_shape(
+                model_dir, tp, args.dtype, args.max_model_len, args.trust_remote_code
+            )
+        except ImportError as exc:
+            raise PlanError(
+                f"--model needs vLLM installed to read the config ({exc}); or give "
+                "--head-size, --num-heads and --num-kv-heads"
+            ) from None
+        except UnsupportedModel as exc:
+            raise PlanError(f"--model {args.model}: {exc}") from None
+        if args.dtype is None and shape.config_dtype == "float32":
+            raise PlanError(
+                f"--model {args.model}: config.json says float32 and TurboQuant runs the "
+                "model in 16 bits: pass --dtype bfloat16 or float16 (what vLLM's --dtype is)"
+            )
+    heads = args.num_heads or (shape.total_heads if shape else None)
+    kv_heads = args.num_kv_heads or (shape.total_kv_heads if shape else None) or heads
+    head_size = args.head_size or (shape.head_size if shape else None)
+    if not (heads and kv_heads and head_size):
+        raise PlanError("need --model, or --head-size, --num-heads and --num-kv-heads")
+    try:
+        hq, hk = heads_per_rank(heads, kv_heads, tp)
+    except UnsupportedModel as exc:
+        raise PlanError(str(exc)) from None
+    if shape is not None and not (args.num_heads or args.num_kv_heads):
+        hq, hk = shape.num_heads, shape.num_kv_heads  # vLLM's own split
+    max_model_len = args.max_model_len or (shape.max_model_len if shape else 4096)
+    dtype = args.dtype or (shape.dtype if shape else "bfloat16")
+    if dtype not in ("bfloat16", "float16"):
+        raise PlanError(f"model dtype {dtype}: TurboQuant runs bfloat16 or float16 models")
+    try:
+        skip = boundary_layers(
+            feats, shape.num_layers if shape else 0, shape.hybrid if shape else False
+        )
+    except UnsupportedModel as exc:
+        raise PlanError(f"--model {args.model}: {exc}") from None
+    if shape is not None:
+        layers = len(set(shape.attention_layers) - set(skip))
+        if layers == 0:
+            raise PlanError(
+                f"--model {args.model}: all {shape.num_layers} layers are boundary layers "
+                "TurboQuant leaves in the model dtype: nothing to warm"
+            )
+        note = f"{shape.architecture}, {len(shape.attention_layers)} attention layers"
+        note += f", boundary {', '.join(map(str, skip))}" if skip else ", no boundary layers"
+        if shape.hybrid:  # vLLM sizes a hybrid's attention pages to its Mamba state
+            note += "; hybrid: block size and page padding may differ, --geometry-json is exact"
+    else:
+        layers, note = 0, "from flags"
+    scale = args.scale
+    if scale is None:
+        scale = shape.scale if shape and shape.scale is not None else head_size**-0.5
+    bs = effective_block_size(feats, args.block_size, DTYPE_BYTES[dtype])
+    layout = preset(args.kv_cache_dtype, head_size)
+    runner = args.runner or ("v2" if feats.version >= (0, 25) else "v1")
+    geometry = Geometry(
+        cache_dtype=args.kv_cache_dtype,
+        head_size=head_size,
+        num_heads=hq,
+        num_kv_heads=hk,
+        block_size=bs,
+        scale=scale,
+        kv_strides=kv_view_strides(feats, bs, hk, layout.slot_size_aligned),
+        model_dtype=dtype,
+        block_table_width=block_table_width(feats, max_model_len, bs, runner == "v2"),
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_kv_splits=args.kv_splits,
+        fp8_e4b15=compat.fp8_e4b15((args.arch // 10, args.arch % 10)),
+        features=feats,
+        ubatch_sliced=compat.ubatch_sliced(feats, args.enable_dbo, runner == "v2"),
+    )
+    chunk = args.attention_chunk_size
+    if chunk is None:
+        chunk = shape.attention_chunk if shape else None
+    local = dataclasses.replace(geometry, attention_chunk=chunk) if chunk else None
+    try:
+        for g in filter(None, (geometry, local)):
+            g.check()
+    except ValueError as exc:
+        raise PlanError(f"not a TurboQuant geometry: {exc}") from None
+    if local is not None:
+        note += f"; chunked local attention of {chunk} tokens"
+    return Planned(geometry, layers, bool(skip) or shape is None, note, local)

@@ -16,9 +16,11 @@ from typing import NamedTuple
 __all__ = [
     "NEWEST",
     "OLDEST",
+    "SUPPORTED",
     "Features",
     "UnsupportedRelease",
     "Version",
+    "distribution_version",
     "features",
     "installed_vllm_version",
     "parse_version",
@@ -32,6 +34,8 @@ Version = tuple[int, int]
 
 OLDEST: Version = (0, 20)
 NEWEST: Version = (0, 33)
+SUPPORTED = f"{OLDEST[0]}.{OLDEST[1]}-{NEWEST[0]}.{NEWEST[1]}"
+"""The supported releases as a person reads them: ``"0.20-0.33"``."""
 
 
 def parse_version(text: str | None) -> Version | None:
@@ -50,8 +54,7 @@ def support_problem(version: Version | None) -> str | None:
     if version is None:
         return "cannot determine the installed vLLM version"
     if not OLDEST <= version <= NEWEST:
-        lo, hi = (".".join(map(str, v)) for v in (OLDEST, NEWEST))
-        return f"vLLM {version[0]}.{version[1]} is outside the supported releases {lo}-{hi}"
+        return f"vLLM {version[0]}.{version[1]} is outside the supported releases {SUPPORTED}"
     return None
 
 
@@ -146,10 +149,15 @@ def same_release(wanted: str, installed: str | None) -> bool:
 
 def installed_vllm_version() -> str | None:
     """The installed vLLM distribution's version, without importing vLLM."""
+    return distribution_version("vllm")
+
+
+def distribution_version(name: str) -> str | None:
+    """The installed version of distribution ``name`` (vLLM, torch, Triton), or None."""
     from importlib import metadata  # not at module level: register() must stay cheap
 
     try:
-        return metadata.version("vllm")
+        return metadata.version(name)
     except metadata.PackageNotFoundError:
         return None
 
