@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -181,8 +182,22 @@ def test_workspace_manager_is_none_where_unused_without_importing_vllm() -> None
     }
 
 
-def test_the_defining_module_is_a_call_site() -> None:
+@pytest.mark.real_vllm
+def test_every_call_site_binds_the_defining_modules_kernel_warmup(
+    vllm_env: compat.Features,
+) -> None:
+    """``install`` rebinds, and ``uninstall`` restores, exactly ``CALL_SITE_MODULES``: the
+    defining module and each module that imports ``kernel_warmup`` by name (elastic EP
+    from 0.27 on)."""
+    defining = importlib.import_module(compat.WARMUP_MODULE)
+    assert defining.kernel_warmup.__module__ == compat.WARMUP_MODULE
     assert compat.CALL_SITE_MODULES[0] == compat.WARMUP_MODULE
+    for name in compat.CALL_SITE_MODULES[1:]:
+        module = importlib.import_module(name) if importlib.util.find_spec(name) else None
+        if name == compat.ELASTIC_MODULE and vllm_env.version < (0, 27):
+            assert not hasattr(module, "kernel_warmup")  # 0.26 has the module, not the call
+            continue
+        assert getattr(module, "kernel_warmup", None) is defining.kernel_warmup, name
 
 
 @pytest.mark.real_vllm
