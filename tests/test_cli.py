@@ -140,6 +140,24 @@ def test_bad_geometry_json_is_one_line(
     assert line in err and err.count("\n") == 1, err
 
 
+def test_a_report_may_lack_any_field_with_a_default_and_only_those() -> None:
+    """Reports written before a field existed, or that leave it at its default
+    (``Geometry.to_dict``), still read: each defaulted field has a check of its own."""
+    import dataclasses as dc
+
+    from tq_warmup_plugin import compat, geometry
+
+    defaulted = {f.name for f in dc.fields(Geometry) if f.default is not dc.MISSING}
+    assert set(geometry._OPTIONAL) == defaulted
+    assert set(geometry.LATER_FIELDS) <= defaulted
+    plain = json.loads(H200_REPORT.read_text())["geometries"][0]
+    feats = compat.features((0, 26))
+    assert Geometry.from_report(plain, feats) == Geometry.from_dict(plain, feats)
+    for name in sorted(set(plain) - defaulted):
+        with pytest.raises(ValueError, match=f"lacks {name}"):
+            Geometry.from_report({k: v for k, v in plain.items() if k != name}, feats)
+
+
 def test_doctor_reports_versions_and_settings(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

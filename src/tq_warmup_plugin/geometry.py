@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, NamedTuple
 
 from . import compat
@@ -290,12 +290,10 @@ _OPTIONAL: dict[str, Callable[[object], bool]] = {
     "block_table_bytes": _is_size,
     "workspace_bytes": _is_sizes,
     "attention_chunk": _is_size,
+    "verify_len": _is_size,
 }
-_REQUIRED = {
-    f.name: str(f.type)
-    for f in fields(Geometry)
-    if f.name != "features" and f.name not in _OPTIONAL
-}
+_REQUIRED = {f.name: str(f.type) for f in fields(Geometry) if f.default is MISSING}
+_REQUIRED.pop("features")  # the release is the report's, not a geometry's
 
 
 class Reported(NamedTuple):
