@@ -19,7 +19,7 @@ from typing import Any
 import pluggy
 
 import tq_warmup_plugin
-from tq_warmup_plugin import compat, manifest
+from tq_warmup_plugin import compat, manifest, planning
 from tq_warmup_plugin.geometry import PRESETS, Geometry, preset
 from tq_warmup_plugin.hookspecs import hookimpl
 from tq_warmup_plugin.keys import KernelKey
@@ -55,7 +55,7 @@ def geometry(
         num_kv_heads=num_kv_heads,
         block_size=block_size,
         scale=head_size**-0.5 if scale is None else scale,
-        kv_strides=compat.kv_view_strides(feats, block_size, num_kv_heads, slot),
+        kv_strides=planning.kv_view_strides(feats, block_size, num_kv_heads, slot),
         model_dtype=model_dtype,
         block_table_width=width,
         max_num_seqs=max_num_seqs,

@@ -1,5 +1,6 @@
-"""Helpers for the ``real_vllm`` tests: a compile-only Triton driver for sm90 and a
-recorder of the specialization keys that launches ask Triton for."""
+"""Helpers for the ``real_vllm`` tests: a compile-only Triton driver for sm90, a
+recorder of the specialization keys that launches ask Triton for, and real impls, KV
+caches, metadata and a worker stand-in of the installed vLLM."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 import dataclasses
 import itertools
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 from tq_warmup_plugin import compat
@@ -104,7 +106,7 @@ def make_impl(cache_dtype: str, d: int, hq: int, hk: int, splits: int, max_len: 
 def layer_kv_cache(
     feats: compat.Features, blocks: int, bs: int, hk: int, slot: int, storage: int = 0
 ) -> Any:
-    """The layer's KV tensor as the release allocates it (see compat.kv_view_strides);
+    """The layer's KV tensor as the release allocates it (see planning.kv_view_strides);
     ``storage``: the bytes of the allocation it is a view of (vLLM's KV tensors are views
     of one raw buffer), left untouched (the OS maps it lazily)."""
     import torch
@@ -339,3 +341,30 @@ def run_local(
         impl.do_kv_cache_update(layer, k, v, kv, common.slot_mapping)
         impl.forward(layer, q, k, v, kv, meta, output=torch.zeros(n, hq * d, dtype=dtype))
     return built
+
+
+def fake_worker(impls: dict[str, Any], feats: compat.Features, width: int) -> Any:
+    """A worker/runner stand-in whose layers carry real impls and real KV tensors."""
+    import torch
+
+    layers = {}
+    for name, impl in impls.items():
+        kv = layer_kv_cache(feats, 4, 16, impl.num_kv_heads, impl.tq_config.slot_size_aligned)
+        layers[name] = SimpleNamespace(impl=impl, kv_cache=kv)
+    layers["not_attention"] = SimpleNamespace(impl=object(), kv_cache=None)
+    layers["boundary"] = SimpleNamespace(impl=make_flash_impl(8, 2, 128), kv_cache=None)
+    group = SimpleNamespace(layer_names=[*layers], kv_cache_group_id=0)
+    table = torch.zeros(MAX_NUM_SEQS, width, dtype=torch.int32)
+    runner = SimpleNamespace(
+        attn_groups=[[group]], block_tables=SimpleNamespace(input_block_tables=[table])
+    )
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(
+            runner_type="generate", dtype=torch.bfloat16, max_model_len=width * 16
+        ),
+        scheduler_config=SimpleNamespace(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=2048),
+        compilation_config=SimpleNamespace(static_forward_context=layers),
+    )
+    return SimpleNamespace(
+        vllm_config=config, model_runner=runner, use_v2_model_runner=True, rank=0
+    )

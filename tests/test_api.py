@@ -23,11 +23,17 @@ NAME = tq_warmup_plugin.__name__
 # library modules they pull in. 3.10 parses regular expressions with sre_*. Since
 # issue 13 also ``multinode`` (TQ_WARMUP* forwarded to Ray workers, stdlib only); since
 # issue 11 the chunked-local boundary guard (stdlib only); since issue 23 the batched
-# verify guard and its rows (stdlib only: torch is imported when a builder builds).
+# verify guard and its rows (stdlib only: torch is imported when a builder builds);
+# since issue 21 ``compat`` is a package of four modules (the same names, by concern).
 REGISTER_MODULES = {
     NAME,
     f"{NAME}.compat",
+    f"{NAME}.compat.live",
+    f"{NAME}.compat.releases",
+    f"{NAME}.compat.triton",
+    f"{NAME}.compat.vllm_paths",
     f"{NAME}.guards",
+    f"{NAME}.guards._patching",
     f"{NAME}.guards.draft_seq_lens",
     f"{NAME}.guards.gate",
     f"{NAME}.guards.local_boundary",

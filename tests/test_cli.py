@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +61,14 @@ def test_inspect_text_counts_keys(capsys: pytest.CaptureFixture[str]) -> None:
     text = capsys.readouterr().out
     assert text.startswith("6 distinct kernel keys for ")
     assert "\ncontinuation: 4\n" in text
+    # decode 2, continuation 4, dequant 1, store 1: 8 lines for 6 keys, and it says so.
+    by_path = re.findall(r"\n(\w+): (\d+)\n", text)
+    listed = sum(int(n) for path, n in by_path if path != "first")
+    assert listed == 8
+    assert (
+        text.splitlines()[1]
+        == f"paths share keys: {listed} listed by path below, each compiled once"
+    )
 
 
 def test_inspect_refuses_unsupported_release(capsys: pytest.CaptureFixture[str]) -> None:
@@ -131,6 +140,24 @@ def test_bad_geometry_json_is_one_line(
     assert line in err and err.count("\n") == 1, err
 
 
+def test_a_report_may_lack_any_field_with_a_default_and_only_those() -> None:
+    """Reports written before a field existed, or that leave it at its default
+    (``Geometry.to_dict``), still read: each defaulted field has a check of its own."""
+    import dataclasses as dc
+
+    from tq_warmup_plugin import compat, geometry
+
+    defaulted = {f.name for f in dc.fields(Geometry) if f.default is not dc.MISSING}
+    assert set(geometry._OPTIONAL) == defaulted
+    assert set(geometry.LATER_FIELDS) <= defaulted
+    plain = json.loads(H200_REPORT.read_text())["geometries"][0]
+    feats = compat.features((0, 26))
+    assert Geometry.from_report(plain, feats) == Geometry.from_dict(plain, feats)
+    for name in sorted(set(plain) - defaulted):
+        with pytest.raises(ValueError, match=f"lacks {name}"):
+            Geometry.from_report({k: v for k, v in plain.items() if k != name}, feats)
+
+
 def test_doctor_reports_versions_and_settings(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -142,6 +169,65 @@ def test_doctor_reports_versions_and_settings(
     assert "will warm     no" in out
 
 
+@pytest.mark.parametrize(
+    ("vllm", "env", "step"),
+    [
+        (None, {}, "install vLLM 0.20-0.33 (found: None)"),
+        ("0.34.0", {}, "install vLLM 0.20-0.33 (found: 0.34.0)"),
+        ("0.26.0", {"TQ_WARMUP": "off"}, "unset TQ_WARMUP (it turns the plugin off)"),
+        ("0.26.0", {"VLLM_PLUGINS": "other"}, "add tq_warmup to VLLM_PLUGINS, or unset it"),
+    ],
+)
+def test_doctor_says_the_next_step_when_the_plugin_will_not_warm(
+    vllm: str | None,
+    env: dict[str, str],
+    step: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tq_warmup_plugin import compat
+
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: vllm)
+    monkeypatch.setattr(cli, "_entry_point_visible", lambda: True)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main(["doctor"]) == 0
+    rows = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines()[-3:])
+    assert rows["will"] == "warm     no"
+    assert rows["next"] == f"step     {step}"
+
+
+def test_doctor_says_no_next_step_when_the_plugin_will_warm(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tq_warmup_plugin import compat
+
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
+    monkeypatch.setattr(cli, "_entry_point_visible", lambda: True)
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.delenv("TQ_WARMUP", raising=False)
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1].split() == ["will", "warm", "yes"] and "next step" not in out
+
+
+def test_a_model_file_of_another_name_is_read_from_a_directory_removed_after(
+    tmp_path: Path,
+) -> None:
+    file = tmp_path / "llama.json"
+    file.write_text('{"model_type": "llama"}')
+    with cli._model_dir(str(file)) as directory:
+        copied = Path(directory) / "config.json"
+        assert directory != str(tmp_path) and json.loads(copied.read_text()) == {
+            "model_type": "llama"
+        }
+    assert not Path(directory).exists()
+    (tmp_path / "config.json").write_text("{}")
+    with cli._model_dir(str(tmp_path)) as directory:
+        assert directory == str(tmp_path)
+    assert tmp_path.is_dir()
+
+
 def test_doctor_prints_the_settings_problems(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -151,12 +237,17 @@ def test_doctor_prints_the_settings_problems(
 
 
 def test_effective_block_size_rule() -> None:
-    from tq_warmup_plugin import compat
+    from tq_warmup_plugin import compat, planning
 
     new, old = compat.features((0, 26)), compat.features((0, 24))
-    assert [compat.effective_block_size(new, b, 2) for b in (16, 32, 64, 128)] == [32, 32, 64, 128]
-    assert compat.effective_block_size(new, 16, 4) == 64
-    assert compat.effective_block_size(old, 16, 2) == 16
+    assert [planning.effective_block_size(new, b, 2) for b in (16, 32, 64, 128)] == [
+        32,
+        32,
+        64,
+        128,
+    ]
+    assert planning.effective_block_size(new, 16, 4) == 64
+    assert planning.effective_block_size(old, 16, 2) == 16
 
 
 @pytest.mark.real_vllm
@@ -256,7 +347,7 @@ def stubbed_precompile(monkeypatch: pytest.MonkeyPatch) -> fakes.RecordingWarmer
     for var in ("TRITON_CACHE_DIR", "CUDA_VISIBLE_DEVICES"):  # precompile sets both
         monkeypatch.setenv(var, "")
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
-    monkeypatch.setattr(cli, "_dist_version", lambda name: "3.6.0")
+    monkeypatch.setattr(compat, "distribution_version", lambda name: "3.6.0")
     monkeypatch.setattr(
         manifest, "installed_stack", lambda arch=None: dataclasses.replace(fakes.STACK, arch=arch)
     )
@@ -348,16 +439,16 @@ def test_an_image_wheel_sets_the_manifests_triton_build_and_python_abi(
 ) -> None:
     import zipfile
 
-    from tq_warmup_plugin import manifest
+    from tq_warmup_plugin import manifest, precompile
 
     wheel = tmp_path / "triton-3.6.0-cp312-cp312-manylinux_2_27_x86_64.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.writestr("triton/runtime/cache.py", "")
-    target = cli._target_stack(90, str(wheel), "the wheel's triton_key()")
+    target = precompile.target_stack(90, str(wheel), "the wheel's triton_key()")
     assert target == dataclasses.replace(
         fakes.STACK,
         arch=90,
         python_abi="cp312",
         triton_build=manifest.digest("the wheel's triton_key()"),
     )
-    assert cli._target_stack(80, None, None) == dataclasses.replace(fakes.STACK, arch=80)
+    assert precompile.target_stack(80, None, None) == dataclasses.replace(fakes.STACK, arch=80)

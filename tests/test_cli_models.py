@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tq_warmup_plugin import cli, compat
+from tq_warmup_plugin import cli, compat, planning
 
 MODELS = Path(__file__).parent / "data" / "models"
 
@@ -151,8 +151,8 @@ def test_a_config_file_of_another_name_and_bad_tp(
 
 def test_boundary_rule_per_release() -> None:
     old, new = compat.features((0, 20)), compat.features((0, 26))
-    assert compat.boundary_layers(new, 32, hybrid=False) == (0, 1, 30, 31)
-    assert compat.boundary_layers(new, 3, hybrid=False) == (0, 2)
-    assert compat.boundary_layers(new, 48, hybrid=True) == ()
-    with pytest.raises(compat.UnsupportedModel, match=r"0\.20 refuses"):
-        compat.boundary_layers(old, 48, hybrid=True)
+    assert planning.boundary_layers(new, 32, hybrid=False) == (0, 1, 30, 31)
+    assert planning.boundary_layers(new, 3, hybrid=False) == (0, 2)
+    assert planning.boundary_layers(new, 48, hybrid=True) == ()
+    with pytest.raises(planning.UnsupportedModel, match=r"0\.20 refuses"):
+        planning.boundary_layers(old, 48, hybrid=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tq_warmup_plugin import compat
+from tq_warmup_plugin import compat, planning
 
 
 @pytest.mark.parametrize(
@@ -111,7 +112,7 @@ def test_feature_gates(version: compat.Version, gates: tuple[bool, ...]) -> None
     ],
 )
 def test_kv_view_strides(version: compat.Version, strides: tuple[int, int, int]) -> None:
-    assert compat.kv_view_strides(compat.features(version), 16, 2, 134) == strides
+    assert planning.kv_view_strides(compat.features(version), 16, 2, 134) == strides
 
 
 @pytest.mark.parametrize(
@@ -151,7 +152,7 @@ print(json.dumps({"result": result, "tried": sorted(set(tried)), "loaded": loade
 def _workspace_manager_in_a_fresh_process(
     version: compat.Version, block: bool = False
 ) -> dict[str, Any]:
-    src = str(Path(compat.__file__).parents[1])
+    src = str(Path(compat.__file__).parents[2])
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])),
@@ -181,8 +182,22 @@ def test_workspace_manager_is_none_where_unused_without_importing_vllm() -> None
     }
 
 
-def test_the_defining_module_is_a_call_site() -> None:
+@pytest.mark.real_vllm
+def test_every_call_site_binds_the_defining_modules_kernel_warmup(
+    vllm_env: compat.Features,
+) -> None:
+    """``install`` rebinds, and ``uninstall`` restores, exactly ``CALL_SITE_MODULES``: the
+    defining module and each module that imports ``kernel_warmup`` by name (elastic EP
+    from 0.27 on)."""
+    defining = importlib.import_module(compat.WARMUP_MODULE)
+    assert defining.kernel_warmup.__module__ == compat.WARMUP_MODULE
     assert compat.CALL_SITE_MODULES[0] == compat.WARMUP_MODULE
+    for name in compat.CALL_SITE_MODULES[1:]:
+        module = importlib.import_module(name) if importlib.util.find_spec(name) else None
+        if name == compat.ELASTIC_MODULE and vllm_env.version < (0, 27):
+            assert not hasattr(module, "kernel_warmup")  # 0.26 has the module, not the call
+            continue
+        assert getattr(module, "kernel_warmup", None) is defining.kernel_warmup, name
 
 
 @pytest.mark.real_vllm
@@ -213,4 +228,4 @@ def test_every_kernel_module_is_a_known_vllm_module(
 def test_block_table_width_for_1000_tokens(
     version: compat.Version, bs: int, v2: bool, width: int
 ) -> None:
-    assert compat.block_table_width(compat.features(version), 1000, bs, v2) == width
+    assert planning.block_table_width(compat.features(version), 1000, bs, v2) == width

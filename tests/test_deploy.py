@@ -1,6 +1,7 @@
-"""``deploy/``: the Containerfile, the Kubernetes manifest, the build script and docs/deploy.md
-name the same variables and paths as ``layered_cache`` (read from its source:
-no Triton needed), the manifest parses, the script passes ``bash -n`` and ``shellcheck``."""
+"""``deploy/``: the Containerfile, the Kubernetes manifest, the build script and
+docs/deploy.md name the same variables and paths as ``layered_cache``, ``settings`` and
+``driver_cache`` (read from their source: no Triton needed), the manifest parses, the script
+passes ``bash -n`` and ``shellcheck``."""
 
 from __future__ import annotations
 
@@ -15,14 +16,18 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = "deploy/build-layer.sh"
-MODULES = ("layered_cache", "driver_cache")
+SOURCES = tuple(
+    f"src/tq_warmup_plugin/{m}.py" for m in ("layered_cache", "settings", "driver_cache")
+)
 DRIVER_ENV, DRIVER_COPY_ENV = "TQ_WARMUP_DRIVER_CACHE", "TQ_WARMUP_DRIVER_CACHE_COPY_TO"
 
 
-def _constants(repo: Path, module: str = "layered_cache") -> dict[str, str]:
-    tree = ast.parse((repo / f"src/tq_warmup_plugin/{module}.py").read_text())
+def _constants(repo: Path) -> dict[str, str]:
+    """The string constants of ``SOURCES``: ``MANAGER``, ``CACHE_LAYERS_ENV``, ``DRIVER_DIR``."""
+    trees = [ast.parse((repo / source).read_text()) for source in SOURCES]
     return {
         node.targets[0].id: node.value.value
+        for tree in trees
         for node in tree.body
         if isinstance(node, ast.Assign)
         and isinstance(node.targets[0], ast.Name)
@@ -46,13 +51,13 @@ def _image_env(containerfile: str) -> dict[str, str]:
 def problems(repo: Path) -> list[str]:
     """Every disagreement between the deploy files; empty when they agree."""
     const = _constants(repo)
-    layers_env, manager = const["LAYERS_ENV"], const["MANAGER"]
+    layers_env, manager = const["CACHE_LAYERS_ENV"], const["MANAGER"]
     out: list[str] = []
     containerfile = (repo / "deploy/Containerfile").read_text()
     env = _image_env(containerfile)
     layer, own = env.get(layers_env, "?"), env.get("TRITON_CACHE_DIR", "?")
     # The driver cache (issue 22): its entries in the layer, copied into a writable dir.
-    driver = f"{layer}/{_constants(repo, 'driver_cache')['DRIVER_DIR']}"
+    driver = f"{layer}/{const['DRIVER_DIR']}"
     copy_to = env.get(DRIVER_COPY_ENV, "?")
     want = {"TRITON_CACHE_MANAGER": manager, layers_env: layer, "TRITON_CACHE_DIR": own}
     want |= {DRIVER_ENV: driver, DRIVER_COPY_ENV: copy_to}
@@ -124,14 +129,19 @@ def test_deploy_files_agree_with_the_layered_cache() -> None:
             "TQ_WARMUP_DRIVER_CACHE_COPY_TO",
         ),
         (
+            "src/tq_warmup_plugin/settings.py",
+            'CACHE_LAYERS_ENV = "TQ_WARMUP_CACHE_LAYERS"',
+            'CACHE_LAYERS_ENV = "TQ_LAYERS"',
+        ),
+        (
             "src/tq_warmup_plugin/layered_cache.py",
-            'LAYERS_ENV = "TQ_WARMUP_CACHE_LAYERS"',
-            'LAYERS_ENV = "TQ_LAYERS"',
+            'MANAGER = "tq_warmup_plugin.layered_cache:LayeredCacheManager"',
+            'MANAGER = "tq_warmup_plugin.other:Manager"',
         ),
     ],
 )
 def test_a_disagreement_is_reported(tmp_path: Path, path: str, old: str, new: str) -> None:
-    for name in ("deploy", "docs/deploy.md", *(f"src/tq_warmup_plugin/{m}.py" for m in MODULES)):
+    for name in ("deploy", "docs/deploy.md", *SOURCES):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy
         copy(REPO / name, tmp_path / name)

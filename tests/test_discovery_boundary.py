@@ -45,7 +45,7 @@ def test_an_odd_boundary_layer_is_refused_alone(monkeypatch: pytest.MonkeyPatch)
 def test_without_vllms_flash_attention_module_nothing_is_boundary(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(compat, "FLASH_ATTN_MODULE", "tq_warmup_plugin._no_such_module")
+    monkeypatch.setattr(compat.vllm_paths, "FLASH_ATTN_MODULE", "tq_warmup_plugin._no_such_module")
     assert compat.plain_fa2_heads(fakes.FlashAttentionImpl()) is None
 
 

@@ -19,7 +19,7 @@ from conftest import Log
 from tq_warmup_plugin import compat, guards, install, warmup
 from tq_warmup_plugin.discovery import Discovery
 from tq_warmup_plugin.guards import draft_seq_lens as guard
-from tq_warmup_plugin.guards import spec_graphs
+from tq_warmup_plugin.guards import spec_graphs, spec_problem
 from tq_warmup_plugin.settings import Settings
 
 
@@ -186,7 +186,7 @@ def test_spec_decode_problem(
     guarded: bool,
     expected: str | None,
 ) -> None:
-    line = compat.spec_decode_problem(feats, method, async_, v2, guarded)
+    line = spec_problem.spec_decode_problem(feats, method, async_, v2, guarded)
     if expected is None:
         assert line is None
         return
@@ -238,7 +238,7 @@ def test_warmup_warns_once_on_turboquant_workers(
         []
         if spec is None
         else [
-            compat.spec_decode_problem(
+            spec_problem.spec_decode_problem(
                 compat.features((0, 26)), "eagle", True, False, guard.in_place()
             )
         ]

@@ -140,7 +140,7 @@ def test_run_reserves_then_plans_with_the_real_workspace(
     monkeypatch.setattr(warmup, "discover", lambda worker, feats: Discovery(geometries={"l": g}))
     monkeypatch.setattr(warmup, "CompileCounter", StubCounter)
     monkeypatch.setattr(workspace, "reserve", reserve)
-    monkeypatch.setattr(compat, "workspace_buffer_sizes", sizes)
+    monkeypatch.setattr(workspace, "buffer_sizes", sizes)
     warmer = RecordingWarmer(None)
     report = warmup.run(object(), Settings(launch=False), manager(warmer))
     final = dataclasses.replace(g, workspace_bytes=(LIMIT + 1,)) if on_hip else g
@@ -262,6 +262,7 @@ def hip_case(feats: compat.Features, preset: str, kv_storage: int, workspace: in
     from tq_warmup_plugin.warmers.triton_jit import compile_key
     from tq_warmup_plugin.warmers.turboquant import turboquant_contributions
     from tq_warmup_plugin.warmup import Plan
+    from tq_warmup_plugin.workspace import buffer_sizes
 
     ws.reset_workspace_manager()
     ws.init_workspace_manager(torch.device("cpu"))
@@ -272,9 +273,9 @@ def hip_case(feats: compat.Features, preset: str, kv_storage: int, workspace: in
     try:
         with recorded_keys() as launched:
             drive(impl, kv, WIDTH, torch.bfloat16)
-        assert compat.workspace_buffer_sizes(feats) == (workspace,)  # nothing grew it
+        assert buffer_sizes(feats) == (workspace,)  # nothing grew it
         manager.lock()  # what vLLM does after capture; an elastic EP re-warm reads it then
-        assert compat.workspace_buffer_sizes(feats) == (workspace,)
+        assert buffer_sizes(feats) == (workspace,)
     finally:
         ws.reset_workspace_manager()
         ws.init_workspace_manager(torch.device("cpu"))

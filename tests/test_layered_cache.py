@@ -407,8 +407,7 @@ def _child() -> None:
     run's Triton variables, clear Triton's in-memory caches, warm real impls of the
     presets through the plugin; print the reports and the plugin's warnings as JSON."""
     import vllm.logger  # noqa: F401 (its logging config would drop a handler added before)
-    from realvllm import activate_compile_only_driver, make_impl
-    from test_real_vllm import fake_worker
+    from realvllm import activate_compile_only_driver, fake_worker, make_impl
 
     from tq_warmup_plugin import compat
     from tq_warmup_plugin.settings import Settings

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 import tq_warmup_plugin
-from tq_warmup_plugin import compat, install
+from tq_warmup_plugin import install, multinode
 from tq_warmup_plugin.multinode import forward_to_ray_workers
 
-PREFIXES, NAMES = compat.RAY_EXTRA_PREFIXES_VAR, compat.RAY_EXTRA_VARS_VAR
+PREFIXES, NAMES = multinode.RAY_EXTRA_PREFIXES_VAR, multinode.RAY_EXTRA_VARS_VAR
 
 
 @pytest.mark.parametrize(
@@ -30,7 +30,7 @@ PREFIXES, NAMES = compat.RAY_EXTRA_PREFIXES_VAR, compat.RAY_EXTRA_VARS_VAR
     ],
 )
 def test_csv_items_are_added_once_and_the_users_list_kept(value: str, expected: str) -> None:
-    assert compat.with_csv_items(value, ("TQ_WARMUP",)) == expected
+    assert multinode.with_csv_items(value, ("TQ_WARMUP",)) == expected
 
 
 def test_forwarding_adds_our_names_to_vllms_lists_once() -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import fakes
 import pytest
 
 from tq_warmup_plugin import settings
@@ -23,8 +26,18 @@ def test_defaults() -> None:
     assert parse({}) == (Settings(), [])
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
 def test_cpu_count_is_this_process_s() -> None:
-    assert 1 <= DEFAULT_THREADS <= min(4, settings.cpu_count())
+    """A process pinned to one CPU (``taskset``, a container's cpuset) counts one, and
+    compiles serially by default, however many the machine has."""
+    code = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+        "from tq_warmup_plugin import settings\n"
+        "print(settings.cpu_count(), settings.DEFAULT_THREADS, os.cpu_count())\n"
+    )
+    pinned, threads, machine = map(int, fakes.fresh_python(code).split())
+    assert (pinned, threads) == (1, 1)
+    assert machine == os.cpu_count()  # the machine's count, which the pin must not use
 
 
 @pytest.mark.parametrize(

@@ -39,9 +39,15 @@ def test_workspace_slots(ubatches: int | None, lanes: int | None, slots: list) -
     assert compat.workspace_slots(SlotManager(ubatches, lanes)) == slots
 
 
-def test_slot_zero_needs_no_vllm() -> None:
+def test_slot_zero_needs_no_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slot (0, 0) is what every caller gets already: it must not import the workspace
+    module, which a missing module name shows whether vLLM is installed or not."""
+    monkeypatch.setattr(compat.vllm_paths, "WORKSPACE_MODULE", "tq_warmup_plugin._no_such")
     with compat.workspace_slot(0, 0):
         pass
+    for ubatch, lane in ((1, 0), (0, 1)):  # any other slot does import it
+        with pytest.raises(ModuleNotFoundError), compat.workspace_slot(ubatch, lane):
+            pass
 
 
 def test_reserve_fills_every_slot(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,34 +12,26 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import math
 import os
 import sys
 import tempfile
 import time
-import zipfile
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import NamedTuple, NoReturn
+from typing import NoReturn
 
 import pluggy
 
-from . import compat, launches, manifest, safe_io, warmup
-from .geometry import DTYPE_BYTES, PRESETS, Geometry, preset
+from . import compat, launches, manifest, planning, safe_io, warmup
+from .geometry import PRESETS, Geometry, Reported, read_report
+from .planning import Planned
 from .report import Report
 from .settings import load, parse
 
-__all__ = ["CliError", "Planned", "geometries_from_report", "geometry_from_args", "main"]
-
-
-def _dist_version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
+__all__ = ["CliError", "geometries_from_report", "main"]
 
 
 def _entry_point_visible() -> bool:
@@ -57,8 +49,8 @@ def doctor(_: argparse.Namespace) -> int:
     visible = _entry_point_visible()
     rows = [
         ("vllm", vllm_version or "not installed"),
-        ("torch", _dist_version("torch") or "not installed"),
-        ("triton", _dist_version("triton") or "not installed"),
+        ("torch", compat.distribution_version("torch") or "not installed"),
+        ("triton", compat.distribution_version("triton") or "not installed"),
         ("supported", "yes" if problem is None else f"no: {problem}"),
         ("settings", ", ".join(f"{k}={v}" for k, v in settings._asdict().items())),
         ("entry point", "visible" if visible else "missing (reinstall the package)"),
@@ -66,6 +58,14 @@ def doctor(_: argparse.Namespace) -> int:
     ]
     will_load = visible and not filtered_out and settings.enabled and problem is None
     rows.append(("will warm", "yes" if will_load else "no"))
+    steps = [
+        (problem is not None, f"install vLLM {compat.SUPPORTED} (found: {vllm_version})"),
+        (not visible, "reinstall tq-warmup-plugin (vLLM finds plugins by entry point)"),
+        (filtered_out, "add tq_warmup to VLLM_PLUGINS, or unset it"),
+        (not settings.enabled, "unset TQ_WARMUP (it turns the plugin off)"),
+    ]
+    if not will_load:  # the plugin turns itself on in every vLLM process once installed
+        rows.append(("next step", "; ".join(step for needed, step in steps if needed)))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
@@ -78,253 +78,48 @@ class CliError(Exception):
     """Input the CLI refuses: the message is the one line it prints (exit code 2)."""
 
 
-def _config_dir(path: str) -> str:
+def _read_json(path: Path, flag: str) -> object:
+    """The JSON value in the file ``flag`` names: the CLI's one read of a JSON file it
+    did not write, as a hostile file (``safe_io``: a FIFO, a device, huge or deeply
+    nested JSON is refused); a symlink is followed. Anything else is one CliError line."""
+    try:
+        return safe_io.read_json(str(path), follow=True)
+    except safe_io.UnsafeFile as exc:
+        why = "no such file" if exc.missing else f"cannot read it ({exc})"
+        raise CliError(f"{flag} {path}: {why}") from None
+
+
+@contextlib.contextmanager
+def _model_dir(path: str) -> Iterator[str]:
     """The directory vLLM reads ``config.json`` from, after the checks vLLM would fail
-    on with a traceback: the path exists and its ``config.json`` is a JSON object."""
+    on with a traceback: the path exists and its ``config.json`` is a JSON object. A
+    file of another name (``llama.json``) is copied as ``config.json`` into a temporary
+    directory that is removed when the block ends."""
     given = Path(path)
     file = given / "config.json" if given.is_dir() else given
     if not given.exists():
         raise CliError(f"--model {path}: no such file or directory")
     if given.is_dir() and not file.is_file():
         raise CliError(f"--model {path}: no config.json in this directory")
-    data = _read_json("--model", str(file))
+    data = _read_json(file, "--model")
     if not isinstance(data, dict):
         raise CliError(f"--model {file}: a JSON {type(data).__name__}, not a model config object")
     if file.name == "config.json":
-        return str(file.parent)
-    # Another name (llama.json): vLLM reads a directory's config.json, so hand it one.
-    tmp = Path(tempfile.mkdtemp(prefix="tq-warmup-config-"))
-    (tmp / "config.json").write_text(json.dumps(data))
-    return str(tmp)
+        yield str(file.parent)
+        return
+    with tempfile.TemporaryDirectory(prefix="tq-warmup-config-") as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(data))
+        yield tmp
 
 
-def _read_json(flag: str, path: str) -> object:
-    """A JSON input of the CLI, read as a hostile file (``safe_io``: a FIFO, a device,
-    huge or deeply nested JSON is refused in one line); a symlink is followed."""
-    try:
-        return safe_io.read_json(path, follow=True)
-    except safe_io.UnsafeFile as exc:
-        why = "no such file" if exc.missing else f"cannot read it ({exc})"
-        raise CliError(f"{flag} {path}: {why}") from None
-
-
-class Planned(NamedTuple):
-    """A geometry planned without a worker, and the layers it stands for."""
-
-    geometry: Geometry
-    layers: int
-    """TurboQuant layers (all ranks see the same count)."""
-    boundary: bool
-    """Whether TurboQuant leaves boundary layers in the model dtype (dense models)."""
-    note: str
-    """Where the shape came from, for the printed plan."""
-    local: Geometry | None = None
-    """The geometry of the model's chunked local attention layers (Llama 4), if any."""
-
-
-def _features(args: argparse.Namespace) -> compat.Features:
-    installed = compat.installed_vllm_version()
-    try:
-        return compat.release_features(args.vllm_version or installed)
-    except compat.UnsupportedRelease as exc:
-        hint = "" if args.vllm_version else " (pass --vllm-version to plan for a release)"
-        raise CliError(f"{exc}{hint}") from None
-
-
-def geometry_from_args(args: argparse.Namespace) -> Planned:
-    """The geometry the worker would discover, from vLLM's ``ModelConfig`` of
-    ``--model`` and the explicit flags, which take precedence."""
-    if args.kv_cache_dtype is None:
-        raise CliError("need --kv-cache-dtype (or --geometry-json)")
-    feats = _features(args)
-    tp = args.tensor_parallel_size
-    shape: compat.ModelShape | None = None
-    if args.model is not None:
-        directory = _config_dir(args.model)
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local config: nothing to download
-        try:
-            shape = compat.model_shape(
-                directory, tp, args.dtype, args.max_model_len, args.trust_remote_code
-            )
-        except ImportError as exc:
-            raise CliError(
-                f"--model needs vLLM installed to read the config ({exc}); or give "
-                "--head-size, --num-heads and --num-kv-heads"
-            ) from None
-        except compat.UnsupportedModel as exc:
-            raise CliError(f"--model {args.model}: {exc}") from None
-        if args.dtype is None and shape.config_dtype == "float32":
-            raise CliError(
-                f"--model {args.model}: config.json says float32 and TurboQuant runs the "
-                "model in 16 bits: pass --dtype bfloat16 or float16 (what vLLM's --dtype is)"
-            )
-    heads = args.num_heads or (shape.total_heads if shape else None)
-    kv_heads = args.num_kv_heads or (shape.total_kv_heads if shape else None) or heads
-    head_size = args.head_size or (shape.head_size if shape else None)
-    if not (heads and kv_heads and head_size):
-        raise CliError("need --model, or --head-size, --num-heads and --num-kv-heads")
-    try:
-        hq, hk = compat.heads_per_rank(heads, kv_heads, tp)
-    except compat.UnsupportedModel as exc:
-        raise CliError(str(exc)) from None
-    if shape is not None and not (args.num_heads or args.num_kv_heads):
-        hq, hk = shape.num_heads, shape.num_kv_heads  # vLLM's own split
-    max_model_len = args.max_model_len or (shape.max_model_len if shape else 4096)
-    dtype = args.dtype or (shape.dtype if shape else "bfloat16")
-    if dtype not in ("bfloat16", "float16"):
-        raise CliError(f"model dtype {dtype}: TurboQuant runs bfloat16 or float16 models")
-    try:
-        skip = compat.boundary_layers(
-            feats, shape.num_layers if shape else 0, shape.hybrid if shape else False
-        )
-    except compat.UnsupportedModel as exc:
-        raise CliError(f"--model {args.model}: {exc}") from None
-    if shape is not None:
-        layers = len(set(shape.attention_layers) - set(skip))
-        if layers == 0:
-            raise CliError(
-                f"--model {args.model}: all {shape.num_layers} layers are boundary layers "
-                "TurboQuant leaves in the model dtype: nothing to warm"
-            )
-        note = f"{shape.architecture}, {len(shape.attention_layers)} attention layers"
-        note += f", boundary {', '.join(map(str, skip))}" if skip else ", no boundary layers"
-        if shape.hybrid:  # vLLM sizes a hybrid's attention pages to its Mamba state
-            note += "; hybrid: block size and page padding may differ, --geometry-json is exact"
-    else:
-        layers, note = 0, "from flags"
-    scale = args.scale
-    if scale is None:
-        scale = shape.scale if shape and shape.scale is not None else head_size**-0.5
-    bs = compat.effective_block_size(feats, args.block_size, DTYPE_BYTES[dtype])
-    layout = preset(args.kv_cache_dtype, head_size)
-    runner = args.runner or ("v2" if feats.version >= (0, 25) else "v1")
-    geometry = Geometry(
-        cache_dtype=args.kv_cache_dtype,
-        head_size=head_size,
-        num_heads=hq,
-        num_kv_heads=hk,
-        block_size=bs,
-        scale=scale,
-        kv_strides=compat.kv_view_strides(feats, bs, hk, layout.slot_size_aligned),
-        model_dtype=dtype,
-        block_table_width=compat.block_table_width(feats, max_model_len, bs, runner == "v2"),
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_kv_splits=args.kv_splits,
-        fp8_e4b15=compat.fp8_e4b15((args.arch // 10, args.arch % 10)),
-        features=feats,
-        ubatch_sliced=compat.ubatch_sliced(feats, args.enable_dbo, runner == "v2"),
-    )
-    chunk = args.attention_chunk_size
-    if chunk is None:
-        chunk = shape.attention_chunk if shape else None
-    local = dataclasses.replace(geometry, attention_chunk=chunk) if chunk else None
-    try:
-        for g in filter(None, (geometry, local)):
-            g.check()
-    except ValueError as exc:
-        raise CliError(f"not a TurboQuant geometry: {exc}") from None
-    if local is not None:
-        note += f"; chunked local attention of {chunk} tokens"
-    return Planned(geometry, layers, bool(skip) or shape is None, note, local)
-
-
-def _is_bool(value: object) -> bool:
-    return isinstance(value, bool)
-
-
-def _is_views(value: object) -> bool:
-    views = compat.UBATCH_VIEWS_V1
-    return isinstance(value, list) and all(isinstance(v, str) and v in views for v in value)
-
-
-def _is_size(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _is_sizes(value: object) -> bool:
-    return isinstance(value, list) and all(_is_size(v) for v in value)
-
-
-# Fields a report may lack (written before they existed, or left out at their default:
-# ``Geometry.to_dict``): each one's check; the dataclass default stands in for it.
-_OPTIONAL_FIELDS: dict[str, Callable[[object], bool]] = {
-    "kv_aligned": _is_bool,
-    "ubatch_sliced": _is_views,
-    "pointer_ranges": _is_bool,
-    "kv_storage_bytes": _is_size,
-    "block_table_bytes": _is_size,
-    "workspace_bytes": _is_sizes,
-    "attention_chunk": _is_size,
-    "verify_len": _is_size,
-}
-_GEOMETRY_FIELDS = {
-    f.name: f.type
-    for f in dataclasses.fields(Geometry)
-    if f.name != "features" and f.name not in _OPTIONAL_FIELDS
-}
-
-
-def _report_geometry(path: str, index: int, raw: object, feats: compat.Features) -> Geometry:
-    where = f"--geometry-json {path}: geometries[{index}]"
-    if not isinstance(raw, dict):
-        raise CliError(f"{where} is not an object")
-    missing = sorted(set(_GEOMETRY_FIELDS) - set(raw))
-    if missing:
-        raise CliError(f"{where} lacks {', '.join(missing)}")
-    unknown = sorted(set(raw) - set(_GEOMETRY_FIELDS) - set(_OPTIONAL_FIELDS))
-    if unknown:
-        raise CliError(f"{where} has unknown fields {', '.join(unknown)}")
-    for name, kind in _GEOMETRY_FIELDS.items():
-        value = raw[name]
-        ok = {
-            "int": isinstance(value, int) and not isinstance(value, bool),
-            "float": isinstance(value, (int, float))
-            and not isinstance(value, bool)
-            and math.isfinite(value)
-            and value > 0,
-            "str": isinstance(value, str),
-        }.get(str(kind))
-        if name == "kv_strides":
-            ok = (
-                isinstance(value, list)
-                and len(value) == 3
-                and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-            )
-        if ok is False or (str(kind) == "int" and value < 0):
-            raise CliError(f"{where}: {name} {value!r} is not a valid {kind}")
-    for name, valid in _OPTIONAL_FIELDS.items():
-        if name in raw and not valid(raw[name]):
-            raise CliError(f"{where}: {name} {raw[name]!r} is not valid")
-    try:
-        geometry = Geometry.from_dict(raw, feats)
-        geometry.check()
-    except (ValueError, TypeError) as exc:
-        raise CliError(f"{where}: {exc}") from None
-    return geometry
-
-
-def geometries_from_report(path: str) -> tuple[list[Geometry], int, str]:
+def geometries_from_report(path: str) -> Reported:
     """The geometries a real startup discovered (its ``TQ_WARMUP_REPORT`` JSON), the
     TurboQuant layers they stand for, and the vLLM version the report names."""
-    data = _read_json("--geometry-json", path)
-    if not isinstance(data, dict) or not isinstance(data.get("geometries"), list):
-        raise CliError(
-            f"--geometry-json {path}: not a tq-warmup report (no 'geometries' list; "
-            "write one with TQ_WARMUP_REPORT)"
-        )
-    if not data["geometries"]:
-        raise CliError(f"--geometry-json {path}: the startup found no TurboQuant layers")
-    version = data.get("vllm_version")
+    data = _read_json(Path(path), "--geometry-json")
     try:
-        feats = compat.release_features(version if isinstance(version, str) else None)
-    except compat.UnsupportedRelease as exc:
+        return read_report(data)
+    except ValueError as exc:
         raise CliError(f"--geometry-json {path}: {exc}") from None
-    found = [_report_geometry(path, i, g, feats) for i, g in enumerate(data["geometries"])]
-    layers = data.get("layers")
-    count = layers if isinstance(layers, int) and layers >= len(found) else len(found)
-    return found, count, str(version)
 
 
 def _geometries(args: argparse.Namespace) -> tuple[dict[str, Geometry], Planned]:
@@ -334,7 +129,9 @@ def _geometries(args: argparse.Namespace) -> tuple[dict[str, Geometry], Planned]
         named = {f"geometry{i}": g for i, g in enumerate(found)}
         note = f"startup report of vLLM {version}"
         return named, Planned(found[0], layers, True, note)
-    planned = geometry_from_args(args)
+    with contextlib.ExitStack() as stack:  # vLLM reads --model's config in here
+        model = None if args.model is None else stack.enter_context(_model_dir(args.model))
+        planned = planning.geometry_from_args(args, model)
     named = {"geometry0": planned.geometry}
     if planned.local is not None:
         named["local"] = planned.local
@@ -384,6 +181,9 @@ def inspect(args: argparse.Namespace) -> int:
         f"({geometry.cache_dtype}, vLLM {'.'.join(map(str, geometry.features.version))}, "
         f"sm{args.arch}; {planned.note})"
     )
+    listed = sum(map(len, per_path.values()))
+    if listed > len(the_plan.keys):  # the same key serves decode and short continuations
+        print(f"paths share keys: {listed} listed by path below, each compiled once")
     for path, described in per_path.items():
         print(f"\n{path}: {len(described)}")
         for text in described:
@@ -418,42 +218,22 @@ def _cache_dir(path: str) -> Path:
 
 
 def _wheel_tags(path: str) -> tuple[str, str]:
-    """The Triton release and ABI tag (``cp312``) of ``--image-triton-wheel``, after
-    checking the file is one."""
-    wheel = Path(path)
-    if not wheel.is_file():
-        raise CliError(f"--image-triton-wheel {path}: no such file")
-    # "triton-3.6.0-cp312-cp312-manylinux_2_27_x86_64.whl": name, version, tags.
-    fields = wheel.name.removesuffix(".whl").split("-")
-    if not wheel.name.endswith(".whl") or len(fields) < 5 or fields[0] != "triton":
-        raise CliError(
-            f"--image-triton-wheel {path}: not a Triton wheel name "
-            "(triton-<version>-<python>-<abi>-<platform>.whl)"
-        )
+    """``precompile.wheel_tags`` of ``--image-triton-wheel``, refused in one line."""
+    from .precompile import WheelError, wheel_tags
+
     try:
-        with zipfile.ZipFile(wheel) as archive:
-            if "triton/runtime/cache.py" not in archive.namelist():
-                raise CliError(f"--image-triton-wheel {path}: has no triton/runtime/cache.py")
-    except (zipfile.BadZipFile, OSError) as exc:
-        raise CliError(f"--image-triton-wheel {path}: not a readable wheel ({exc})") from None
-    return fields[1], fields[-2]
-
-
-def _target_stack(arch: int, wheel: str | None, wheel_key: str | None) -> manifest.Stack:
-    """The stack the image runs: the installed one, with the image's Triton build and
-    Python when ``--image-triton-wheel`` names them."""
-    here = manifest.installed_stack(arch=arch)
-    if wheel is None or wheel_key is None:
-        return here
-    return dataclasses.replace(
-        here, triton_build=manifest.triton_build(wheel_key), python_abi=_wheel_tags(wheel)[1]
-    )
+        return wheel_tags(path)
+    except WheelError as exc:
+        raise CliError(f"--image-triton-wheel {path}: {exc}") from None
 
 
 def precompile(args: argparse.Namespace) -> int:
     """Compile the plan for the target architecture into ``--cache-dir``."""
     start = time.perf_counter()
-    installed = {"vllm": compat.installed_vllm_version(), "triton": _dist_version("triton")}
+    installed = {
+        "vllm": compat.installed_vllm_version(),
+        "triton": compat.distribution_version("triton"),
+    }
     if installed["vllm"] is None or installed["triton"] is None:
         missing = " and ".join(k for k, v in installed.items() if v is None)
         raise CliError(f"precompile compiles the installed kernels: {missing} not installed")
@@ -504,10 +284,11 @@ def precompile(args: argparse.Namespace) -> int:
     the_plan, named, planned = _plan(args, pm)
 
     from .precompile import (
-        InstallError,
         cache_keys_for,
+        InstallError,
         install,
         staging,
+        target_stack,
         triton_key_of_wheel,
         use_compile_only_target,
     )
@@ -520,7 +301,7 @@ def precompile(args: argparse.Namespace) -> int:
             tmp = stack.enter_context(tempfile.TemporaryDirectory())
             wheel_key = triton_key_of_wheel(args.image_triton_wheel, tmp)
             stack.enter_context(cache_keys_for(wheel_key))
-        target = _target_stack(args.arch, args.image_triton_wheel, wheel_key)
+        target = target_stack(args.arch, args.image_triton_wheel, wheel_key)
         try:
             stage = stack.enter_context(staging(cache_dir, target))
             os.environ["TRITON_CACHE_DIR"] = str(stage)
@@ -562,34 +343,20 @@ def driver_cache(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
 
 
-def _verify_driver_cache(root: Path) -> int | None:
-    """Print ``verify``'s lines for ``root/driver-cache``: its problem count, or None."""
-    from . import driver_cache as dc
-
-    node = dc.read_node("/proc", dc.fa2_library(), hash_fa2=True)
-    checked = dc.verify_layer(root, node)
-    if checked is None:
-        return None
-    summary, problems = checked
-    for line in problems:
-        print(line)
-    print(summary)
-    return len(problems)
-
-
 def verify(args: argparse.Namespace) -> int:
     """Check every manifest in ``--cache-dir``: its files, and its stack against what is
-    installed here (what the layered cache checks at startup, offline), and the driver
-    cache entries of ``driver-cache/``."""
+    installed here (what the layered cache checks at startup, offline), the driver
+    cache entries of ``driver-cache/``, and stages a killed precompile left."""
     root = Path(args.cache_dir)
     if not root.is_dir():
         raise CliError(f"--cache-dir {args.cache_dir}: not a directory")
+    from . import driver_cache as dc
     from .precompile import stale_stages
 
     stale = stale_stages(root)
     for stage in stale:
         print(f"{stage.name}: left by a precompile that did not finish (the next one removes it)")
-    driver_problems = _verify_driver_cache(root)
+    driver_problems = dc.print_verify(root)
     paths = manifest.manifest_files(root)
     if not paths:
         if driver_problems is not None:
@@ -648,16 +415,12 @@ def _scale(text: str) -> float:
     return value
 
 
-# NVIDIA targets Triton's CUDA backend compiles for (3.6-3.8); anything else aborts
-# inside LLVM ("--arch 0" exits with 134), so it is refused before compiling.
-SM_TARGETS = (75, 80, 86, 87, 89, 90, 100, 101, 103, 110, 120, 121)
-
-
 def _arch(text: str) -> int:
     value = _whole(0)(text.removeprefix("sm").removeprefix("sm_"))
-    if value not in SM_TARGETS:
+    if value not in compat.SM_TARGETS:
+        targets = ", ".join(map(str, compat.SM_TARGETS))
         raise argparse.ArgumentTypeError(
-            f"sm{value} is not a target Triton compiles for ({', '.join(map(str, SM_TARGETS))})"
+            f"sm{value} is not a target Triton compiles for ({targets})"
         )
     return value
 
@@ -770,7 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = handlers[args.command]
     try:
         return handler(args)
-    except CliError as exc:
+    except (CliError, planning.PlanError) as exc:
         print(f"tq-warmup: {exc}", file=sys.stderr)
         return 2
 

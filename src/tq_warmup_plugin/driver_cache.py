@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 __all__ = [
+    "print_verify",
     "CACHE_DIR",
     "DRIVER_DIR",
     "KIND",
@@ -489,3 +490,17 @@ def verify_layer(layer: str | Path, node: Node) -> tuple[str, list[str]] | None:
     if unknown:
         summary += f"; not checked (not known here): {', '.join(unknown)}"
     return summary, problems
+
+
+def print_verify(root: Path) -> int | None:
+    """``tq-warmup verify``'s lines for ``root/driver-cache`` on this node: printed, and
+    the problem count returned; None where the layer has no driver cache."""
+    node = read_node("/proc", fa2_library(), hash_fa2=True)
+    checked = verify_layer(root, node)
+    if checked is None:
+        return None
+    summary, problems = checked
+    for line in problems:
+        print(line)
+    print(summary)
+    return len(problems)

@@ -8,13 +8,14 @@ it, so it lives apart from any one of them. Third-party warmers receive it too.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, NamedTuple
 
+from . import compat
 from .compat import Features
 
-__all__ = ["DTYPE_BYTES", "PRESETS", "Geometry", "Preset", "preset"]
+__all__ = ["DTYPE_BYTES", "PRESETS", "Geometry", "Preset", "Reported", "preset", "read_report"]
 
 # (key_quant_bits, value_quant_bits, norm_correction), TQ_PRESETS in 0.20-0.33.
 PRESETS: dict[str, tuple[int, int, bool]] = {
@@ -200,6 +201,32 @@ class Geometry:
             values[name] = tuple(values.get(name, ()))
         return cls(**values, features=feats)
 
+    @classmethod
+    def from_report(cls, raw: object, feats: Features) -> Geometry:
+        """One geometry of a JSON report (``to_dict``'s output, from any release of the
+        plugin), checked field by field: raises ValueError with one line that names the
+        field, never TypeError or KeyError from a hand-edited or foreign file."""
+        if not isinstance(raw, dict):
+            raise ValueError("is not an object")
+        missing = sorted(set(_REQUIRED) - set(raw))
+        if missing:
+            raise ValueError(f"lacks {', '.join(missing)}")
+        unknown = sorted(set(raw) - set(_REQUIRED) - set(_OPTIONAL))
+        if unknown:
+            raise ValueError(f"has unknown fields {', '.join(unknown)}")
+        for name, kind in _REQUIRED.items():
+            if not _valid(name, kind, raw[name]):
+                raise ValueError(f"{name} {raw[name]!r} is not a valid {kind}")
+        for name, valid in _OPTIONAL.items():
+            if name in raw and not valid(raw[name]):
+                raise ValueError(f"{name} {raw[name]!r} is not valid")
+        try:
+            geometry = cls.from_dict(raw, feats)
+            geometry.check()
+        except (ValueError, TypeError) as exc:
+            raise ValueError(str(exc)) from None
+        return geometry
+
     def check(self) -> None:
         """Raise ValueError for a geometry the kernels cannot have been built for."""
         if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
@@ -214,3 +241,89 @@ class Geometry:
             )
         self.preset  # noqa: B018 (validates the cache dtype)
         self.short_dtype  # noqa: B018 (validates the model dtype)
+
+
+def _is_bool(value: object) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_size(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_views(value: object) -> bool:
+    views = compat.UBATCH_VIEWS_V1
+    return isinstance(value, list) and all(isinstance(v, str) and v in views for v in value)
+
+
+def _is_sizes(value: object) -> bool:
+    return isinstance(value, list) and all(_is_size(v) for v in value)
+
+
+def _valid(name: str, kind: str, value: object) -> bool:
+    """Whether a required field's JSON value can be that field."""
+    if name == "kv_strides":
+        return isinstance(value, list) and len(value) == 3 and all(map(_is_int, value))
+    if kind == "int":
+        return _is_size(value)
+    if kind == "float":
+        return (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+            and value > 0
+        )
+    return isinstance(value, str) if kind == "str" else True
+
+
+# Fields a report may lack (written before they existed, or left out at their default:
+# ``Geometry.to_dict``): each one's check; the dataclass default stands in for it.
+_OPTIONAL: dict[str, Callable[[object], bool]] = {
+    "kv_aligned": _is_bool,
+    "ubatch_sliced": _is_views,
+    "pointer_ranges": _is_bool,
+    "kv_storage_bytes": _is_size,
+    "block_table_bytes": _is_size,
+    "workspace_bytes": _is_sizes,
+    "attention_chunk": _is_size,
+    "verify_len": _is_size,
+}
+_REQUIRED = {f.name: str(f.type) for f in fields(Geometry) if f.default is MISSING}
+_REQUIRED.pop("features")  # the release is the report's, not a geometry's
+
+
+class Reported(NamedTuple):
+    """What a ``TQ_WARMUP_REPORT`` JSON says a real startup discovered."""
+
+    geometries: list[Geometry]
+    layers: int
+    """The TurboQuant layers they stand for (at least one per geometry)."""
+    vllm_version: str
+
+
+def read_report(data: object) -> Reported:
+    """The geometries of a parsed report, checked; raises ValueError with one line."""
+    if not isinstance(data, dict) or not isinstance(data.get("geometries"), list):
+        raise ValueError(
+            "not a tq-warmup report (no 'geometries' list; write one with TQ_WARMUP_REPORT)"
+        )
+    if not data["geometries"]:
+        raise ValueError("the startup found no TurboQuant layers")
+    version = data.get("vllm_version")
+    try:
+        feats = compat.release_features(version if isinstance(version, str) else None)
+    except compat.UnsupportedRelease as exc:
+        raise ValueError(str(exc)) from None
+    found = []
+    for index, raw in enumerate(data["geometries"]):
+        try:
+            found.append(Geometry.from_report(raw, feats))
+        except ValueError as exc:
+            raise ValueError(f"geometries[{index}]: {exc}") from None
+    layers = data.get("layers")
+    count = layers if isinstance(layers, int) and layers >= len(found) else len(found)
+    return Reported(found, count, str(version))

@@ -13,7 +13,6 @@ module for the speculative-decoding guard (``guards/``).
 
 from __future__ import annotations
 
-import functools
 import importlib.machinery
 import logging
 import sys
@@ -22,12 +21,11 @@ from types import ModuleType
 from typing import Any
 
 from . import compat, guards
+from .guards import _patching
 from .settings import Settings
 
 # A child of vLLM's "vllm" logger inherits its handlers and format.
 logger = logging.getLogger("vllm.tq_warmup_plugin")
-
-_ORIGINAL_ATTR = "__tq_warmup_original__"
 
 
 def _emit(report: Any, settings: Settings, worker: Any) -> None:
@@ -63,12 +61,11 @@ def warm_worker(worker: Any, settings: Settings) -> None:
 def wrap(original: Callable[..., Any], settings: Settings) -> Callable[..., Any]:
     """``original`` with our warmup in front; accepts 0.27+'s ``process_local_only``."""
 
-    @functools.wraps(original)
+    @_patching.wraps(original)
     def kernel_warmup(worker: Any, *args: Any, **kwargs: Any) -> Any:
         warm_worker(worker, settings)
         return original(worker, *args, **kwargs)
 
-    setattr(kernel_warmup, _ORIGINAL_ATTR, original)
     return kernel_warmup
 
 
@@ -77,15 +74,13 @@ Patch = Callable[[ModuleType], object]
 
 def _hook_warmup(source: ModuleType, settings: Settings) -> None:
     """Wrap the defining module's ``kernel_warmup`` and rebind every call site."""
-    current = getattr(source, "kernel_warmup", None)
-    if current is None:
-        return
-    original = getattr(current, _ORIGINAL_ATTR, current)
-    wrapped = current if original is not current else wrap(original, settings)
-    for name in compat.CALL_SITE_MODULES:
-        module = sys.modules.get(name)
-        if module is not None and getattr(module, "kernel_warmup", None) is original:
-            setattr(module, "kernel_warmup", wrapped)  # noqa: B010 (a module, not a class)
+    if getattr(source, "kernel_warmup", None) is not None:
+        _patching.wrap_function(
+            source,
+            "kernel_warmup",
+            lambda original: wrap(original, settings),
+            compat.CALL_SITE_MODULES,
+        )
 
 
 def patches(settings: Settings) -> dict[str, list[Patch]]:
@@ -144,12 +139,7 @@ def uninstall() -> None:
         module = sys.modules.get(guard.MODULE)
         if module is not None:
             guard.remove(module)
-    for name in compat.CALL_SITE_MODULES:
-        module = sys.modules.get(name)
-        current = getattr(module, "kernel_warmup", None) if module is not None else None
-        original = getattr(current, _ORIGINAL_ATTR, None)
-        if original is not None:
-            module.kernel_warmup = original  # type: ignore[union-attr]
+    _patching.unwrap_function(_patching.loaded(compat.CALL_SITE_MODULES), "kernel_warmup")
 
 
 def hooked() -> bool:
@@ -160,7 +150,7 @@ def hooked() -> bool:
 def installed() -> bool:
     """Whether the defining module's ``kernel_warmup`` is currently our wrapper."""
     module = sys.modules.get(compat.WARMUP_MODULE)
-    return module is not None and hasattr(module.kernel_warmup, _ORIGINAL_ATTR)
+    return module is not None and _patching.is_ours(module.kernel_warmup)
 
 
 __all__ = ["hooked", "install", "installed", "uninstall", "warm_worker", "wrap"]

@@ -50,15 +50,13 @@ from typing import Any, TypeVar
 
 from triton.runtime.cache import FileCacheManager
 
-from . import safe_io
+from . import safe_io, settings
 from .layer_trust import layer_trust, private_root, warn_once
 
-LAYERS_ENV = "TQ_WARMUP_CACHE_LAYERS"
+LAYERS_ENV = settings.CACHE_LAYERS_ENV
 MANAGER = "tq_warmup_plugin.layered_cache:LayeredCacheManager"
 
-# The file that names a compiled kernel's files (``FileCacheManager.put_group``,
-# Triton 3.6-3.8): ``{"child_paths": {file name: absolute path at write time}}``.
-_GROUP_PREFIX = "__grp__"
+_GROUP_PREFIX = compat.GROUP_PREFIX  # the file naming a kernel's files (compat.triton)
 
 logger = logging.getLogger("vllm.tq_warmup_plugin")
 
@@ -210,7 +208,7 @@ class LayeredCacheManager(FileCacheManager):  # type: ignore[misc]
         own = self._root()
         if not self.cache_dir or own in _unwritable:
             self._use_fallback()
-        roots = layer_roots(os.environ.get(LAYERS_ENV, ""))
+        roots = layer_roots(settings.cache_layers())
         for root in roots:
             how = _overlap(root, own)
             if how is not None:

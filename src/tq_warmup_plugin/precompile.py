@@ -10,6 +10,7 @@ directory. Used by ``tq-warmup precompile``, the ``real_vllm`` tests and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import json
@@ -23,28 +24,29 @@ from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import manifest, safe_io
+from . import compat, manifest, safe_io
 
 __all__ = [
     "ALIVE_FILE",
     "LOCK_FILE",
     "STAGE_PREFIX",
     "InstallError",
+    "WheelError",
     "cache_keys_for",
     "install",
     "staging",
     "stale_stages",
+    "target_stack",
     "triton_key_of",
     "triton_key_of_wheel",
     "use_compile_only_target",
+    "wheel_tags",
 ]
 
 STAGE_PREFIX = ".tq-warmup-stage-"
 LOCK_FILE = ".tq-warmup.lock"
 ALIVE_FILE = ".alive"  # in a stage, locked by the precompile that uses it
-# Triton names a kernel's files in ``__grp__<kernel>.json`` (``FileCacheManager.put_group``,
-# 3.6-3.8): ``{"child_paths": {file name: absolute path at write time}}``.
-_GROUP_GLOB = "__grp__*.json"
+_GROUP_GLOB = f"{compat.GROUP_PREFIX}*.json"  # the files naming a kernel's files (compat.triton)
 
 
 def use_compile_only_target(arch: int) -> None:
@@ -109,6 +111,41 @@ def triton_key_of(site_packages: str | Path) -> str:
     scope = dict(fn.__globals__)
     scope["__file__"] = str(Path(site_packages) / "triton" / "runtime" / "cache.py")
     return str(types.FunctionType(fn.__code__, scope)())
+
+
+class WheelError(ValueError):
+    """A file that is not a Triton wheel; the message is the one-line reason."""
+
+
+def wheel_tags(path: str | Path) -> tuple[str, str]:
+    """The Triton release and ABI tag (``cp312``) of a Triton wheel, after checking the
+    file is one: a wheel name (``triton-3.6.0-cp312-cp312-manylinux_2_27_x86_64.whl``:
+    name, version, python, abi, platform) and a zip holding ``triton/runtime/cache.py``,
+    the module ``triton_key_of`` reads. Raises WheelError."""
+    wheel = Path(path)
+    if not wheel.is_file():
+        raise WheelError("no such file")
+    fields = wheel.name.removesuffix(".whl").split("-")
+    if not wheel.name.endswith(".whl") or len(fields) < 5 or fields[0] != "triton":
+        raise WheelError("not a Triton wheel name (triton-<version>-<python>-<abi>-<platform>.whl)")
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            if "triton/runtime/cache.py" not in archive.namelist():
+                raise WheelError("has no triton/runtime/cache.py")
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise WheelError(f"not a readable wheel ({exc})") from None
+    return fields[1], fields[-2]
+
+
+def target_stack(arch: int, wheel: str | None, wheel_key: str | None) -> manifest.Stack:
+    """The stack the image runs: the installed one, with the image's Triton build
+    (``wheel_key``, its ``triton_key()``) and Python when a wheel names them."""
+    here = manifest.installed_stack(arch=arch)
+    if wheel is None or wheel_key is None:
+        return here
+    return dataclasses.replace(
+        here, triton_build=manifest.triton_build(wheel_key), python_abi=wheel_tags(wheel)[1]
+    )
 
 
 def triton_key_of_wheel(wheel: str | Path, into: str | Path) -> str:

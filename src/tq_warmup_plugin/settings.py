@@ -12,7 +12,15 @@ import os
 from collections.abc import Mapping
 from typing import NamedTuple
 
-__all__ = ["DEFAULT_THREADS", "Settings", "cpu_count", "load", "parse"]
+__all__ = [
+    "CACHE_LAYERS_ENV",
+    "DEFAULT_THREADS",
+    "Settings",
+    "cache_layers",
+    "cpu_count",
+    "load",
+    "parse",
+]
 
 
 def cpu_count() -> int:
@@ -172,3 +180,15 @@ def parse(env: Mapping[str, str] | None = None) -> tuple[Settings, list[str]]:
 def load(env: Mapping[str, str] | None = None) -> Settings:
     """The settings alone (:func:`parse` without the problems)."""
     return parse(env)[0]
+
+
+CACHE_LAYERS_ENV = "TQ_WARMUP_CACHE_LAYERS"
+"""Read-only Triton cache layers, ``os.pathsep`` separated, in order (layered_cache.py)."""
+
+
+def cache_layers(env: Mapping[str, str] | None = None) -> str:
+    """``TQ_WARMUP_CACHE_LAYERS`` as set now. Not part of ``Settings``: Triton builds its
+    cache manager in any process, the compile workers too, which never ran
+    ``register()``; ``layered_cache.layer_roots`` checks each directory."""
+    env = os.environ if env is None else env
+    return env.get(CACHE_LAYERS_ENV, "")

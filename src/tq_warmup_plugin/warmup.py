@@ -23,7 +23,7 @@ import pluggy
 from . import compat, hookspecs, launches, workspace
 from .discovery import discover
 from .geometry import Geometry
-from .guards import draft_seq_lens
+from .guards import draft_seq_lens, spec_problem
 from .report import CompileCounter, Report, error_line
 from .settings import Settings
 from .warmers import triton_jit, turboquant
@@ -195,7 +195,7 @@ def _with_workspace_sizes(
     dequantization pointers take their storage from (``Geometry.workspace_bytes``)."""
     if not any(g.pointer_ranges for g in geometries.values()):
         return geometries
-    sizes = compat.workspace_buffer_sizes(feats)
+    sizes = workspace.buffer_sizes(feats)
     return {name: dataclasses.replace(g, workspace_bytes=sizes) for name, g in geometries.items()}
 
 
@@ -222,7 +222,7 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
             report.reason += f" ({len(found.refused)} refused: {report.errors[0]})"
         return report
     method, async_scheduling = compat.speculative_setup(getattr(worker, "vllm_config", None))
-    problem = method and compat.spec_decode_problem(
+    problem = method and spec_problem.spec_decode_problem(
         feats, method, async_scheduling, compat.worker_uses_v2(worker), draft_seq_lens.in_place()
     )
     if problem:  # a warning, not an error: strict mode must not refuse it

@@ -23,6 +23,7 @@ from .geometry import DTYPE_BYTES, Geometry
 __all__ = [
     "Request",
     "ReservationError",
+    "buffer_sizes",
     "oom_warning",
     "plan_reservation",
     "request_bytes",
@@ -109,6 +110,17 @@ def reserve(groups: list[tuple[Request, ...]], feats: Features) -> int:
                 cause = str(exc).splitlines()[0] if str(exc) else "out of memory"
                 raise ReservationError(size, (ubatch, lane), size * n, cause) from exc
     return size * len(slots)
+
+
+def buffer_sizes(feats: Features) -> tuple[int, ...]:
+    """Distinct byte sizes of the workspace buffers every ``(ubatch, lane)`` slot holds
+    now (0.21-0.33), the storages decode and dequantization views come from (locked
+    ones too: elastic EP warms again after the lock); empty where there are none."""
+    manager = compat.workspace_manager(feats, locked_too=True)
+    if manager is None:
+        return ()
+    slots = compat.workspace_slots(manager)
+    return tuple(sorted({compat.workspace_slot_bytes(manager, u, lane) for u, lane in slots}))
 
 
 def oom_warning(exc: ReservationError, geometries: Iterable[Geometry]) -> str:

@@ -1,9 +1,20 @@
 """Import-time guards: fixes to vLLM classes that vLLM reads before ``kernel_warmup``.
 
-Each guard is a module with ``MODULE`` (the vLLM module it adjusts, right after that
-module executes), ``install(module) -> bool`` (never raises into vLLM's import),
-``installed(module) -> bool`` and ``remove(module)``. Which guards a process gets is
-decided here, from the frozen settings; ``install.py`` applies them.
+A guard is a module of this package with:
+
+* ``MODULE``: the vLLM module it adjusts (a ``compat`` name), right after that module
+  executes (``install.py``'s import hook), or at once when it is loaded already;
+* ``install(module) -> bool``: apply the fix where the installed release has the bug
+  (``gate.install_where_needed`` with the guard's ``compat.Features`` gate); idempotent;
+  never raises into vLLM's import: an unknown release or layout is one WARNING;
+* ``installed(module) -> bool``: whether the fix is in place;
+* ``remove(module)``: give vLLM exactly what it had (``uninstall``, the tests).
+
+Each patch is made with ``_patching`` (wrap, mark, rebind, restore, log once), and each
+guard's module docstring holds its bug's evidence: the releases, the files and lines,
+the measurement. Which guards a process gets is decided here, from the frozen
+settings; ``install.py`` applies them. A new guard joins ``every()`` and gets a
+``tests/test_guard_<name>.py``.
 """
 
 from __future__ import annotations

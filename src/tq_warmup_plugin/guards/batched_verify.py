@@ -32,7 +32,6 @@ get the PIECEWISE cap, said in one line.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 from types import ModuleType
@@ -40,7 +39,7 @@ from typing import Any
 
 from .. import compat
 from ..verify_rows import VerifyRows
-from . import spec_graphs
+from . import _patching, spec_graphs
 from .gate import install_where_needed
 
 __all__ = ["MODULE", "ROWS_ATTR", "install", "installed", "remove", "rows_of", "serves"]
@@ -53,8 +52,7 @@ MODULE = compat.BACKEND_MODULE
 ROWS_ATTR = "_tq_warmup_verify_rows"
 """The builder attribute holding its ``VerifyRows`` while the path serves it."""
 _GUARD_ATTR = "__tq_warmup_batched_verify__"
-_ORIGINAL_ATTR = "__tq_warmup_original__"
-_announced = False
+_once = _patching.Once()
 
 
 def serves(vllm_config: Any) -> bool:
@@ -74,10 +72,8 @@ def rows_of(builder: Any) -> VerifyRows | None:
 
 
 def _announce(rows: VerifyRows, k_tokens: int) -> None:
-    global _announced
-    if _announced:
+    if not _once.first("batched"):
         return
-    _announced = True
     logger.info(
         "tq-warmup: speculative decoding with TurboQuant: verify batches take the batched "
         "decode path (requests of up to %d tokens as one decode row per token, %d rows, "
@@ -106,17 +102,16 @@ def _serve(builder: Any) -> None:
 
 
 def _wrap_init(original: Callable[..., None]) -> Callable[..., None]:
-    @functools.wraps(original)
+    @_patching.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         _serve(self)
 
-    setattr(__init__, _ORIGINAL_ATTR, original)
     return __init__
 
 
 def _wrap_build(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
+    @_patching.wraps(original)
     def build(self: Any, *args: Any, **kwargs: Any) -> Any:
         meta = original(self, *args, **kwargs)
         rows = rows_of(self)
@@ -124,7 +119,6 @@ def _wrap_build(original: Callable[..., Any]) -> Callable[..., Any]:
             rows.rewrite(meta)
         return meta
 
-    setattr(build, _ORIGINAL_ATTR, original)
     return build
 
 
@@ -145,9 +139,8 @@ def _apply(backend: ModuleType) -> bool:
     builder: type = getattr(backend, compat.BUILDER_CLASS)
     if builder.__dict__.get(_GUARD_ATTR):
         return True
-    init, build = builder.__dict__["__init__"], builder.__dict__["build"]
-    builder.__init__ = _wrap_init(init)  # type: ignore[misc]
-    builder.build = _wrap_build(build)  # type: ignore[attr-defined]
+    _patching.replace(builder, "__init__", _wrap_init(builder.__dict__["__init__"]))
+    _patching.replace(builder, "build", _wrap_build(builder.__dict__["build"]))
     setattr(builder, _GUARD_ATTR, True)
     why = "a configuration the batched verify path does not serve"
     if not spec_graphs.install(backend, exempt=serves, why=why):
@@ -167,7 +160,6 @@ def remove(backend: ModuleType) -> None:
     builder = getattr(backend, compat.BUILDER_CLASS, None)
     if builder is not None and builder.__dict__.get(_GUARD_ATTR):
         for name in ("__init__", "build"):
-            current = builder.__dict__[name]
-            setattr(builder, name, getattr(current, _ORIGINAL_ATTR, current))
+            _patching.restore(builder, name)
         delattr(builder, _GUARD_ATTR)
     spec_graphs.remove(backend)

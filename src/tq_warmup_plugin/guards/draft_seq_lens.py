@@ -9,7 +9,15 @@ prefill loop takes each request's length from that bound (``turboquant_attn.py``
 0.22:238, 607-608), so a fresh prompt gets ``cached_len = seq_len - q_len = -1``: over
 128 tokens ``_continuation_prefill`` allocates 0 cached rows and raises "The expanded
 size of the tensor (191) must match the existing size (0)" (seen on an H200 with vLLM
-0.22.0, draft_model); at 128 or fewer it attends with every length one short.
+0.22.0, draft_model); at 128 or fewer it attends with every length one short. 0.20
+reads the GPU ``seq_lens`` (``turboquant_attn.py`` 0.20:571) and is not affected.
+
+Which setups reach it (``compat.Features.draft_cpu_seq_lens_stale``, 0.21-0.33):
+draft_model runs on the V1 runner up to 0.30 (V2 refuses it, ``config/vllm.py``
+0.23:2011, 0.30:2844) and on request (``VLLM_USE_V2_MODEL_RUNNER=0``) in 0.31-0.33;
+scheduling is async by default from 0.28, where the bound's prefill rows are still exact
+(``backend.py`` 0.22:405-409): all of them need the guard. What it leaves (async
+scheduling, the V2 runner's first draft pass) is ``guards.spec_problem``'s WARNING.
 
 What: ``extend_all_queries_by_N`` of the defining module is wrapped so that, after
 vLLM's own function, the CPU lengths of the metadata it returns are raised by N too,
@@ -22,28 +30,27 @@ wrapper; a call site loaded before the guard is rebound.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from .. import compat
+from . import _patching
 from .gate import install_where_needed
 
 __all__ = ["CALL_SITES", "MODULE", "bumped", "in_place", "install", "installed", "remove"]
 
 
-MODULE = "vllm.v1.spec_decode.utils"
-"""Defines ``extend_all_queries_by_N`` in 0.20-0.33."""
+MODULE = compat.SPEC_UTILS_MODULE
+"""The vLLM module this guard adjusts once it has executed."""
 
-CALL_SITES = ("vllm.v1.spec_decode.llm_base_proposer",)
+CALL_SITES = compat.DRAFT_CALL_SITE_MODULES
 """Modules that import ``extend_all_queries_by_N`` by name (0.20-0.33: only this one)."""
 
-NAME = "extend_all_queries_by_N"
+NAME = compat.EXTEND_QUERIES_FUNCTION
 # ``_seq_lens_cpu`` is gone from 0.30 (``backend.py`` 0.30:393-473); absent fields are skipped.
 CPU_FIELDS = ("seq_lens_cpu_upper_bound", "_seq_lens_cpu")
-
-_ORIGINAL_ATTR = "__tq_warmup_original__"
 
 
 def bumped(metadata: Any, n: int) -> Any:
@@ -60,21 +67,13 @@ def bumped(metadata: Any, n: int) -> Any:
 
 
 def _guard(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
+    @_patching.wraps(original)
     def extend_all_queries_by_N(
         common_attn_metadata: Any, N: int, *args: Any, **kwargs: Any
     ) -> Any:
         return bumped(original(common_attn_metadata, N, *args, **kwargs), N)
 
-    setattr(extend_all_queries_by_N, _ORIGINAL_ATTR, original)
     return extend_all_queries_by_N
-
-
-def _rebind(old: Any, new: Any) -> None:
-    for name in CALL_SITES:
-        module = sys.modules.get(name)
-        if module is not None and getattr(module, NAME, None) is old:
-            setattr(module, NAME, new)
 
 
 def install(utils: ModuleType) -> bool:
@@ -88,18 +87,13 @@ def install(utils: ModuleType) -> bool:
 
 
 def _apply(utils: ModuleType) -> bool:
-    current = getattr(utils, NAME)
-    if hasattr(current, _ORIGINAL_ATTR):
-        return True
-    guarded = _guard(current)
-    setattr(utils, NAME, guarded)
-    _rebind(current, guarded)
+    _patching.wrap_function(utils, NAME, _guard, CALL_SITES)
     return True
 
 
 def installed(utils: ModuleType) -> bool:
     """Whether ``utils.extend_all_queries_by_N`` is the guard."""
-    return hasattr(getattr(utils, NAME, None), _ORIGINAL_ATTR)
+    return _patching.is_ours(getattr(utils, NAME, None))
 
 
 def in_place() -> bool:
@@ -110,9 +104,4 @@ def in_place() -> bool:
 
 def remove(utils: ModuleType) -> None:
     """Give the defining module and every call site vLLM's own function back."""
-    current = getattr(utils, NAME, None)
-    original = getattr(current, _ORIGINAL_ATTR, None)
-    if original is None:
-        return
-    setattr(utils, NAME, original)
-    _rebind(current, original)
+    _patching.unwrap_function([utils, *_patching.loaded(CALL_SITES)], NAME)

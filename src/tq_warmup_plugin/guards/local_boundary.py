@@ -19,17 +19,20 @@ layer was going to be ``"auto"`` anyway). Every other layer, and every non-Turbo
 engine, gets the call unchanged. The layer index is read with vLLM's own
 ``extract_layer_index``, as ``Attention.__init__`` reads it.
 
-Not fixed here: on 0.20-0.27 a compressed chunked local layer's KV-cache spec is not
-TurboQuant's (``compat.Features.local_tq_spec_plain``), so the engine still fails, in
-KV-cache grouping, a step later (H200, 0.26.0). The guard says so in one WARNING when
-the first such layer is built, before vLLM's error; 0.28+ give both kinds of
-TurboQuant layer the same spec.
+Not fixed here (``compat.Features.local_tq_spec_plain``): on 0.20-0.27 a TurboQuant
+layer's KV-cache spec is ``TQFullAttentionSpec`` (``attention.py`` 0.26:677, 0.27.1:677)
+but a compressed chunked local layer's is ``ChunkedLocalAttentionSpec`` of uint8 at the
+full head size (``chunked_local_attention.py`` 0.20-0.26:122, 0.27.1:121): 32768 bytes a
+page beside 17152 at 128x8 heads, so the engine still fails a step later, in KV-cache
+grouping ("page size is not divisible by the maximum page size", H200, 0.26.0). The
+guard says so in one WARNING when the first such layer is built, before vLLM's error;
+0.28+ give both kinds of TurboQuant layer the same spec with ``kv_quant_mode``.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
+import importlib
 import inspect
 import logging
 from collections.abc import Callable
@@ -37,19 +40,18 @@ from types import ModuleType
 from typing import Any
 
 from .. import compat
+from . import _patching
 from .gate import install_where_needed
 
 __all__ = ["MODULE", "install", "installed", "remove", "skipped_layer"]
 
 logger = logging.getLogger("vllm.tq_warmup_plugin")
 
-MODULE = "vllm.model_executor.layers.attention.chunked_local_attention"
-"""Defines ``ChunkedLocalAttention`` in 0.20-0.33."""
+MODULE = compat.CHUNKED_LOCAL_MODULE
+"""The vLLM module this guard adjusts once it has executed."""
 
-CLASS = "ChunkedLocalAttention"
-_ORIGINAL_ATTR = "__tq_warmup_original__"
-_announced = False
-_warned = False
+CLASS = compat.CHUNKED_LOCAL_CLASS
+_once = _patching.Once()
 
 
 def skipped_layer(cache_config: Any, layer_index: int | None) -> bool:
@@ -66,8 +68,7 @@ def skipped_layer(cache_config: Any, layer_index: int | None) -> bool:
 
 
 def _layer_index(prefix: str) -> int | None:
-    from vllm.model_executor.models.utils import extract_layer_index
-
+    extract_layer_index = importlib.import_module(compat.MODEL_UTILS_MODULE).extract_layer_index
     try:
         return int(extract_layer_index(prefix))
     except (AssertionError, ValueError):  # no index in the name: vLLM's own path decides
@@ -77,15 +78,14 @@ def _layer_index(prefix: str) -> int | None:
 def _guard(original: Callable[..., Any]) -> Callable[..., Any]:
     signature = inspect.signature(original)
 
-    @functools.wraps(original)
+    @_patching.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         bound = signature.bind(self, *args, **kwargs)
         cache_config: Any = bound.arguments.get("cache_config")
         prefix = str(bound.arguments.get("prefix", ""))
         dtype = str(getattr(cache_config, "cache_dtype", ""))
-        if dtype.startswith(
-            compat.TQ_DTYPE_PREFIX
-        ):  # a TurboQuant engine: boundary layer or compressed
+        # A TurboQuant engine: this layer is a boundary layer or a compressed one.
+        if dtype.startswith(compat.TQ_DTYPE_PREFIX):
             if skipped_layer(cache_config, _layer_index(prefix)):
                 plain = copy.copy(cache_config)
                 plain.cache_dtype = "auto"
@@ -95,15 +95,12 @@ def _guard(original: Callable[..., Any]) -> Callable[..., Any]:
                 _warn_spec(prefix)
         original(*bound.args, **bound.kwargs)
 
-    setattr(__init__, _ORIGINAL_ATTR, original)
     return __init__
 
 
 def _announce(prefix: str, dtype: str) -> None:
-    global _announced
-    if _announced:
+    if not _once.first("boundary"):
         return
-    _announced = True
     logger.info(
         "tq-warmup: chunked local layer %s is a TurboQuant boundary layer; giving it "
         "vLLM's own backend, not %s's (else: Unknown TurboQuant cache dtype: 'auto')",
@@ -114,10 +111,8 @@ def _announce(prefix: str, dtype: str) -> None:
 
 def _warn_spec(prefix: str) -> None:
     """One WARNING on releases whose compressed chunked local layers cannot start."""
-    global _warned
-    if _warned:
+    if not _once.first("spec"):
         return
-    _warned = True
     try:
         feats = compat.release_features(compat.installed_vllm_version())
     except compat.UnsupportedRelease:  # not installed there; never raise into vLLM
@@ -149,22 +144,19 @@ def _apply(module: ModuleType) -> bool:
     cls: type = getattr(module, CLASS)
     if installed(module):
         return True
-    cls.__init__ = _guard(cls.__dict__["__init__"])  # type: ignore[misc]
+    _patching.replace(cls, "__init__", _guard(cls.__dict__["__init__"]))
     return True
 
 
 def installed(module: ModuleType) -> bool:
     """Whether ``ChunkedLocalAttention.__init__`` is the guard."""
     cls = getattr(module, CLASS, None)
-    return cls is not None and hasattr(cls.__dict__.get("__init__"), _ORIGINAL_ATTR)
+    return cls is not None and _patching.is_ours(cls.__dict__.get("__init__"))
 
 
 def remove(module: ModuleType) -> None:
     """Give the class vLLM's own ``__init__`` back."""
-    global _announced, _warned
     cls = getattr(module, CLASS, None)
-    current = cls.__dict__.get("__init__") if cls is not None else None
-    original = getattr(current, _ORIGINAL_ATTR, None)
-    if cls is not None and original is not None:
-        cls.__init__ = original
-    _announced = _warned = False
+    if cls is not None:
+        _patching.restore(cls, "__init__")
+    _once.reset()

@@ -7,6 +7,8 @@ length equals the query length, and the graph keeps that branch, "attention over
 new tokens only", for every replay: wrong tokens and no error (0.21-0.33; on an H200
 with vLLM 0.22.0, ngram k=3 diverged at token 3-4 of every prompt and k=1 hit an
 illegal memory access), or a startup crash on 0.20 (``.tolist()`` during capture).
+Upstream: #40831, #52475, #53180 (wrong tokens), #40807 (0.20); the fixes (#43747,
+#53406) are unmerged in every release up to 0.33 (``compat.Features.spec_graphs_unsafe``).
 
 What: under speculative decoding the builder, and any subclass, reports at most
 ``UNIFORM_SINGLE_TOKEN_DECODE``. vLLM's own mode resolution then runs verify batches
@@ -24,13 +26,13 @@ caps every speculative configuration.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 from .. import compat
+from . import _patching
 from .gate import install_where_needed
 
 __all__ = ["MODULE", "capped_support", "install", "installed", "remove"]
@@ -73,7 +75,7 @@ def _announce(builder: type, support: Any, cap: Any) -> None:
 def _guard(original: Callable[..., Any]) -> Callable[..., Any]:
     """``get_cudagraph_support``'s function, capped under speculative decoding."""
 
-    @functools.wraps(original)
+    @_patching.wraps(original)
     def get_cudagraph_support(cls: type, vllm_config: Any, kv_cache_spec: Any) -> Any:
         support = original(cls, vllm_config, kv_cache_spec)
         cap = compat.single_token_decode_support()
@@ -85,20 +87,16 @@ def _guard(original: Callable[..., Any]) -> Callable[..., Any]:
             _announce(cls, support, cap)
         return capped
 
-    setattr(get_cudagraph_support, _GUARD_ATTR, True)
     return get_cudagraph_support
 
 
 def _guard_class(cls: type) -> None:
     """Cap ``cls.get_cudagraph_support`` (inherited or its own), once."""
-    current = cls.__dict__.get("get_cudagraph_support")
-    if current is not None and getattr(current.__func__, _GUARD_ATTR, False):
+    if _patching.is_ours(cls.__dict__.get("get_cudagraph_support")):
         return
     # A bound classmethod's ``__func__`` is the plain function, wherever it is defined.
     original = cls.get_cudagraph_support.__func__  # type: ignore[attr-defined]
-    guarded = classmethod(_guard(original))
-    guarded.__tq_warmup_replaced__ = current  # type: ignore[attr-defined]
-    cls.get_cudagraph_support = guarded  # type: ignore[attr-defined]
+    _patching.replace(cls, "get_cudagraph_support", classmethod(_guard(original)))
 
 
 def _init_subclass_guarded(cls: Any, /, **kwargs: Any) -> None:
@@ -151,14 +149,7 @@ def remove(backend: ModuleType) -> None:
     if builder is None or not builder.__dict__.get(_GUARD_ATTR):
         return
     for cls in (builder, *_subclasses(builder)):
-        guarded = cls.__dict__.get("get_cudagraph_support")
-        if guarded is None or not getattr(guarded.__func__, _GUARD_ATTR, False):
-            continue
-        replaced = guarded.__tq_warmup_replaced__
-        if replaced is None:
-            delattr(cls, "get_cudagraph_support")
-        else:
-            cls.get_cudagraph_support = replaced
+        _patching.restore(cls, "get_cudagraph_support")
     init = builder.__dict__.get("__init_subclass__")
     if init is not None and init.__func__ is _init_subclass_guarded:
         del builder.__init_subclass__

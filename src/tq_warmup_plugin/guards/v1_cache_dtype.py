@@ -23,13 +23,13 @@ the KV cache. With no preset seen, or two different ones, vLLM's own error stand
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 from .. import compat
+from . import _patching
 from .gate import install_where_needed
 
 __all__ = ["MODULE", "install", "installed", "remove", "substitute"]
@@ -39,15 +39,12 @@ logger = logging.getLogger("vllm.tq_warmup_plugin")
 MODULE = compat.BACKEND_MODULE
 """The vLLM module this guard adjusts once it has executed."""
 
-BACKEND_CLASS = "TurboQuantAttentionBackend"
-IMPL_CLASS = "TurboQuantAttentionImpl"
+BACKEND_CLASS = compat.BACKEND_CLASS
+IMPL_CLASS = compat.IMPL_CLASS
 
-_GUARD_ATTR = "__tq_warmup_v1_cache_dtype_guard__"
-_REPLACED_ATTR = "__tq_warmup_replaced__"
 _presets: set[str] = set()
 """The ``kv_cache_dtype`` of every TurboQuant impl this process built while guarded."""
-_announced = False
-_declined = False
+_once = _patching.Once()
 
 
 def substitute(cache_dtype_str: str, presets: set[str]) -> str | None:
@@ -59,10 +56,8 @@ def substitute(cache_dtype_str: str, presets: set[str]) -> str | None:
 
 
 def _log_substitution(given: str, preset: str) -> None:
-    global _announced
-    if _announced:
+    if not _once.first("substitution"):
         return
-    _announced = True
     version = compat.parse_version(compat.installed_vllm_version()) or (0, 0)
     logger.info(
         "tq-warmup: vLLM %d.%d V1 runner passed cache dtype %r for TurboQuant layers "
@@ -75,10 +70,8 @@ def _log_substitution(given: str, preset: str) -> None:
 
 
 def _log_declined(given: str) -> None:
-    global _declined
-    if _declined:
+    if not _once.first("declined"):
         return
-    _declined = True
     why = (
         (
             f"this process built TurboQuant layers with {len(_presets)} presets "
@@ -100,7 +93,7 @@ def _guard_shape(original: Callable[..., Any]) -> Callable[..., Any]:
     dtype. Its signature (0.25-0.26): ``(num_blocks, block_size, num_kv_heads,
     head_size, cache_dtype_str="turboquant_4bit_nc")``; an omitted dtype stays omitted."""
 
-    @functools.wraps(original)
+    @_patching.wraps(original)
     def get_kv_cache_shape(*args: Any, **kwargs: Any) -> Any:
         if len(args) > 4:
             given, args, kwargs = args[4], args[:4], {**kwargs, "cache_dtype_str": args[4]}
@@ -115,7 +108,6 @@ def _guard_shape(original: Callable[..., Any]) -> Callable[..., Any]:
                 _log_declined(given)
         return original(*args, **kwargs)
 
-    setattr(get_kv_cache_shape, _GUARD_ATTR, True)
     return get_kv_cache_shape
 
 
@@ -123,33 +115,14 @@ def _recording_init(original: Callable[..., Any]) -> Callable[..., Any]:
     """``TurboQuantAttentionImpl.__init__`` that records the preset once it is valid
     (``__init__`` raises for an unknown one, 0.25-0.26)."""
 
-    @functools.wraps(original)
+    @_patching.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         dtype = getattr(self, "kv_cache_dtype", None)
         if isinstance(dtype, str) and dtype.startswith(compat.TQ_DTYPE_PREFIX):
             _presets.add(dtype)
 
-    setattr(__init__, _GUARD_ATTR, True)
     return __init__
-
-
-def _replace(cls: type, name: str, new: Any) -> None:
-    """Put ``new`` on ``cls`` as ``name``, keeping what ``cls`` itself held (or None)."""
-    setattr(new, _REPLACED_ATTR, cls.__dict__.get(name))
-    setattr(cls, name, new)
-
-
-def _restore(cls: type, name: str) -> None:
-    current = cls.__dict__.get(name)
-    function = getattr(current, "__func__", current)
-    if current is None or not getattr(function, _GUARD_ATTR, False):
-        return
-    replaced = getattr(current, _REPLACED_ATTR)
-    if replaced is None:
-        delattr(cls, name)
-    else:
-        setattr(cls, name, replaced)
 
 
 def install(backend: ModuleType) -> bool:
@@ -168,8 +141,8 @@ def _apply(backend: ModuleType) -> bool:
     # A staticmethod in 0.25-0.26; reading it through the class gives the function.
     shape = staticmethod(_guard_shape(backend_cls.get_kv_cache_shape))  # type: ignore[attr-defined]
     init = _recording_init(impl_cls.__init__)  # type: ignore[misc]
-    _replace(backend_cls, "get_kv_cache_shape", shape)
-    _replace(impl_cls, "__init__", init)
+    _patching.replace(backend_cls, "get_kv_cache_shape", shape)
+    _patching.replace(impl_cls, "__init__", init)
     return True
 
 
@@ -177,15 +150,14 @@ def installed(backend: ModuleType) -> bool:
     """Whether the backend class of ``backend`` carries the guarded shape function."""
     cls = getattr(backend, BACKEND_CLASS, None)
     current = cls.__dict__.get("get_kv_cache_shape") if cls is not None else None
-    return bool(getattr(getattr(current, "__func__", None), _GUARD_ATTR, False))
+    return _patching.is_ours(current)
 
 
 def remove(backend: ModuleType) -> None:
     """Give both classes vLLM's own attributes back and forget the recorded presets."""
-    global _announced, _declined
     for class_name, name in ((BACKEND_CLASS, "get_kv_cache_shape"), (IMPL_CLASS, "__init__")):
         cls = getattr(backend, class_name, None)
         if cls is not None:
-            _restore(cls, name)
+            _patching.restore(cls, name)
     _presets.clear()
-    _announced = _declined = False
+    _once.reset()

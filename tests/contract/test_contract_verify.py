@@ -182,7 +182,7 @@ def test_rows_stay_valid_on_capture_and_padding(backend: Any) -> None:
 def test_vllms_mode_resolution_follows_the_path(backend: Any) -> None:
     """FULL_AND_PIECEWISE where the rows serve; PIECEWISE where they cannot (decode
     context parallelism keeps the threshold at 1) and without the path."""
-    from test_guards import resolve
+    from test_guard_spec_graphs import resolve
     from vllm.v1.attention.backend import AttentionCGSupport
 
     builder = backend.TurboQuantMetadataBuilder

@@ -8,13 +8,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import fakes
 import pytest
 from realvllm import (
     MAX_NUM_SEQS,
+    fake_worker,
     impl_geometry,
     layer_kv_cache,
     make_flash_impl,
@@ -93,33 +93,6 @@ def test_objects_the_plugin_reads_exist(vllm_env: compat.Features) -> None:
     assert "self.input_block_tables" in inspect.getsource(v2_block_table.BlockTables)
     assert "self.attn_groups" in inspect.getsource(gpu_model_runner.GPUModelRunner)
     assert compat.turboquant_impl_class() is type(impl)
-
-
-def fake_worker(impls: dict[str, Any], feats: compat.Features, width: int) -> Any:
-    """A worker/runner stand-in whose layers carry real impls and real KV tensors."""
-    import torch
-
-    layers = {}
-    for name, impl in impls.items():
-        kv = layer_kv_cache(feats, 4, 16, impl.num_kv_heads, impl.tq_config.slot_size_aligned)
-        layers[name] = SimpleNamespace(impl=impl, kv_cache=kv)
-    layers["not_attention"] = SimpleNamespace(impl=object(), kv_cache=None)
-    layers["boundary"] = SimpleNamespace(impl=make_flash_impl(8, 2, 128), kv_cache=None)
-    group = SimpleNamespace(layer_names=[*layers], kv_cache_group_id=0)
-    table = torch.zeros(MAX_NUM_SEQS, width, dtype=torch.int32)
-    runner = SimpleNamespace(
-        attn_groups=[[group]], block_tables=SimpleNamespace(input_block_tables=[table])
-    )
-    config = SimpleNamespace(
-        model_config=SimpleNamespace(
-            runner_type="generate", dtype=torch.bfloat16, max_model_len=width * 16
-        ),
-        scheduler_config=SimpleNamespace(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=2048),
-        compilation_config=SimpleNamespace(static_forward_context=layers),
-    )
-    return SimpleNamespace(
-        vllm_config=config, model_runner=runner, use_v2_model_runner=True, rank=0
-    )
 
 
 def test_end_to_end_warmup_builds_sm90_cubins(

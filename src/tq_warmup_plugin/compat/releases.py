@@ -1,0 +1,176 @@
+"""The release table: which vLLM releases the plugin supports and what each one does.
+
+``features()`` is the one place a release's behaviour is decided, one line per gate:
+gates are ranges of releases, so the table is not split per release. Everything here
+is pure except ``installed_vllm_version``, which reads the installed distribution's
+metadata without importing vLLM. Source: the released wheels of 0.20.0-0.33.0, read
+file by file; the ``real_vllm`` contract tests pin each gate down against the real code
+of the releases CI installs.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+__all__ = [
+    "NEWEST",
+    "OLDEST",
+    "SUPPORTED",
+    "Features",
+    "UnsupportedRelease",
+    "Version",
+    "distribution_version",
+    "features",
+    "installed_vllm_version",
+    "parse_version",
+    "release_features",
+    "rewarm_cause",
+    "same_release",
+    "support_problem",
+]
+
+Version = tuple[int, int]
+
+OLDEST: Version = (0, 20)
+NEWEST: Version = (0, 33)
+SUPPORTED = f"{OLDEST[0]}.{OLDEST[1]}-{NEWEST[0]}.{NEWEST[1]}"
+"""The supported releases as a person reads them: ``"0.20-0.33"``."""
+
+
+def parse_version(text: str | None) -> Version | None:
+    """``"0.26.0"``, ``"0.26.1rc1.dev3+g12ab"`` -> ``(0, 26)``; anything else -> None."""
+    match = re.match(r"^\s*(\d+)\.(\d+)", text or "")
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+class UnsupportedRelease(ValueError):
+    """The installed (or named) vLLM release is not one the plugin knows; the message
+    is the one-line reason."""
+
+
+def support_problem(version: Version | None) -> str | None:
+    """None when the release is supported, else a one-line reason."""
+    if version is None:
+        return "cannot determine the installed vLLM version"
+    if not OLDEST <= version <= NEWEST:
+        return f"vLLM {version[0]}.{version[1]} is outside the supported releases {SUPPORTED}"
+    return None
+
+
+class Features(NamedTuple):
+    """What a release does, as far as TurboQuant warmup is concerned. One line a gate;
+    the evidence (files, lines, measurements) is where the gate acts."""
+
+    version: Version
+    kv_view_transposed: bool
+    """0.26+: ``forward()`` hands the kernels ``kv_cache.transpose(1, 2)``."""
+    kv_head_major: bool
+    """0.26-0.28: the cache is physically (blocks, heads, tokens, slot)."""
+    stage2_output_fp16: bool
+    """0.21+: stage 2 has ``OUTPUT_FP16`` and writes the query dtype; 0.20 writes fp32."""
+    continuation_seq_lens_sliced: bool
+    """0.21+: the continuation fast path slices a cached arange, so its ``seq_lens``
+    pointer is 16-byte aligned for some chunks and not for others; 0.20 allocates."""
+    uses_workspace: bool
+    """0.21+: decode and long continuation take scratch from the WorkspaceManager."""
+    unrotate_fp16: bool
+    """0.21+: a long continuation un-rotates MSE keys with an fp16 GEMM
+    (``layer._tq_Pi_half``); 0.20 does it in fp32."""
+    spec_graphs_unsafe: bool
+    """0.20-0.33: a FULL graph of a verify batch ignores the context (guards/spec_graphs.py)."""
+    spec_verify_batched: bool
+    """0.21-0.33: verify batches run as decode rows in FULL graphs (guards/batched_verify.py)."""
+    v1_tq_cache_dtype_lost: bool
+    """0.25-0.26: V1 asks TurboQuant for the shape of dtype "auto" (guards/v1_cache_dtype.py)."""
+    prefill_buffers_cached: bool
+    """0.21+: the prefill loop caches its buffers on the impl (live.preallocate_prefill_buffers)."""
+    draft_cpu_seq_lens_stale: bool
+    """0.21-0.33: a draft pass leaves CPU sequence lengths short (guards/draft_seq_lens.py)."""
+    v2_ubatches: bool
+    """0.30+: the V2 runner makes its own microbatches (live.ubatch_sliced)."""
+    rocm_flydsl: bool
+    """0.28+: ROCm gfx950 runs the SoA/FlyDSL kernels instead (live.flydsl_layer)."""
+    local_boundary_tq_backend: bool
+    """0.20-0.33: a chunked local boundary layer fails to start (guards/local_boundary.py)."""
+    local_tq_spec_plain: bool
+    """0.20-0.27: a chunked local TurboQuant layer's spec is plain (guards/local_boundary.py)."""
+    local_prefill_real_lens: bool
+    """0.21-0.29: on a chunked local attention layer (Llama 4) TurboQuant's prefill loop
+    takes each *virtual* request's length from ``seq_lens_cpu_upper_bound``
+    (``turboquant_attn.py`` 0.22:238, 0.29:297), which
+    ``make_local_attention_virtual_batches`` copies from the real batch
+    (``v1/attention/backends/utils.py`` 0.22:387, 0.29:615): every virtual row can
+    reach the continuation kernels, and one past the real batch raises IndexError
+    (upstream bug). 0.30+ pass the virtual lengths (``seq_lens_cpu_upper_bound=
+    seq_lens_cpu``, 0.30:627, 0.33:683); 0.20 reads the virtual GPU ``seq_lens`` (:571):
+    only a request's first virtual row continues a cached prefix."""
+
+
+def features(version: Version) -> Features:
+    """The feature set of a supported release."""
+    return Features(
+        version=version,
+        kv_view_transposed=version >= (0, 26),
+        kv_head_major=(0, 26) <= version <= (0, 28),
+        stage2_output_fp16=version >= (0, 21),
+        continuation_seq_lens_sliced=version >= (0, 21),
+        uses_workspace=version >= (0, 21),
+        unrotate_fp16=version >= (0, 21),
+        spec_graphs_unsafe=OLDEST <= version <= (0, 33),
+        spec_verify_batched=(0, 21) <= version <= (0, 33),
+        v1_tq_cache_dtype_lost=(0, 25) <= version <= (0, 26),
+        prefill_buffers_cached=version >= (0, 21),
+        draft_cpu_seq_lens_stale=(0, 21) <= version <= (0, 33),
+        v2_ubatches=version >= (0, 30),
+        rocm_flydsl=version >= (0, 28),
+        local_boundary_tq_backend=OLDEST <= version <= (0, 33),
+        local_tq_spec_plain=OLDEST <= version <= (0, 27),
+        local_prefill_real_lens=(0, 21) <= version <= (0, 29),
+    )
+
+
+def release_features(version_text: str | None) -> Features:
+    """Features of the release named by a version string; raises UnsupportedRelease."""
+    version = parse_version(version_text)
+    problem = support_problem(version)
+    if problem is not None or version is None:
+        raise UnsupportedRelease(problem)
+    return features(version)
+
+
+def same_release(wanted: str, installed: str | None) -> bool:
+    """Whether ``wanted`` (``"0.26.0"``, ``"v0.26.0"``, or ``"0.26"`` for any 0.26.x)
+    names the ``installed`` version: the Triton cache is only valid for the kernel
+    sources it was built from."""
+    wanted = wanted.strip().removeprefix("v")
+    return installed is not None and (installed == wanted or installed.startswith(wanted + "."))
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM distribution's version, without importing vLLM."""
+    return distribution_version("vllm")
+
+
+def distribution_version(name: str) -> str | None:
+    """The installed version of distribution ``name`` (vLLM, torch, Triton), or None."""
+    from importlib import metadata  # not at module level: register() must stay cheap
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def rewarm_cause(feats: Features) -> str:
+    """Why ``kernel_warmup`` can run more than once in a worker process, for the report.
+
+    0.27-0.33: elastic EP calls ``kernel_warmup(worker, process_local_only=True)``
+    on a new worker (``warmup_local_kernels``, 0.33 ``warmup_new_worker``) and then
+    ``warm_and_capture``, which calls it again through ``compile_or_warm_up_model``;
+    existing workers re-run ``warm_and_capture`` at every scale-up/down commit.
+    0.20-0.26 call it once per worker.
+    """
+    if feats.version >= (0, 27):
+        return "elastic EP warms a worker more than once"
+    return "kernel_warmup ran again in this process"

@@ -1,0 +1,77 @@
+"""What Triton does that the plugin's keys and files depend on (Triton 3.6-3.8).
+
+Triton is the one release line beside vLLM's that changes a kernel's key: the HIP
+backend's pointer ranges, the ``FP8_E4B15`` constexpr, the GPU targets it compiles
+for, and the group file that names a compiled kernel's files in a cache directory.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "AMD_BACKEND_MODULE",
+    "GROUP_PREFIX",
+    "POINTER_RANGE_MAX",
+    "SM_TARGETS",
+    "fp8_e4b15",
+    "pointer_in_range",
+    "storage_bytes",
+    "triton_pointer_ranges",
+]
+
+# Triton 3.6.0, 3.7.1 and 3.8.0 (the releases of vLLM 0.20-0.33): the HIP backend's
+# ``get_tensor_specialization`` (``triton/backends/amd/compiler.py`` 3.6.0:182-186,
+# 3.7.1:187-191, 3.8.0:236-240) adds "S" to a pointer's key when ``knobs.amd.use_buffer_ops``
+# (``AMDGCN_USE_BUFFER_OPS``, default on: ``knobs.py`` 3.6.0/3.7.1:505, 3.8.0:517) and
+# ``is_within_2gb(arg)``: ``arg.untyped_storage().size() <= 2**31 - 1``, the tensor's whole
+# storage in bytes, not its view (3.6.0:164-171, 3.7.1:169-176, 3.8.0:211-225). The
+# compiler then assumes 32-bit offsets (``tt.pointer_range``). CUDA has no such flag.
+POINTER_RANGE_MAX = 2**31 - 1
+AMD_BACKEND_MODULE = "triton.backends.amd.compiler"
+
+
+def pointer_in_range(storage_bytes: int) -> bool:
+    """Triton's HIP "S" answer for a tensor whose storage holds this many bytes."""
+    return storage_bytes <= POINTER_RANGE_MAX
+
+
+def triton_pointer_ranges() -> bool:
+    """Whether the active Triton target keys pointers on their storage size: a HIP
+    target, buffer ops on, and a HIP backend that has ``is_within_2gb`` (3.6-3.8)."""
+    try:
+        from triton import knobs
+        from triton.runtime import driver
+
+        target = driver.active.get_current_target()
+        backend = importlib.import_module(AMD_BACKEND_MODULE).HIPBackend
+    except (ImportError, RuntimeError, AttributeError):  # no Triton, no driver, no AMD
+        return False
+    return (
+        getattr(target, "backend", None) == "hip"
+        and hasattr(backend, "is_within_2gb")
+        and bool(getattr(getattr(knobs, "amd", None), "use_buffer_ops", False))
+    )
+
+
+def storage_bytes(tensor: Any) -> int:
+    """Bytes of a tensor's whole storage, what ``is_within_2gb`` measures (Triton
+    3.6-3.8): a layer's KV view of a larger cache allocation counts it all."""
+    return int(tensor.untyped_storage().size())
+
+
+def fp8_e4b15(capability: tuple[int, int] | None) -> int:
+    """``FP8_E4B15`` constexpr: 1 on CUDA devices below SM 8.9, else 0 (0.20-0.33)."""
+    return 1 if capability is not None and capability < (8, 9) else 0
+
+
+# The file that names a compiled kernel's files, ``__grp__<kernel>.json``
+# (``FileCacheManager.put_group``, Triton 3.6-3.8):
+# ``{"child_paths": {file name: absolute path at write time}}``.
+GROUP_PREFIX = "__grp__"
+
+# NVIDIA targets Triton's CUDA backend compiles for (3.6-3.8); anything else aborts
+# inside LLVM (``tq-warmup precompile --arch 0`` exits with 134), so the CLI refuses it
+# before compiling.
+SM_TARGETS = (75, 80, 86, 87, 89, 90, 100, 101, 103, 110, 120, 121)

@@ -1,0 +1,105 @@
+"""Every vLLM module, class and function name the plugin imports or patches (0.20-0.33).
+
+Each path is written once, here: the accessors import them with
+``importlib.import_module(NAME)``, never ``from vllm... import``, so the same string is
+the one the import hook (``install``) waits for, the one a guard declares as its
+``MODULE`` and the one the tests stub in ``sys.modules`` (``import_module`` returns a
+stubbed module without importing its parents). A static import would check nothing
+more: vLLM is untyped for the plugin's mypy run (``vllm.*`` is ignored in pyproject).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ATTENTION_MODULE",
+    "BACKEND_CLASS",
+    "BACKEND_MODULE",
+    "BUILDER_CLASS",
+    "CALL_SITE_MODULES",
+    "CHUNKED_LOCAL_CLASS",
+    "CHUNKED_LOCAL_MODULE",
+    "CONTINUATION_DECODE_THRESHOLD",
+    "DECODE_MODULE",
+    "DRAFT_CALL_SITE_MODULES",
+    "ELASTIC_MODULE",
+    "EXTEND_QUERIES_FUNCTION",
+    "FLASH_ATTN_MODULE",
+    "IMPL_CLASS",
+    "KERNEL_MODULES",
+    "LAUNCHER_DEFAULT_KV_SPLITS",
+    "MODEL_CONFIG_MODULE",
+    "MODEL_REGISTRY_MODULE",
+    "MODEL_UTILS_MODULE",
+    "SPEC_UTILS_MODULE",
+    "STAGE2_MODULE",
+    "STORE_MODULE",
+    "TQ_CONFIG_MODULE",
+    "TQ_DTYPE_PREFIX",
+    "UBATCH_VIEWS_V1",
+    "WARMUP_MODULE",
+    "WORKER_MODULE",
+    "WORKSPACE_MODULE",
+]
+
+DECODE_MODULE = "vllm.v1.attention.ops.triton_turboquant_decode"
+STAGE2_MODULE = "vllm.v1.attention.ops.triton_decode_attention"
+STORE_MODULE = "vllm.v1.attention.ops.triton_turboquant_store"
+BACKEND_MODULE = "vllm.v1.attention.backends.turboquant_attn"
+WARMUP_MODULE = "vllm.model_executor.warmup.kernel_warmup"
+WORKER_MODULE = "vllm.v1.worker.gpu_worker"
+ELASTIC_MODULE = "vllm.distributed.elastic_ep.elastic_execute"
+WORKSPACE_MODULE = "vllm.v1.worker.workspace"
+ATTENTION_MODULE = "vllm.v1.attention.backend"
+FLASH_ATTN_MODULE = "vllm.v1.attention.backends.flash_attn"
+
+# Modules whose global ``kernel_warmup`` vLLM calls: the defining module, the
+# worker, which binds the name at import (0.20-0.33), and elastic EP, which does
+# too and passes ``process_local_only=True`` (0.27+). Absent modules are skipped.
+CALL_SITE_MODULES = (WARMUP_MODULE, WORKER_MODULE, ELASTIC_MODULE)
+
+# The module that defines each Triton kernel we warm (identical in 0.20-0.33).
+KERNEL_MODULES: dict[str, str] = {
+    "_tq_decode_stage1": DECODE_MODULE,
+    "_tq_full_dequant_kv": DECODE_MODULE,
+    "_fwd_kernel_stage2": STAGE2_MODULE,
+    "_tq_fused_store_mse": STORE_MODULE,
+    "_tq_fused_store_fp8": STORE_MODULE,
+}
+
+# `_CONTINUATION_DECODE_THRESHOLD` in the backend, 128 in 0.20-0.33: continuation
+# chunks up to this many tokens reuse the decode kernels, longer ones dequantize.
+CONTINUATION_DECODE_THRESHOLD = 128
+# The launcher default for `max_num_kv_splits`; the continuation fast path never
+# passes its own value, so it always runs with this many splits (0.20-0.33).
+LAUNCHER_DEFAULT_KV_SPLITS = 32
+
+
+BACKEND_CLASS = "TurboQuantAttentionBackend"
+"""The backend class in ``BACKEND_MODULE`` (0.20-0.33)."""
+IMPL_CLASS = "TurboQuantAttentionImpl"
+"""The attention impl class in ``BACKEND_MODULE`` (0.20-0.33)."""
+BUILDER_CLASS = "TurboQuantMetadataBuilder"
+"""The metadata builder class in ``BACKEND_MODULE`` (0.20-0.33)."""
+
+CHUNKED_LOCAL_MODULE = "vllm.model_executor.layers.attention.chunked_local_attention"
+"""Defines ``ChunkedLocalAttention`` in 0.20-0.33."""
+CHUNKED_LOCAL_CLASS = "ChunkedLocalAttention"
+MODEL_UTILS_MODULE = "vllm.model_executor.models.utils"
+"""Defines ``extract_layer_index`` in 0.20-0.33."""
+
+SPEC_UTILS_MODULE = "vllm.v1.spec_decode.utils"
+"""Defines ``extend_all_queries_by_N`` in 0.20-0.33."""
+EXTEND_QUERIES_FUNCTION = "extend_all_queries_by_N"
+DRAFT_CALL_SITE_MODULES = ("vllm.v1.spec_decode.llm_base_proposer",)
+"""Modules that import ``extend_all_queries_by_N`` by name (0.20-0.33: only this one)."""
+
+# The attention metadata tensors a V1 microbatch gets as views (``compat.ubatch_sliced``).
+UBATCH_VIEWS_V1 = ("block_table", "seq_lens", "slot_mapping")
+
+MODEL_CONFIG_MODULE = "vllm.config"
+TQ_CONFIG_MODULE = "vllm.model_executor.layers.quantization.turboquant.config"
+TQ_DTYPE_PREFIX = "turboquant_"
+"""What every TurboQuant ``kv_cache_dtype`` starts with (0.20-0.33); vLLM selects
+TurboQuant's backend, and adds its boundary layers to the skip list, on that prefix."""
+MODEL_REGISTRY_MODULE = "vllm.model_executor.models.registry"
+"""Defines ``ModelRegistry`` in 0.20-0.33."""

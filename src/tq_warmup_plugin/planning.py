@@ -1,0 +1,468 @@
+"""Offline planning: a model's attention and TurboQuant layout without a worker.
+
+The CLI's twin of ``discovery``: where a worker reads the real KV tensor and block
+table, ``inspect`` and ``precompile`` derive them from vLLM's own ``ModelConfig`` of a
+model directory and the release's rules, each naming the releases it covers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import math
+import os
+import re
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+from . import compat
+from .compat import Features
+from .geometry import DTYPE_BYTES, Geometry, preset
+
+__all__ = [
+    "ModelShape",
+    "PlanError",
+    "Planned",
+    "UnsupportedModel",
+    "block_table_width",
+    "boundary_layers",
+    "effective_block_size",
+    "geometry_from_args",
+    "heads_per_rank",
+    "kv_view_strides",
+    "model_scale",
+    "model_shape",
+]
+
+
+class UnsupportedModel(ValueError):
+    """vLLM would not run TurboQuant on this model (or cannot read it); the message is
+    the one-line reason."""
+
+
+def heads_per_rank(heads: int, kv_heads: int, tp: int) -> tuple[int, int]:
+    """Query and KV heads on one tensor-parallel rank, as vLLM splits them (0.20-0.33):
+    ``ModelConfig.get_num_attention_heads`` is ``heads // tp`` after
+    ``verify_with_parallel_config`` refused ``heads % tp``; ``get_num_kv_heads`` is
+    ``max(1, kv_heads // tp)``, KV heads replicated when tp > kv_heads, which
+    ``QKVParallelLinear`` only allows when tp is a multiple of them (``divide``)."""
+    if tp < 1:
+        raise UnsupportedModel(f"tensor parallel size {tp} is not a positive number")
+    if heads < 1 or kv_heads < 1:
+        raise UnsupportedModel(f"{heads} query heads and {kv_heads} KV heads: both must be >= 1")
+    if heads % kv_heads:
+        raise UnsupportedModel(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+    if heads % tp:
+        raise UnsupportedModel(f"{heads} query heads do not divide over tensor parallel size {tp}")
+    if kv_heads % tp and tp % kv_heads:
+        raise UnsupportedModel(
+            f"{kv_heads} KV heads neither divide over nor replicate evenly to "
+            f"tensor parallel size {tp}"
+        )
+    return heads // tp, max(1, kv_heads // tp)
+
+
+def boundary_layers(feats: Features, num_layers: int, hybrid: bool) -> tuple[int, ...]:
+    """Layers TurboQuant leaves in the model dtype (``kv_cache_dtype_skip_layers``, set by
+    ``EngineArgs.create_engine_config`` from ``TurboQuantConfig.get_boundary_skip_layers``).
+
+    Dense models: the first and last 2 layers, at most half of them (0.20-0.33).
+    Hybrid models: none in 0.21-0.33 (every full-attention layer is TurboQuant); 0.20
+    refuses TurboQuant for them (``NotImplementedError`` in ``arg_utils.py``).
+    """
+    if hybrid:
+        if feats.version < (0, 21):
+            raise UnsupportedModel(
+                "vLLM 0.20 refuses TurboQuant for hybrid (attention + Mamba) models"
+            )
+        return ()
+    n = min(2, num_layers // 2)
+    return tuple(sorted(set(range(n)) | set(range(num_layers - n, num_layers))))
+
+
+def kv_view_strides(
+    feats: Features, block_size: int, num_kv_heads: int, slot_size: int
+) -> tuple[int, int, int]:
+    """Block, position and head strides of the KV view the kernels get, for an
+    unpadded cache (hybrid models may pad pages: discovery reads the real tensor).
+
+    0.20-0.25 and 0.29-0.33 (LBNHC) are token-major: (blocks, tokens, heads, slot).
+    0.26-0.28 allocate (blocks, heads, tokens, slot) and transpose it for the kernels.
+    """
+    page = block_size * num_kv_heads * slot_size
+    if feats.kv_head_major:
+        return (page, slot_size, block_size * slot_size)
+    return (page, num_kv_heads * slot_size, slot_size)
+
+
+def effective_block_size(feats: Features, requested: int, model_dtype_bytes: int) -> int:
+    """The block size vLLM settles on for TurboQuant layers, for planning without a
+    worker (a worker's real KV tensor says it directly).
+
+    0.25-0.33: TurboQuant leaves boundary layers in the model dtype, and
+    ``Platform._align_heterogeneous_kv_block_size`` grows the block until a
+    TurboQuant page, sized there as uint8 K+V per token, covers a 16-token page of
+    those layers: ``align * ceil(16 * dtype_bytes / align)`` with
+    ``align = max(16, requested)`` (32 for a bf16 model at the default 16; seen on
+    the H200 with 0.26.0). 0.20-0.24 keep the requested size.
+    """
+    if feats.version < (0, 25):
+        return requested
+    align = max(16, requested)
+    return align * -(-16 * model_dtype_bytes // align)
+
+
+def block_table_width(feats: Features, max_model_len: int, block_size: int, v2: bool) -> int:
+    """Row stride of the runner's block table, for planning without a worker.
+
+    V2 runner (read in 0.26 and 0.33): ``cdiv(max_model_len, bs)`` rounded up to a
+    multiple of ``128 // bs`` when bs <= 128. V1: 0.27+ round up to a multiple of
+    ``128 / gcd(128, bs)``; 0.20-0.26 do not round.
+    """
+    blocks = -(-max_model_len // block_size)
+    if v2 and block_size <= 128:
+        align = 128 // block_size
+    elif not v2 and feats.version >= (0, 27):
+        align = 128 // math.gcd(128, block_size)
+    else:
+        align = 1
+    return -(-blocks // align) * align
+
+
+# Models whose vLLM code sets the attention scale from a config field instead of
+# ``head_size**-0.5`` (model_executor/models, 0.20-0.33): gemma2/gemma3/rnj1
+# ``config.query_pre_attn_scalar**-0.5``, granite/hyperclovax ``config.attention_multiplier``.
+_SCALE_FROM_QUERY_PRE_ATTN = frozenset({"gemma2", "gemma3", "gemma3_text", "rnj1"})
+_SCALE_FROM_MULTIPLIER = frozenset({"granite", "hyperclovax"})
+
+
+class ModelShape(NamedTuple):
+    """A model's attention as vLLM's ``ModelConfig`` describes it."""
+
+    architecture: str
+    head_size: int
+    """``get_head_size()``."""
+    total_heads: int
+    total_kv_heads: int
+    num_heads: int
+    """Query heads per rank, ``get_num_attention_heads(parallel_config)``."""
+    num_kv_heads: int
+    """KV heads per rank, ``get_num_kv_heads(parallel_config)``."""
+    num_layers: int
+    """``hf_text_config.num_hidden_layers``, what the boundary rule counts."""
+    attention_layers: tuple[int, ...]
+    """Indices of the layers with full attention: all of them for a dense model."""
+    hybrid: bool
+    dtype: str
+    """The dtype vLLM resolves (``--dtype`` or the config's)."""
+    config_dtype: str | None
+    """The dtype config.json declares, before vLLM resolves it."""
+    max_model_len: int
+    scale: float | None
+    """The model's attention scale where its vLLM code sets one (else None)."""
+    attention_chunk: int | None = None
+    """``ModelConfig.attention_chunk_size`` (the text config's, 0.20-0.33): Llama 4 runs
+    its RoPE layers as ``ChunkedLocalAttention`` with it; None without one."""
+
+
+def _dtype_text(value: Any) -> str | None:
+    return None if value is None else str(value).removeprefix("torch.")
+
+
+def _config_dtype(hf_config: Any) -> str | None:
+    """``dtype`` (transformers 4.56+) or ``torch_dtype`` (older) of a HF config."""
+    for name in ("dtype", "torch_dtype"):
+        value = getattr(hf_config, name, None)
+        if value is not None:
+            return _dtype_text(value)
+    return None
+
+
+def model_scale(model_type: str, hf_text_config: Any) -> float | None:
+    """The attention scale the model's vLLM code sets from its config, else None."""
+    if model_type in _SCALE_FROM_QUERY_PRE_ATTN:
+        value = getattr(hf_text_config, "query_pre_attn_scalar", None)
+        return float(value) ** -0.5 if value else None
+    if model_type in _SCALE_FROM_MULTIPLIER:
+        value = getattr(hf_text_config, "attention_multiplier", None)
+        return float(value) if value else None
+    return None
+
+
+def _exception_line(exc: BaseException) -> str:
+    """One readable line of an exception from vLLM or transformers: pydantic's
+    ValidationError keeps the real message in ``errors()``."""
+    errors = getattr(exc, "errors", None)
+    text = str(exc)
+    if callable(errors):
+        with contextlib.suppress(Exception):
+            text = str(errors()[0]["msg"]).removeprefix("Value error, ")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):  # huggingface_hub's strict dataclasses
+        lines[0] += f" {lines[1]}"  # (vLLM 0.33): "... for field 'x':" then the reason
+    return (lines[0] if lines else type(exc).__name__)[:400]
+
+
+@contextlib.contextmanager
+def _vllm_quiet() -> Iterator[None]:
+    """vLLM logs INFO lines and, when it cannot inspect a model class, a traceback;
+    the CLI says what went wrong in its own one line instead."""
+    import logging
+
+    logger = logging.getLogger("vllm")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _inspect_failure(line: str) -> str:
+    """vLLM's "Model architectures [...] failed to be inspected" (0.20-0.33) points at a
+    log the CLI silenced: import the model's module here for the real reason (the
+    registry's ``_LazyRegisteredModel.module_name``, 0.20-0.33), e.g. a missing
+    dependency of that model."""
+    match = re.search(r"architectures \[(.*?)\] failed to be inspected", line)
+    if match is None:
+        return line
+    registry = importlib.import_module(compat.MODEL_REGISTRY_MODULE).ModelRegistry
+    for arch in re.findall(r"'([^']+)'", match.group(1)):
+        module = getattr(registry.models.get(arch), "module_name", None)
+        if module is None:
+            continue
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # whatever the model's module raises on import
+            return (
+                f"vLLM cannot import its {arch} code here ({type(exc).__name__}: "
+                f"{_exception_line(exc)}), so it cannot tell which layers are attention"
+            )
+    return line
+
+
+def _full_attention_layers(model_config: Any) -> list[int]:
+    """``_get_full_attention_layer_indices`` of the TurboQuant config module (0.21-0.33):
+    ``layer_types``, ``layers_block_type`` or ``attn_type_list``, as vLLM reads them."""
+    finder = importlib.import_module(compat.TQ_CONFIG_MODULE)._get_full_attention_layer_indices
+    return [int(i) for i in finder(model_config)]
+
+
+def model_shape(
+    directory: str,
+    tp: int,
+    dtype: str | None,
+    max_model_len: int | None,
+    trust_remote_code: bool,
+) -> ModelShape:
+    """Build vLLM's ``ModelConfig`` for a local directory holding a ``config.json`` (no
+    tokenizer, no weights, no GPU) and read the attention from it; raises
+    UnsupportedModel with one line when vLLM would not run TurboQuant on it or cannot
+    read it. ``ModelConfig(model=..., skip_tokenizer_init=True)`` and the methods read
+    here exist in 0.20-0.33; the model class is inspected once per architecture (vLLM
+    caches it under ``~/.cache/vllm/modelinfos``). transformers parses the config
+    (``AutoConfig``, or vLLM's own config classes, e.g. ChatGLM's)."""
+    config = importlib.import_module(compat.MODEL_CONFIG_MODULE)
+    with _vllm_quiet():  # after the import: vLLM configures its logger when imported
+        try:
+            model_config = config.ModelConfig(
+                model=directory,
+                skip_tokenizer_init=True,
+                trust_remote_code=trust_remote_code,
+                dtype=dtype or "auto",
+                max_model_len=max_model_len,
+            )
+            parallel = config.ParallelConfig(tensor_parallel_size=tp)
+            one = config.ParallelConfig(tensor_parallel_size=1)
+            model_config.verify_with_parallel_config(parallel)
+        except Exception as exc:  # vLLM and transformers raise anything from a config
+            line = _inspect_failure(_exception_line(exc))
+            if "trust_remote_code" in line and not trust_remote_code:
+                line += " (pass --trust-remote-code to run the model's own config code)"
+            raise UnsupportedModel(line) from None
+        arch = str(model_config.architecture)
+        if model_config.use_mla:
+            raise UnsupportedModel(
+                f"{arch} uses multi-head latent attention (MLA): vLLM keeps it on an "
+                "MLA backend and never selects TurboQuant for it"
+            )
+        attn_type = getattr(model_config, "attn_type", None)  # 0.21+
+        if model_config.is_attention_free or attn_type == "attention_free":
+            raise UnsupportedModel(f"{arch} has no attention layers: nothing for TurboQuant")
+        if attn_type == "encoder_only" or (
+            attn_type is None
+            and getattr(model_config, "runner_type", "") == "pooling"
+            and not getattr(model_config.hf_config, "is_causal", True)
+        ):
+            raise UnsupportedModel(
+                f"{arch} is encoder-only (bidirectional attention): TurboQuant supports "
+                "decoder attention only"
+            )
+        text = model_config.hf_text_config
+        num_layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+        hybrid = bool(model_config.is_hybrid)
+        if hybrid:
+            try:
+                layers = _full_attention_layers(model_config)
+            except (ImportError, AttributeError):
+                raise UnsupportedModel(
+                    f"{arch} is a hybrid model and this vLLM cannot list its attention "
+                    "layers (0.21+ can)"
+                ) from None
+            if not layers:
+                raise UnsupportedModel(
+                    f"{arch} is a hybrid model without identifiable full-attention "
+                    "layers: vLLM refuses TurboQuant for it"
+                )
+        else:
+            layers = list(range(num_layers))
+        return ModelShape(
+            architecture=arch,
+            head_size=int(model_config.get_head_size()),
+            total_heads=int(model_config.get_num_attention_heads(one)),
+            total_kv_heads=int(model_config.get_total_num_kv_heads()),
+            num_heads=int(model_config.get_num_attention_heads(parallel)),
+            num_kv_heads=int(model_config.get_num_kv_heads(parallel)),
+            num_layers=num_layers,
+            attention_layers=tuple(layers),
+            hybrid=hybrid,
+            dtype=str(_dtype_text(model_config.dtype)),
+            config_dtype=_config_dtype(text) or _config_dtype(model_config.hf_config),
+            max_model_len=int(model_config.max_model_len),
+            scale=model_scale(str(getattr(text, "model_type", "")), text),
+            attention_chunk=getattr(model_config, "attention_chunk_size", None) or None,
+        )
+
+
+# --------------------------------------------------------------------------
+# The geometry of ``inspect`` / ``precompile`` flags, as a worker would discover it.
+# --------------------------------------------------------------------------
+
+
+class PlanError(ValueError):
+    """Flags or a model that cannot be planned for; the message is the one line the
+    CLI prints (exit code 2)."""
+
+
+class Planned(NamedTuple):
+    """A geometry planned without a worker, and the layers it stands for."""
+
+    geometry: Geometry
+    layers: int
+    """TurboQuant layers (all ranks see the same count)."""
+    boundary: bool
+    """Whether TurboQuant leaves boundary layers in the model dtype (dense models)."""
+    note: str
+    """Where the shape came from, for the printed plan."""
+    local: Geometry | None = None
+    """The geometry of the model's chunked local attention layers (Llama 4), if any."""
+
+
+def _features(args: argparse.Namespace) -> Features:
+    installed = compat.installed_vllm_version()
+    try:
+        return compat.release_features(args.vllm_version or installed)
+    except compat.UnsupportedRelease as exc:
+        hint = "" if args.vllm_version else " (pass --vllm-version to plan for a release)"
+        raise PlanError(f"{exc}{hint}") from None
+
+
+def geometry_from_args(args: argparse.Namespace, model_dir: str | None) -> Planned:
+    """The geometry the worker would discover, from vLLM's ``ModelConfig`` of the
+    ``config.json`` in ``model_dir`` (``--model``, checked and read by the CLI) and the
+    explicit flags, which take precedence. Raises PlanError with one line."""
+    if args.kv_cache_dtype is None:
+        raise PlanError("need --kv-cache-dtype (or --geometry-json)")
+    feats = _features(args)
+    tp = args.tensor_parallel_size
+    shape: ModelShape | None = None
+    if model_dir is not None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local config: nothing to download
+        try:
+            shape = model_shape(
+                model_dir, tp, args.dtype, args.max_model_len, args.trust_remote_code
+            )
+        except ImportError as exc:
+            raise PlanError(
+                f"--model needs vLLM installed to read the config ({exc}); or give "
+                "--head-size, --num-heads and --num-kv-heads"
+            ) from None
+        except UnsupportedModel as exc:
+            raise PlanError(f"--model {args.model}: {exc}") from None
+        if args.dtype is None and shape.config_dtype == "float32":
+            raise PlanError(
+                f"--model {args.model}: config.json says float32 and TurboQuant runs the "
+                "model in 16 bits: pass --dtype bfloat16 or float16 (what vLLM's --dtype is)"
+            )
+    heads = args.num_heads or (shape.total_heads if shape else None)
+    kv_heads = args.num_kv_heads or (shape.total_kv_heads if shape else None) or heads
+    head_size = args.head_size or (shape.head_size if shape else None)
+    if not (heads and kv_heads and head_size):
+        raise PlanError("need --model, or --head-size, --num-heads and --num-kv-heads")
+    try:
+        hq, hk = heads_per_rank(heads, kv_heads, tp)
+    except UnsupportedModel as exc:
+        raise PlanError(str(exc)) from None
+    if shape is not None and not (args.num_heads or args.num_kv_heads):
+        hq, hk = shape.num_heads, shape.num_kv_heads  # vLLM's own split
+    max_model_len = args.max_model_len or (shape.max_model_len if shape else 4096)
+    dtype = args.dtype or (shape.dtype if shape else "bfloat16")
+    if dtype not in ("bfloat16", "float16"):
+        raise PlanError(f"model dtype {dtype}: TurboQuant runs bfloat16 or float16 models")
+    try:
+        skip = boundary_layers(
+            feats, shape.num_layers if shape else 0, shape.hybrid if shape else False
+        )
+    except UnsupportedModel as exc:
+        raise PlanError(f"--model {args.model}: {exc}") from None
+    if shape is not None:
+        layers = len(set(shape.attention_layers) - set(skip))
+        if layers == 0:
+            raise PlanError(
+                f"--model {args.model}: all {shape.num_layers} layers are boundary layers "
+                "TurboQuant leaves in the model dtype: nothing to warm"
+            )
+        note = f"{shape.architecture}, {len(shape.attention_layers)} attention layers"
+        note += f", boundary {', '.join(map(str, skip))}" if skip else ", no boundary layers"
+        if shape.hybrid:  # vLLM sizes a hybrid's attention pages to its Mamba state
+            note += "; hybrid: block size and page padding may differ, --geometry-json is exact"
+    else:
+        layers, note = 0, "from flags"
+    scale = args.scale
+    if scale is None:
+        scale = shape.scale if shape and shape.scale is not None else head_size**-0.5
+    bs = effective_block_size(feats, args.block_size, DTYPE_BYTES[dtype])
+    layout = preset(args.kv_cache_dtype, head_size)
+    runner = args.runner or ("v2" if feats.version >= (0, 25) else "v1")
+    geometry = Geometry(
+        cache_dtype=args.kv_cache_dtype,
+        head_size=head_size,
+        num_heads=hq,
+        num_kv_heads=hk,
+        block_size=bs,
+        scale=scale,
+        kv_strides=kv_view_strides(feats, bs, hk, layout.slot_size_aligned),
+        model_dtype=dtype,
+        block_table_width=block_table_width(feats, max_model_len, bs, runner == "v2"),
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_kv_splits=args.kv_splits,
+        fp8_e4b15=compat.fp8_e4b15((args.arch // 10, args.arch % 10)),
+        features=feats,
+        ubatch_sliced=compat.ubatch_sliced(feats, args.enable_dbo, runner == "v2"),
+    )
+    chunk = args.attention_chunk_size
+    if chunk is None:
+        chunk = shape.attention_chunk if shape else None
+    local = dataclasses.replace(geometry, attention_chunk=chunk) if chunk else None
+    try:
+        for g in filter(None, (geometry, local)):
+            g.check()
+    except ValueError as exc:
+        raise PlanError(f"not a TurboQuant geometry: {exc}") from None
+    if local is not None:
+        note += f"; chunked local attention of {chunk} tokens"
+    return Planned(geometry, layers, bool(skip) or shape is None, note, local)
