@@ -13,7 +13,7 @@ from pathlib import Path
 import fakes
 import pytest
 
-from tq_warmup_plugin import cli
+from tq_warmup_plugin import cli, cli_inputs
 from tq_warmup_plugin.geometry import Geometry
 
 DATA = Path(__file__).parent / "data"
@@ -216,14 +216,14 @@ def test_a_model_file_of_another_name_is_read_from_a_directory_removed_after(
 ) -> None:
     file = tmp_path / "llama.json"
     file.write_text('{"model_type": "llama"}')
-    with cli._model_dir(str(file)) as directory:
+    with cli_inputs.model_dir(str(file)) as directory:
         copied = Path(directory) / "config.json"
         assert directory != str(tmp_path) and json.loads(copied.read_text()) == {
             "model_type": "llama"
         }
     assert not Path(directory).exists()
     (tmp_path / "config.json").write_text("{}")
-    with cli._model_dir(str(tmp_path)) as directory:
+    with cli_inputs.model_dir(str(tmp_path)) as directory:
         assert directory == str(tmp_path)
     assert tmp_path.is_dir()
 

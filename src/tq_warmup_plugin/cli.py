@@ -18,15 +18,16 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import NoReturn
 
 import pluggy
 
-from . import compat, launches, manifest, planning, safe_io, warmup
-from .geometry import PRESETS, Geometry, Reported, read_report
+from . import compat, launches, manifest, planning, warmup
+from .cli_inputs import CliError, geometries, geometries_from_report
+from .geometry import PRESETS, Geometry
 from .planning import Planned
 from .report import Report
 from .settings import load, parse
@@ -74,74 +75,10 @@ def doctor(_: argparse.Namespace) -> int:
     return 0
 
 
-class CliError(Exception):
-    """Input the CLI refuses: the message is the one line it prints (exit code 2)."""
-
-
-def _read_json(path: Path, flag: str) -> object:
-    """The JSON value in the file ``flag`` names: the CLI's one read of a JSON file it
-    did not write, as a hostile file (``safe_io``: a FIFO, a device, huge or deeply
-    nested JSON is refused); a symlink is followed. Anything else is one CliError line."""
-    try:
-        return safe_io.read_json(str(path), follow=True)
-    except safe_io.UnsafeFile as exc:
-        why = "no such file" if exc.missing else f"cannot read it ({exc})"
-        raise CliError(f"{flag} {path}: {why}") from None
-
-
-@contextlib.contextmanager
-def _model_dir(path: str) -> Iterator[str]:
-    """The directory vLLM reads ``config.json`` from, after the checks vLLM would fail
-    on with a traceback: the path exists and its ``config.json`` is a JSON object. A
-    file of another name (``llama.json``) is copied as ``config.json`` into a temporary
-    directory that is removed when the block ends."""
-    given = Path(path)
-    file = given / "config.json" if given.is_dir() else given
-    if not given.exists():
-        raise CliError(f"--model {path}: no such file or directory")
-    if given.is_dir() and not file.is_file():
-        raise CliError(f"--model {path}: no config.json in this directory")
-    data = _read_json(file, "--model")
-    if not isinstance(data, dict):
-        raise CliError(f"--model {file}: a JSON {type(data).__name__}, not a model config object")
-    if file.name == "config.json":
-        yield str(file.parent)
-        return
-    with tempfile.TemporaryDirectory(prefix="tq-warmup-config-") as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(data))
-        yield tmp
-
-
-def geometries_from_report(path: str) -> Reported:
-    """The geometries a real startup discovered (its ``TQ_WARMUP_REPORT`` JSON), the
-    TurboQuant layers they stand for, and the vLLM version the report names."""
-    data = _read_json(Path(path), "--geometry-json")
-    try:
-        return read_report(data)
-    except ValueError as exc:
-        raise CliError(f"--geometry-json {path}: {exc}") from None
-
-
-def _geometries(args: argparse.Namespace) -> tuple[dict[str, Geometry], Planned]:
-    """Distinct geometries by name, and the first one's plan summary."""
-    if args.geometry_json:
-        found, layers, version = geometries_from_report(args.geometry_json)
-        named = {f"geometry{i}": g for i, g in enumerate(found)}
-        note = f"startup report of vLLM {version}"
-        return named, Planned(found[0], layers, True, note)
-    with contextlib.ExitStack() as stack:  # vLLM reads --model's config in here
-        model = None if args.model is None else stack.enter_context(_model_dir(args.model))
-        planned = planning.geometry_from_args(args, model)
-    named = {"geometry0": planned.geometry}
-    if planned.local is not None:
-        named["local"] = planned.local
-    return named, planned
-
-
 def _plan(
     args: argparse.Namespace, pm: pluggy.PluginManager
 ) -> tuple[warmup.Plan[Hashable], dict[str, Geometry], Planned]:
-    named, planned = _geometries(args)
+    named, planned = geometries(args)
     return warmup.plan_keys(pm, named), named, planned
 
 
@@ -284,8 +221,8 @@ def precompile(args: argparse.Namespace) -> int:
     the_plan, named, planned = _plan(args, pm)
 
     from .precompile import (
-        cache_keys_for,
         InstallError,
+        cache_keys_for,
         install,
         staging,
         target_stack,
@@ -333,7 +270,7 @@ def precompile(args: argparse.Namespace) -> int:
 def driver_cache(args: argparse.Namespace) -> int:
     """Launch the plan's FlashAttention-2 kernels on this GPU into a fresh CUDA driver
     JIT cache and install it under ``--cache-dir`` (``driver_build``)."""
-    named, planned = _geometries(args)
+    named, planned = geometries(args)
     from .driver_build import BuildError, build
 
     todo = launches.driver_plan(named, _boundary(planned))

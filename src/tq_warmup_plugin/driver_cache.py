@@ -30,7 +30,6 @@ import json
 import os
 import re
 import shutil
-import stat
 import tempfile
 import uuid
 from collections.abc import Iterator, Mapping
@@ -38,8 +37,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from . import safe_io
+
 __all__ = [
-    "print_verify",
     "CACHE_DIR",
     "DRIVER_DIR",
     "KIND",
@@ -59,6 +59,7 @@ __all__ = [
     "install",
     "match",
     "parse",
+    "print_verify",
     "read",
     "read_node",
     "stage",
@@ -133,29 +134,18 @@ class Node(NamedTuple):
 
 
 def _open_regular(path: str | Path) -> tuple[int, os.stat_result]:
-    """A file descriptor of a regular file, never through a symlink (``O_NOFOLLOW``) and
-    never blocking on a FIFO (``O_NONBLOCK``); its ``fstat``."""
+    """``safe_io.open_regular``, its refusal an ``EntryError`` naming the file."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        why = "a symlink" if exc.errno == errno.ELOOP else (exc.strerror or str(exc))
-        raise EntryError(f"{path}: {why}") from None
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
-        os.close(fd)
-        raise EntryError(f"{path}: not a regular file")
-    return fd, info
+        return safe_io.open_regular(str(path))
+    except safe_io.UnsafeFile as exc:
+        raise EntryError(f"{path}: {exc}") from None
 
 
 def _read_bounded(path: str | Path, limit: int) -> bytes:
-    fd, info = _open_regular(path)
-    with os.fdopen(fd, "rb") as fh:
-        if info.st_size > limit:
-            raise EntryError(f"{path}: {info.st_size} bytes, over the {limit} a manifest may have")
-        data = fh.read(limit + 1)
-    if len(data) > limit:
-        raise EntryError(f"{path}: over the {limit} bytes a manifest may have")
-    return data
+    try:
+        return safe_io.read_bytes(str(path), limit)
+    except safe_io.UnsafeFile as exc:
+        raise EntryError(f"{path}: {exc}") from None
 
 
 def _relative(name: object) -> bool:

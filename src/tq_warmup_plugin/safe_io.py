@@ -38,6 +38,7 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "UnsafeFile",
     "open_dir",
+    "open_regular",
     "read_bytes",
     "read_json",
     "regular_files",
@@ -123,6 +124,24 @@ def open_dir(name: str, dir_fd: int | None = None) -> int:
         return fd
 
 
+def open_regular(
+    path: str, *, dir_fd: int | None = None, follow: bool = False
+) -> tuple[int, os.stat_result]:
+    """A descriptor of regular file ``path`` and its ``fstat``: never a FIFO (it does not
+    block), a device or a directory, and no symlink as the final component unless
+    ``follow``; the caller closes it (a hash streams a file too large to read whole)."""
+    with _guarded():
+        fd = os.open(path, _BASE | (0 if follow else _NOFOLLOW), dir_fd=dir_fd)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise UnsafeFile(_kind(info.st_mode))
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, info
+
+
 def read_bytes(
     path: str,
     limit: int = MAX_FILE_BYTES,
@@ -133,12 +152,9 @@ def read_bytes(
 ) -> bytes:
     """The bytes of regular file ``path`` (relative to ``dir_fd`` if given); at most
     ``limit`` of them, exactly ``size`` if given (a manifest records each file's)."""
+    fd, info = open_regular(path, dir_fd=dir_fd, follow=follow)
     with _guarded():
-        fd = os.open(path, _BASE | (0 if follow else _NOFOLLOW), dir_fd=dir_fd)
         try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise UnsafeFile(_kind(info.st_mode))
             if info.st_size > limit:
                 raise UnsafeFile(f"{info.st_size} bytes, more than the {limit} read")
             if size is not None and info.st_size != size:
