@@ -32,7 +32,7 @@ def cpu_count() -> int:
 
 
 # Distinct keys compile on threads: measured on the H200 (vLLM 0.26.0), 4 threads
-# cut a cold 6-key warmup from 1.4-1.6 s to 0.8-0.9 s (README, Results). More threads
+# cut a cold 6-key warmup from 1.4-1.6 s to 0.8-0.9 s (benchmarks/results/README.md). More threads
 # than CPUs only compete for them (issue 12: 6 threads on 2 CPUs were 3x slower).
 DEFAULT_THREADS = min(4, cpu_count())
 
