@@ -80,7 +80,7 @@ def test_compile_counter_tells_shipped_from_disk_cache_hits_and_names_the_key_di
     pytest.importorskip("triton")
     from triton import knobs
 
-    from tq_warmup_plugin import layered_cache
+    from tq_warmup_plugin import layer_trust, layered_cache
 
     (tmp_path / "layer").mkdir()
     monkeypatch.setenv("TRITON_CACHE_MANAGER", layered_cache.MANAGER)
@@ -88,11 +88,20 @@ def test_compile_counter_tells_shipped_from_disk_cache_hits_and_names_the_key_di
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "own"))
     monkeypatch.setattr(knobs.compilation, "listener", None)
 
-    def group(root: str, key: str) -> dict[str, str]:
-        return {"k.json": str(tmp_path / root / key / "k.json")}
+    # A layer's files are served from this process's private copies of the bytes it
+    # hashed (``layer_trust``), never from the layer itself.
+    served = Path(layer_trust._make_private_root())
+
+    def group(root: Path, key: str) -> dict[str, str]:
+        return {"k.json": str(root / key / "k.json")}
 
     with CompileCounter() as counter:
-        for hit, root, key in [(True, "layer", "A"), (True, "own", "B"), (False, "own", "C")]:
+        for hit, root, key in [
+            (True, served, "A"),
+            (True, tmp_path / "own", "B"),
+            (False, tmp_path / "own", "C"),
+            (True, tmp_path / "layer", "D"),  # the layer's own path: not what it serves
+        ]:
             knobs.compilation.listener(cache_hit=hit, metadata_group=group(root, key))
-    assert (counter.compiled, counter.shipped, counter.loaded) == (1, 1, 1)
-    assert counter.dirs == {"A", "B", "C"}
+    assert (counter.compiled, counter.shipped, counter.loaded) == (1, 1, 2)
+    assert counter.dirs == {"A", "B", "C", "D"}
