@@ -55,14 +55,19 @@ _GUARD_ATTR = "__tq_warmup_batched_verify__"
 _once = _patching.Once()
 
 
-def serves(vllm_config: Any) -> bool:
-    """Whether a TurboQuant builder of this configuration takes the batched path: a
-    TurboQuant cache under speculative decoding whose builders' decode threshold can
-    exceed 1 (``compat.spec_decode_threshold``)."""
+def _threshold(vllm_config: Any) -> int:
+    """The decode threshold a TurboQuant builder of this configuration serves rows for:
+    a TurboQuant cache under speculative decoding (``compat.spec_decode_threshold``);
+    at most 1 where it serves none (UltraQuant's subclass included, 0.32+)."""
     cache = getattr(vllm_config, "cache_config", None)
-    dtype = str(getattr(cache, "cache_dtype", ""))
-    threshold = compat.spec_decode_threshold(vllm_config)
-    return dtype.startswith(compat.TQ_DTYPE_PREFIX) and threshold > 1
+    if not str(getattr(cache, "cache_dtype", "")).startswith(compat.TQ_DTYPE_PREFIX):
+        return 0
+    return compat.spec_decode_threshold(vllm_config)
+
+
+def serves(vllm_config: Any) -> bool:
+    """Whether a TurboQuant builder of this configuration takes the batched path."""
+    return _threshold(vllm_config) > 1
 
 
 def rows_of(builder: Any) -> VerifyRows | None:
@@ -87,12 +92,12 @@ def _announce(rows: VerifyRows, k_tokens: int) -> None:
 def _serve(builder: Any) -> None:
     """After vLLM's ``__init__``: the spec-as-decode threshold and the builder's rows."""
     config = builder.vllm_config
-    if not serves(config):
+    expected = _threshold(config)
+    if expected <= 1:
         return
     builder._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
     # The support level keys on ``serves``, so the builder must serve what it exempts
     # (the contract tests pin vLLM's threshold to ``spec_decode_threshold``).
-    expected = compat.spec_decode_threshold(config)
     threshold = max(int(builder.reorder_batch_threshold or 1), expected)
     builder.reorder_batch_threshold = threshold
     capacity = int(config.scheduler_config.max_num_seqs) * threshold
