@@ -46,15 +46,15 @@ BATCHES = {
 }
 
 
-def spec_config(k: int, dcp: int = 1) -> Any:
+def spec_config(k: int, dcp: int = 1, parallel: bool = False, v2: bool = True) -> Any:
     """What the builder and the support level read of a VllmConfig under speculative
     decoding (a full one needs a model and a device)."""
     return SimpleNamespace(
-        speculative_config=SimpleNamespace(num_speculative_tokens=k, parallel_drafting=False),
+        speculative_config=SimpleNamespace(num_speculative_tokens=k, parallel_drafting=parallel),
         parallel_config=SimpleNamespace(decode_context_parallel_size=dcp),
         scheduler_config=SimpleNamespace(max_num_seqs=MAX_NUM_SEQS),
         cache_config=SimpleNamespace(cache_dtype="turboquant_4bit_nc"),
-        use_v2_model_runner=True,
+        use_v2_model_runner=v2,
     )
 
 
@@ -151,6 +151,31 @@ def test_rows_equal_the_per_request_loop(backend: Any, monkeypatch: Any, k: int,
     assert [length for _, _, length in batched.calls[0]] == [
         length for _, length in loop_rows(qsl, seqs, decodes)
     ]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("v2", [False, True])
+def test_the_rows_serve_vllms_own_spec_as_decode_threshold(
+    backend: Any, k: int, parallel: bool, v2: bool
+) -> None:
+    """The support level exempts what ``serves`` names, so the rows must cover vLLM's own
+    spec-as-decode threshold in every case: parallel drafting (V1 doubles the drafts,
+    0.21-0.33), the V2 runner (0.33 does not), decode context parallel (threshold 1:
+    no rows, the PIECEWISE cap)."""
+    config = spec_config(k, parallel=parallel, v2=v2)
+    vllms = backend.TurboQuantMetadataBuilder.__new__(backend.TurboQuantMetadataBuilder)
+    vllms.vllm_config = config
+    vllms._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+    builder = make_builder(backend, config)
+    rows = batched_verify.rows_of(builder)
+    assert rows is not None
+    assert builder.reorder_batch_threshold == vllms.reorder_batch_threshold == rows.query_len
+    assert compat.spec_decode_threshold(config) == vllms.reorder_batch_threshold
+    assert rows.capacity == MAX_NUM_SEQS * rows.query_len
+    split = make_builder(backend, spec_config(k, dcp=2, parallel=parallel, v2=v2))
+    assert batched_verify.rows_of(split) is None and split.reorder_batch_threshold == 1
+    assert not batched_verify.serves(spec_config(k, dcp=2, parallel=parallel, v2=v2))
 
 
 def test_rows_stay_valid_on_capture_and_padding(backend: Any) -> None:
