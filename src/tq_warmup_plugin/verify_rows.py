@@ -84,13 +84,6 @@ class VerifyRows:
         self._arange: Any = None
         self._refused = False
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes the buffers hold (0 before the first rewrite)."""
-        held = (self.seq_lens, self._arange, self.query_start_loc)
-        table = 0 if self.table is None else self.table.untyped_storage().nbytes()
-        return table + sum(0 if t is None else t.numel() * t.element_size() for t in held)
-
     def allocate(self, block_table: Any, seq_dtype: Any, qsl_dtype: Any) -> bool:
         """Make the buffers for this table, once; False if an existing set cannot hold
         its rows (a graph may have captured the old addresses: never reallocated)."""
