@@ -46,7 +46,8 @@ _GUARD_ATTR = "__tq_warmup_spec_guard__"
 _announced = False
 _exempt: Callable[[Any], bool] | None = None
 """Configurations another verify path serves (``batched_verify.serves``): not capped."""
-_why = "TQ_WARMUP_SPEC_GUARD=piecewise"
+_ON_REQUEST = "TQ_WARMUP_SPEC_GUARD=piecewise"
+_why = _ON_REQUEST
 """Why verify batches run PIECEWISE, for the INFO line."""
 
 
@@ -111,7 +112,7 @@ def _init_subclass_guarded(cls: Any, /, **kwargs: Any) -> None:
 def install(
     backend: ModuleType,
     exempt: Callable[[Any], bool] | None = None,
-    why: str = "TQ_WARMUP_SPEC_GUARD=piecewise",
+    why: str = _ON_REQUEST,
 ) -> bool:
     """Guard the backend module's builder class when the installed release needs it,
     leaving the configurations ``exempt`` names to another path; ``why`` the cap is in
