@@ -77,6 +77,17 @@ def test_model_sizes_and_the_mimo_and_eagle_configs() -> None:
     assert head["num_hidden_layers"] == 1 and head["hidden_size"] == llama["hidden_size"]
 
 
+def test_the_references_load_the_target_the_run_speculates_with(tmp_path: Path) -> None:
+    """An MTP run's reference and no-spec engines load the MiMo target, not a Llama."""
+    opts = {"model_size": vars(spec_configs.MODEL_SIZES["small"]), "max_model_len": 2048}
+    for method, arch in (("mtp", "MiMoForCausalLM"), ("ngram", "LlamaForCausalLM")):
+        for name in (spec_configs.REFERENCE, spec_configs.NOSPEC_FULL):
+            cfg = spec_configs.SpecConfig(name)
+            model_dir, _ = spec_child.write_models(cfg, {**opts, "method": method}, tmp_path / name)
+            written = json.loads((model_dir / "config.json").read_text())
+            assert written["architectures"] == [arch]
+
+
 def test_model_size_options_and_overrides() -> None:
     assert spec.model_size(_args()) == spec_configs.MODEL_SIZES["small"]
     size = spec.model_size(_args("--model-size", "llama3-8b", "--layers", "6"))

@@ -156,6 +156,7 @@ class SpecBench:
         keep += ("jit_monitor_mode", "weight_scale", "repeats", "async_scheduling")
         self.options: dict[str, Any] = {k: getattr(args, k) for k in keep}
         self.options.update(
+            method=args.method,
             geometry=size.geometry,
             layers=size.layers,
             model_size=asdict(size),

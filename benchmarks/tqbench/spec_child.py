@@ -116,11 +116,18 @@ def engine_kwargs(
 
 
 def write_models(cfg: SpecConfig, opts: Mapping[str, Any], work: Path) -> tuple[Path, str]:
-    """Write the model's config.json (and an EAGLE head's); (model dir, head dir or "")."""
+    """Write the model's config.json (and an EAGLE head's); (model dir, head dir or "").
+
+    The target is the run's (``opts["method"]``), so the engines without speculation
+    load the model the speculating ones verify with: for ``mtp`` a MiMo, whose Qwen2
+    attention has biases a Llama has not. vLLM draws dummy weights per parameter from one
+    seed (``initialize_dummy_weights``, 0.26 ``weight_utils.py``), so equal shapes give
+    equal weights; a Llama reference made every MTP row diverge at token 0 (H200, 0.26.0).
+    """
     size = ModelSize(**opts["model_size"])
     model_dir = work / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
-    config = model_config(cfg.method, size, opts["max_model_len"])
+    config = model_config(cfg.method or opts.get("method"), size, opts["max_model_len"])
     (model_dir / "config.json").write_text(json.dumps(config, indent=1))
     if cfg.method != "eagle":
         return model_dir, ""
@@ -151,6 +158,15 @@ def _spec_counters(llm: Any) -> dict[str, int] | None:
             if key is not None:
                 counters[key] = counters.get(key, 0) + int(m.value)
     return counters or None
+
+
+def _runner(llm: Any) -> str | None:
+    """``"V2"`` or ``"V1"``: the model runner the worker uses (``Worker.use_v2_model_runner``,
+    0.20-0.33), which decides where the verify batch's lengths come from; None unknown."""
+    with contextlib.suppress(Exception):
+        v2 = llm.collective_rpc(lambda worker: getattr(worker, "use_v2_model_runner", None))[0]
+        return None if v2 is None else ("V2" if v2 else "V1")
+    return None
 
 
 def run_child(spec_path: Path) -> int:
@@ -215,6 +231,7 @@ def run_child(spec_path: Path) -> int:
         cudagraph_mode=str(vcfg.compilation_config.cudagraph_mode),
         speculative_config=str(vcfg.speculative_config),
         async_scheduling=getattr(vcfg.scheduler_config, "async_scheduling", None),
+        runner=_runner(llm),
         block_size=vcfg.cache_config.block_size,
         plugin_report=json.loads(report.read_text()) if report.is_file() else None,
         startup_jit=startup_summary(rec.phase_events("startup")),

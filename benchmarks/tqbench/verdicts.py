@@ -194,6 +194,8 @@ def summarize(run: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> dict
             "max_lp_delta": cmp.get("max_lp_delta"),
             "divergence_margins": cmp.get("divergence_margins"),
             "cudagraph_mode": r.get("cudagraph_mode"),
+            "runner": r.get("runner"),
+            "async_scheduling": r.get("async_scheduling"),
             "acceptance": acceptance(r.get("spec_counters")),
             "tq_compiles_after_startup": r.get("tq_compiles_after_startup"),
             "error_line": r.get("error_line"),
