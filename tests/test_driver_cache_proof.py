@@ -29,6 +29,7 @@ def test_the_table_says_each_steps_result() -> None:
         {"step": "build", "rc": 0, "wall_s": 150.0, "files": 9, "du": "41M", "mib": 40.2},
         {"step": "shipped", "status": "ok", "startup_s": 31.2, "first_launches": 4,
          "first_launches_ms": 310},
+        {"step": "auto", "preset": "auto", "status": "ok", "startup_s": 20.5},
         {"step": "decision-other", "warnings": ["WARNING tq-warmup: ... driver ..."],
          "cuda_cache_path": None},
         {"step": "read-only", "launch": "paged_decode bfloat16 1x2048", "probe_s": 0.2,
@@ -36,7 +37,10 @@ def test_the_table_says_each_steps_result() -> None:
     ]  # fmt: skip
     cells = dict(map(tuple, proof.table_rows(rows)))
     assert cells["build"].startswith("rc 0, 150.0 s; 9 files, 41M (40.2 MiB)")
-    assert cells["shipped"].startswith("ok, startup 31.2 s, first launches 4 in 310 ms")
+    assert cells["shipped"].startswith(
+        "turboquant_4bit_nc: ok, startup 31.2 s, first launches 4 in 310 ms"
+    )
+    assert cells["auto"].startswith("auto: ok, startup 20.5 s, first launches None in None ms")
     assert cells["decision-other"].startswith("1 WARNING, CUDA_CACHE_PATH=None; WARNING")
     assert cells["read-only"] == (
         "paged_decode bfloat16 1x2048: 0.2 s (build 61.5 s), cache dir writable False, rc 0"
