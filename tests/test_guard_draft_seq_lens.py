@@ -187,6 +187,12 @@ def test_spec_decode_problem(
     expected: str | None,
 ) -> None:
     line = spec_problem.spec_decode_problem(feats, method, async_, v2, guarded)
+    # With the batched verify path serving, async scheduling is no cause; the rest stay.
+    batched = spec_problem.spec_decode_problem(feats, method, async_, v2, guarded, True)
+    if expected not in (None, "optimistic"):
+        assert batched is not None and "assumes every draft was accepted" not in batched
+    else:
+        assert batched is None
     if expected is None:
         assert line is None
         return
@@ -244,6 +250,10 @@ def test_warmup_warns_once_on_turboquant_workers(
         ]
     )
     found.geometries.clear()  # no TurboQuant layers: no warning
+    warmup.run(worker, Settings(launch=False))
+    assert [msg for level, msg in log() if level == logging.WARNING] == warnings
+    # The batched path serves the layers (their rows' verify length): no async cause.
+    found.geometries["layers.0.attn"] = dataclasses.replace(fakes.geometry(), verify_len=3)
     warmup.run(worker, Settings(launch=False))
     assert [msg for level, msg in log() if level == logging.WARNING] == warnings
 

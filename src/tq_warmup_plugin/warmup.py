@@ -223,7 +223,12 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
         return report
     method, async_scheduling = compat.speculative_setup(getattr(worker, "vllm_config", None))
     problem = method and spec_problem.spec_decode_problem(
-        feats, method, async_scheduling, compat.worker_uses_v2(worker), draft_seq_lens.in_place()
+        feats,
+        method,
+        async_scheduling,
+        compat.worker_uses_v2(worker),
+        draft_seq_lens.in_place(),
+        verify_batched=any(g.verify_len for g in found.geometries.values()),
     )
     if problem:  # a warning, not an error: strict mode must not refuse it
         logger.warning(problem)
