@@ -32,6 +32,8 @@ def test_the_table_says_each_steps_result() -> None:
         {"step": "auto", "preset": "auto", "status": "ok", "startup_s": 20.5},
         {"step": "decision-other", "warnings": ["WARNING tq-warmup: ... driver ..."],
          "cuda_cache_path": None},
+        {"step": "variants", "rc": 0, "seconds": {"attention bfloat16 1x1": 30.2},
+         "files_added_or_changed": 2},
         {"step": "read-only", "launch": "paged_decode bfloat16 1x2048", "probe_s": 0.2,
          "build_s": 61.5, "writable": False, "rc": 0},
     ]  # fmt: skip
@@ -42,6 +44,18 @@ def test_the_table_says_each_steps_result() -> None:
     )
     assert cells["auto"].startswith("auto: ok, startup 20.5 s, first launches None in None ms")
     assert cells["decision-other"].startswith("1 WARNING, CUDA_CACHE_PATH=None; WARNING")
+    assert cells["variants"].startswith(
+        "rc 0: seconds {'attention bfloat16 1x1': 30.2}, files added/changed 2"
+    )
     assert cells["read-only"] == (
         "paged_decode bfloat16 1x2048: 0.2 s (build 61.5 s), cache dir writable False, rc 0"
     )
+
+
+def test_the_variants_are_calls_the_plan_does_not_make() -> None:
+    plan = {tuple(sorted(c.items())) for c in proof.candidate_launches(128, 16, 8, 512, 4096)}
+    variants = proof.variant_launches(128, 16, 8)
+    assert variants and not plan & {tuple(sorted(v.items())) for v in variants}
+    assert {v["kind"] for v in variants} == {"attention", "paged_prefill", "paged_decode"}
+    for v in variants:  # each one the plugin's launcher accepts
+        launches.Launch(**v)

@@ -27,6 +27,9 @@ carry some contention; the engines after them run alone):
     the same launch with ``CUDA_CACHE_PATH`` set only after torch initialised CUDA and
     made a context: does the driver read it at init (then ``register()`` in a process
     that already has CUDA is too late) or at the JIT;
+``variants``
+    FA2 calls the plan does not make (a one-token prompt; vLLM V2's warmup steps), each
+    timed over a writable copy of the entry: which one compiles what the entry lacks;
 ``shipped``
     the ``fresh`` engine again, with a fresh HOME, Triton cache and
     ``TQ_WARMUP_DRIVER_CACHE_COPY_TO``, given only the layer: startup seconds and the
@@ -136,6 +139,18 @@ def candidate_launches(
     out.append({"kind": "paged_decode", "rows": 1, "cols": min(max_len, 2048), **shape})
     out.append({"kind": "paged_prefill", "rows": tokens, "cols": tokens, **shape})
     return out
+
+
+def variant_launches(head: int, q: int, kv: int) -> list[dict[str, Any]]:
+    """FA2 calls a startup can make that :func:`candidate_launches` does not: a one-token
+    prompt (FA2 runs a call with one query token non-causal: another module, untested),
+    vLLM's V2 ``warmup_kernels`` steps (prompts of 2 tokens, then a decode over 3, which
+    FA2 does not split), each timed over a copy of the entry by the ``variants`` step."""
+    shape = {"q_heads": q, "kv_heads": kv, "head_size": head, "dtype": "bfloat16"}
+    sizes = (("attention", 1, 1), ("attention", 2, 2), ("paged_prefill", 2, 2))
+    return [
+        {"kind": k, "rows": r, "cols": c, **shape} for k, r, c in (*sizes, ("paged_decode", 1, 3))
+    ]
 
 
 def _label(x: dict[str, Any]) -> str:
@@ -401,6 +416,34 @@ class Proof:
             for job in jobs:
                 job.result()
 
+    def variants(self) -> None:
+        """:func:`variant_launches` over a writable copy of the entry, in one process: a
+        launch that takes seconds and adds files compiles a module the entry lacks (a
+        fresh engine filled 15.5 MiB more than the entry on the H200, 2026-12-01)."""
+        assert self.entry is not None
+        g = self.geometry
+        path = self.work / "variants-copy"
+        shutil.copytree(self.entry / "cache", path)
+        todo = variant_launches(g.head_size, g.q_heads, g.kv_heads)
+        probe = {"path": str(path), "late": False, "launches": todo, "scale": g.head_size**-0.5}
+        before = _tree(path)
+        argv = [sys.executable, "-c", LAUNCH_PROBE, json.dumps(probe)]
+        got = self.run("variants", argv, self.env("home-variants"), 3 * self.args.probe_timeout)
+        out = json.loads(got["text"].strip().splitlines()[-1]) if got["rc"] == 0 else {}
+        self.add(
+            {
+                "step": "variants",
+                "rc": got["rc"],
+                "wall_s": got["wall_s"],
+                "seconds": out.get("seconds"),
+                "errors": out.get("errors"),
+                "files_added_or_changed": sum(
+                    1 for k, v in _tree(path).items() if before.get(k) != v
+                ),
+                "tail": None if got["rc"] == 0 else got["text"].strip()[-300:],
+            }
+        )
+
     def go(self) -> int:
         self.fresh_machine()
         if self.entry is None:
@@ -416,6 +459,7 @@ class Proof:
         late = self.work / "late-copy"
         shutil.copytree(self.entry / "cache", late)
         self.probe("late-env", late, late=True)
+        self.variants()
         copy_to = self.work / "nv-engines"
         self.add(self.engine("shipped", copy_to))
         self.add(self.engine("warm", copy_to))
@@ -455,6 +499,11 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
                 f"{len(r.get('warnings') or [])} WARNING, "
                 f"CUDA_CACHE_PATH={r.get('cuda_cache_path')}; "
                 f"{(r.get('warnings') or r.get('info') or [''])[0][:300]}"
+            )
+        elif step == "variants":
+            text = (
+                f"rc {r.get('rc')}: seconds {r.get('seconds')}, files added/changed "
+                f"{r.get('files_added_or_changed')}; {(r.get('errors') or [''])[0][:200]}"
             )
         elif step == "verify":
             text = f"rc {r.get('rc')}: {' / '.join(r.get('lines') or [])[:300]}"
