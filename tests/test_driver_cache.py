@@ -273,3 +273,73 @@ def test_driver_cache_without_a_gpu_node_is_one_line(
     else:  # vLLM's wheel on a machine without the NVIDIA driver
         assert "no NVIDIA driver version in /proc/driver/nvidia/version" in line
     assert not any((tmp_path / dc.DRIVER_DIR).glob("*"))
+
+
+def test_engine_without_a_model_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = ["--kv-cache-dtype", "turboquant_4bit_nc", "--head-size", "128", "--num-heads", "16"]
+    flags += ["--num-kv-heads", "8", "--cache-dir", str(tmp_path), "--engine"]
+    assert cli.main(["driver-cache", *flags]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == "tq-warmup: --engine starts an engine of --model: give --model"
+
+
+def test_the_engine_spec_is_the_models_engine_on_dummy_weights() -> None:
+    from tq_warmup_plugin.driver_build import engine_spec
+
+    spec = engine_spec("/m", "turboquant_4bit_nc", "bfloat16", 4096, 16, 8192, True)
+    kw = spec["engine"]
+    assert (kw["model"], kw["load_format"], kw["skip_tokenizer_init"]) == ("/m", "dummy", True)
+    assert (kw["kv_cache_dtype"], kw["dtype"], kw["max_model_len"]) == (
+        "turboquant_4bit_nc",
+        "bfloat16",
+        4096,
+    )
+    assert (kw["max_num_seqs"], kw["max_num_batched_tokens"], kw["trust_remote_code"]) == (
+        16,
+        8192,
+        True,
+    )
+    assert spec["prompt_lens"] == [1, 2048]  # one token, then one chunk within the budget
+    short = engine_spec("/m", "turboquant_3bit_nc", None, 1024, 4, 512)
+    assert "dtype" not in short["engine"] and short["prompt_lens"] == [1, 512]
+    assert (
+        "max_model_len" not in engine_spec("/m", "turboquant_3bit_nc", None, None, 4, 512)["engine"]
+    )
+
+
+def test_children_write_into_the_stage_and_not_a_shipped_cache(tmp_path: Path) -> None:
+    from tq_warmup_plugin.driver_build import child_env
+
+    base = {
+        "HOME": "/h",
+        "CUDA_CACHE_DISABLE": "1",
+        "CUDA_CACHE_PATH": "/elsewhere",
+        "TQ_WARMUP_DRIVER_CACHE": "/opt/layer/driver-cache",
+        "TQ_WARMUP_DRIVER_CACHE_COPY_TO": "/var/cache/nv",
+        "PYTHONPATH": "/p",
+    }
+    env = child_env(tmp_path / "cache", base)
+    assert env["CUDA_CACHE_PATH"] == str(tmp_path / "cache") and env["HOME"] == "/h"
+    assert env["CUDA_CACHE_MAXSIZE"] == str(4 << 30)
+    assert not {"CUDA_CACHE_DISABLE", "TQ_WARMUP_DRIVER_CACHE"} & set(env)
+    assert "TQ_WARMUP_DRIVER_CACHE_COPY_TO" not in env
+    assert env["PYTHONPATH"].endswith(os.pathsep + "/p")
+
+
+@pytest.mark.real_vllm
+def test_an_engine_that_cannot_start_is_one_line(tmp_path: Path) -> None:
+    """The real engine child, on a machine where vLLM's engine cannot start (no GPU
+    here): the build gets one line with the child's last error, never a traceback."""
+    from tq_warmup_plugin import driver_build
+
+    cache = tmp_path / "stage" / "cache"
+    cache.mkdir(parents=True)
+    model = Path(__file__).parent / "data" / "models" / "llama-3-8b"
+    spec = driver_build.engine_spec(str(model), "turboquant_4bit_nc", "bfloat16", 1024, 4, 512)
+    with pytest.raises(driver_build.BuildError) as err:
+        driver_build._run("engine", ["--engine"], spec, cache, timeout=300)
+    line = str(err.value)
+    assert line.startswith("the engine process failed (exit ") and "\n" not in line
+    assert not list(cache.parent.glob("engine*.json"))  # spec and result removed

@@ -12,9 +12,10 @@ carry some contention; the engines after them run alone):
     the same engine with ``--kv-cache-dtype auto``, also fresh: vLLM's own Hopper path
     (FA3, sm_90a code, when the staging kept it), the start TurboQuant is to match;
 ``build``
-    ``tq-warmup driver-cache`` from the dummy Llama ``spec`` engines use (8 layers,
-    head size 128, 16/8 heads), into a fresh layer: on a fresh machine it pays the FA2
-    JIT (~130 s on the H200, 0.26.0): its seconds, per launch, the entry's size and files;
+    ``tq-warmup driver-cache --engine`` (``--plan-only``: without ``--engine``) from the
+    dummy Llama ``spec`` engines use (8 layers, head size 128, 16/8 heads), into a fresh
+    layer: on a fresh machine it pays the FA2 JIT (172 s of launches on the H200, 0.26.0):
+    its seconds, per launch, the entry's size and files;
 ``decision``
     ``register()`` in a fresh interpreter over the layer (the INFO line and the
     ``CUDA_CACHE_PATH`` it sets) and over a copy whose manifest names another driver
@@ -246,6 +247,8 @@ class Proof:
         argv += ["--model", str(self.model), "--kv-cache-dtype", PRESET, "--dtype", "bfloat16"]
         argv += ["--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs)]
         argv += ["--max-num-batched-tokens", str(a.budget), "--cache-dir", str(self.layer)]
+        if not a.plan_only:  # the plan's launches alone missed a module (H200, 2026-12-01)
+            argv.append("--engine")
         got = self.run("build", argv, self.env("home-build"), a.build_timeout)
         found = sorted((self.layer / "driver-cache").glob("*/manifest.json"))
         row: dict[str, Any] = {"step": "build", **got, "line": got["text"].strip()[-600:]}
@@ -406,13 +409,13 @@ class Proof:
         self.add(row)
 
     def fresh_machine(self) -> None:
-        """``fresh``, ``auto`` and ``build`` side by side: each starts from nothing."""
+        """``fresh``, ``auto`` and ``build`` side by side: each starts from nothing
+        (``--skip-fresh``: the build alone)."""
         with ThreadPoolExecutor(max_workers=3) as pool:
-            jobs = [
-                pool.submit(lambda: self.add(self.engine("fresh", None))),
-                pool.submit(lambda: self.add(self.engine("auto", None, preset="auto"))),
-                pool.submit(self.build),
-            ]
+            jobs = [pool.submit(self.build)]
+            if not self.args.skip_fresh:
+                jobs.append(pool.submit(lambda: self.add(self.engine("fresh", None))))
+                jobs.append(pool.submit(lambda: self.add(self.engine("auto", None, preset="auto"))))
             for job in jobs:
                 job.result()
 
@@ -533,7 +536,14 @@ OPTIONS: tuple[Option, ...] = (
     ("--layers", 8, "hidden layers (>= 6)"),
     # The engine shape of the shipped-cache proof; the build is given the same.
     *(o for o in shipped.SHIPPED_OPTIONS if o[0] in ENGINE_SHAPE),
-    ("--build-timeout", 260.0, "seconds the build may take"),
+    ("--build-timeout", 420.0, "seconds the build may take"),
+    ("--plan-only", False, "build from the plan's launches alone (no --engine)"),
+    (
+        "--skip-fresh",
+        False,
+        "leave out the fresh and auto engines (measured on the H200, "
+        "benchmarks/results/driver-cache/)",
+    ),
     # 120 s was too short on the H200 (2026-12-01): an engine whose driver cache lacked a
     # module was still JIT-compiling it when stopped, and so wrote nothing for the next.
     ("--engine-timeout", 300.0, "seconds the shipped and warm engines may take each"),

@@ -270,12 +270,26 @@ def precompile(args: argparse.Namespace) -> int:
 def driver_cache(args: argparse.Namespace) -> int:
     """Launch the plan's FlashAttention-2 kernels on this GPU into a fresh CUDA driver
     JIT cache and install it under ``--cache-dir`` (``driver_build``)."""
+    if args.engine and not args.model:
+        raise CliError("--engine starts an engine of --model: give --model")
     named, planned = geometries(args)
-    from .driver_build import BuildError, build
+    from .driver_build import BuildError, build, engine_spec
 
     todo = launches.driver_plan(named, _boundary(planned))
+    engine = None
+    if args.engine:
+        spec = engine_spec(
+            args.model,
+            planned.geometry.cache_dtype,
+            args.dtype,
+            args.max_model_len,
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+            args.trust_remote_code,
+        )
+        engine = (Path(args.model).resolve(), spec)
     try:
-        return build(_cache_dir(args.cache_dir), todo, planned.geometry.scale, args.timeout)
+        return build(_cache_dir(args.cache_dir), todo, planned.geometry.scale, args.timeout, engine)
     except BuildError as exc:
         raise CliError(str(exc)) from None
 
@@ -455,7 +469,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     _geometry_flags(p_driver)
     p_driver.add_argument("--cache-dir", required=True, help="the shipped layer")
     p_driver.add_argument(
-        "--timeout", type=_whole(1), default=1200, help="seconds the launches may take"
+        "--timeout",
+        type=_whole(1),
+        default=1200,
+        help="seconds the launches may take (and the engine, each)",
+    )
+    p_driver.add_argument(
+        "--engine",
+        action="store_true",
+        help="also start a dummy-weight vLLM engine of --model into the same cache and "
+        "serve two prompts: what vLLM's own warmup and first requests load, which the "
+        "plan's launches alone do not all reach",
     )
     args = parser.parse_args(argv)
     # vLLM's import-time warnings (no CUDA here, no vllm._C) are not the CLI's answer.

@@ -10,10 +10,18 @@ the manifest (``driver_cache``) and renames the stage into ``LAYER/driver-cache/
 An existing entry of the same key that verifies seeds the stage, so a second plan
 (another model, preset) adds its modules to the first's.
 
+With ``--engine`` a second child then starts a dummy-weight vLLM engine of the model
+(``engine_spec``: the plugin on, as in the fleet's pods) into the same cache and serves a
+one-token and a chunk-long prompt, so the entry also holds what vLLM's own warmup and
+first requests load. Why: on the H200 (vLLM 0.26.0, 2026-12-01) the plan's launches
+alone made a 44.5 MiB entry, while a fresh engine's startup filled 60.0 MiB and an
+engine given only the entry was still JIT-compiling after 120 s
+(``benchmarks/results/driver-cache/``).
+
 It needs the GPU kind and driver version it is for (the driver JIT-compiles for the GPU
 it runs on, and a new driver invalidates its cache): unlike ``precompile``, it runs on
-one GPU of each kind and driver of the fleet. The child is the only part that touches
-CUDA (``_child``); nothing else here imports torch.
+one GPU of each kind and driver of the fleet. The children are the only parts that touch
+CUDA (``_child``, ``_engine_child``); nothing else here imports torch.
 """
 
 from __future__ import annotations
@@ -32,7 +40,11 @@ from . import driver_cache
 from .driver_startup import MAXSIZE
 from .launches import Launch
 
-__all__ = ["BuildError", "build", "gpu_facts", "run_launches"]
+__all__ = ["BuildError", "build", "child_env", "engine_spec", "gpu_facts", "run_launches"]
+
+# FA2 has one module per head size, dtype, causality and split (the kernels are head-count
+# agnostic), so a one-GPU engine of the model loads what each tensor-parallel rank loads.
+_ENGINE_GPU_SHARE = 0.85
 
 
 class BuildError(Exception):
@@ -68,29 +80,88 @@ def _seed(root: Path, key: str, node: driver_cache.Node, cache: Path) -> tuple[s
     return shipped.launches
 
 
-def _run_child(todo: Mapping[Launch, str], scale: float, cache: Path, timeout: float) -> Any:
-    spec = cache.parent / "launches.json"
-    result = cache.parent / "result.json"
-    spec.write_text(
-        json.dumps({"launches": [x._asdict() for x in todo], "scale": scale, "out": str(result)})
-    )
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_CACHE_DISABLE"}
+def engine_spec(
+    model: str,
+    kv_cache_dtype: str,
+    dtype: str | None,
+    max_model_len: int | None,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    trust_remote_code: bool = False,
+) -> dict[str, Any]:
+    """What the engine child is given: ``LLM(...)`` keywords (names as in 0.20-0.33
+    ``EngineArgs``: dummy weights, no tokenizer, one GPU) and the prompt lengths it
+    serves: one token (FA2 runs a one-query call non-causal) and one chunk."""
+    kwargs: dict[str, Any] = {
+        "model": model,
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "kv_cache_dtype": kv_cache_dtype,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "gpu_memory_utilization": _ENGINE_GPU_SHARE,
+        "trust_remote_code": trust_remote_code,
+        "seed": 0,
+    }
+    if dtype:
+        kwargs["dtype"] = dtype
+    if max_model_len:
+        kwargs["max_model_len"] = max_model_len
+    chunk = min(max_num_batched_tokens, (max_model_len or 4096) - 8, 2048)
+    return {"engine": kwargs, "prompt_lens": [1, max(2, chunk)]}
+
+
+def child_env(cache: Path, base: Mapping[str, str]) -> dict[str, str]:
+    """A child's environment: ``base`` with the driver writing into ``cache`` (4 GiB, the
+    default 256 MiB could evict what was just compiled), none of the plugin's own shipped
+    driver cache (its ``register()`` would point the engine elsewhere), and this package
+    importable."""
+    env = {
+        k: v
+        for k, v in base.items()
+        if k != "CUDA_CACHE_DISABLE" and not k.startswith("TQ_WARMUP_DRIVER_CACHE")
+    }
     env.update(CUDA_CACHE_PATH=str(cache), CUDA_CACHE_MAXSIZE=MAXSIZE)
     here = str(Path(__file__).resolve().parents[1])  # the child imports this same package
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
-    argv = [sys.executable, "-m", __name__, str(spec)]
+    return env
+
+
+def _run(what: str, flags: list[str], payload: dict[str, Any], cache: Path, timeout: float) -> Any:
+    """One child (``python -m`` this module), its JSON result; a failure is one line."""
+    spec = cache.parent / f"{what}.json"
+    result = cache.parent / f"{what}-result.json"
+    spec.write_text(json.dumps({**payload, "out": str(result)}))
+    argv = [sys.executable, "-m", __name__, *flags, str(spec)]
+    env = child_env(cache, os.environ)
     try:
         done = subprocess.run(argv, env=env, timeout=timeout, capture_output=True, text=True)
     except subprocess.TimeoutExpired:
-        raise BuildError(f"the launches took over {timeout:.0f} s (--timeout)") from None
+        raise BuildError(f"the {what} took over {timeout:.0f} s (--timeout)") from None
     try:
         return json.loads(result.read_text())
     except (OSError, ValueError):
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise BuildError(f"the launch process failed (exit {done.returncode}): {tail[0]}") from None
+        raise BuildError(f"the {what} process failed (exit {done.returncode}): {tail[0]}") from None
     finally:
         spec.unlink(missing_ok=True)
         result.unlink(missing_ok=True)
+
+
+def _run_child(todo: Mapping[Launch, str], scale: float, cache: Path, timeout: float) -> Any:
+    payload = {"launches": [x._asdict() for x in todo], "scale": scale}
+    return _run("launches", [], payload, cache, timeout)
+
+
+def _engine_model(model: Path, stage: Path) -> str:
+    """The engine's model directory: ``model`` itself, or for a config file of another
+    name a directory in the stage holding it as ``config.json``."""
+    if model.is_dir():
+        return str(model)
+    target = stage / "model"
+    target.mkdir()
+    shutil.copyfile(model, target / "config.json")
+    return str(target)
 
 
 def _hashed(cache: Path) -> dict[str, tuple[str, int]]:
@@ -104,8 +175,16 @@ def _hashed(cache: Path) -> dict[str, tuple[str, int]]:
     return files
 
 
-def build(layer: Path, todo: Mapping[Launch, str], scale: float, timeout: float) -> int:
-    """Launch ``todo`` into a fresh driver cache and install it under ``layer``."""
+def build(
+    layer: Path,
+    todo: Mapping[Launch, str],
+    scale: float,
+    timeout: float,
+    engine: tuple[Path, dict[str, Any]] | None = None,
+) -> int:
+    """Launch ``todo`` into a fresh driver cache and install it under ``layer``; with
+    ``engine`` (the model's config file or directory, :func:`engine_spec`) also start
+    that engine into it."""
     start = time.perf_counter()
     if not todo:
         raise BuildError("the plan has no FlashAttention-2 launch: nothing to cache")
@@ -124,6 +203,14 @@ def build(layer: Path, todo: Mapping[Launch, str], scale: float, timeout: float)
         facts = _run_child(todo, scale, cache, timeout)
         if facts["errors"]:
             raise BuildError(f"{len(facts['errors'])} launches failed: {facts['errors'][0]}")
+        started: dict[str, Any] = {}
+        if engine is not None:
+            model, spec = engine
+            spec = {**spec, "engine": {**spec["engine"], "model": _engine_model(model, staged)}}
+            started = _run("engine", ["--engine"], spec, cache, timeout)
+        engine_label = (
+            [f"engine {engine[0].name} {engine[1]['engine']['kv_cache_dtype']}"] if engine else []
+        )
         gpu = gpu or str(facts["gpu"])
         shipped = driver_cache.DriverManifest(
             driver=node.driver,
@@ -134,12 +221,13 @@ def build(layer: Path, todo: Mapping[Launch, str], scale: float, timeout: float)
             compute_capability=facts["compute_capability"],
             cuda_runtime=facts["cuda_runtime"],
             cuda_driver_api=facts["cuda_driver_api"],
-            launches=tuple(dict.fromkeys([*earlier, *(x.label for x in todo)])),
+            launches=tuple(dict.fromkeys([*earlier, *(x.label for x in todo), *engine_label])),
             extra={
                 "gpu_cuda_name": facts["gpu"],
                 "torch": facts["torch"],
                 "vllm": facts["vllm"],
                 "launch_s": facts["seconds"],
+                **({"engine_s": started} if started else {}),
             },
         )
         (staged / driver_cache.MANIFEST).write_text(shipped.to_json())
@@ -152,7 +240,8 @@ def build(layer: Path, todo: Mapping[Launch, str], scale: float, timeout: float)
         f"tq-warmup: driver cache for {gpu} (sm{str(shipped.compute_capability).replace('.', '')}, "
         f"driver {node.driver}) in {final}: {len(todo)} FlashAttention-2 launches in "
         f"{sum(facts['seconds'].values()):.1f} s (slowest {slowest[0]}: {slowest[1]:.1f} s), "
-        f"{len(shipped.files)} files, {shipped.size / 2**20:.1f} MiB; "
+        + (f"an engine start {started['startup_s']:.1f} s, " if started else "")
+        + f"{len(shipped.files)} files, {shipped.size / 2**20:.1f} MiB; "
         f"{time.perf_counter() - start:.1f} s in all"
     )
     return 0
@@ -220,5 +309,26 @@ def _child(spec_path: str) -> None:
     Path(spec["out"]).write_text(json.dumps(run_launches(todo, float(spec["scale"]))))
 
 
+def _engine_child(spec_path: str) -> None:
+    """Start the engine, serve its prompts, write the seconds; exit at once (an engine's
+    teardown can hang an interpreter's exit)."""
+    spec = json.loads(Path(spec_path).read_text())
+    start = time.perf_counter()
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**spec["engine"])
+    startup = time.perf_counter() - start
+    prompts = [{"prompt_token_ids": [1] * n} for n in spec["prompt_lens"]]
+    params = SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False)
+    llm.generate(prompts, params, use_tqdm=False)
+    took = {"startup_s": round(startup, 3), "total_s": round(time.perf_counter() - start, 3)}
+    Path(spec["out"]).write_text(json.dumps(took))
+    sys.stdout.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
-    _child(sys.argv[1])
+    if sys.argv[1] == "--engine":
+        _engine_child(sys.argv[2])
+    else:
+        _child(sys.argv[1])
