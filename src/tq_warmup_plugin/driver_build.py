@@ -313,6 +313,9 @@ def _engine_child(spec_path: str) -> None:
     """Start the engine, serve its prompts, write the seconds; exit at once (an engine's
     teardown can hang an interpreter's exit)."""
     spec = json.loads(Path(spec_path).read_text())
+    # The engine in this process: exiting then leaves no engine-core process holding the
+    # GPU or writing into the stage after it is installed.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     start = time.perf_counter()
     from vllm import LLM, SamplingParams
 
