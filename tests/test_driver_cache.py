@@ -288,9 +288,10 @@ def test_engine_without_a_model_is_one_line(
 def test_the_engine_spec_is_the_models_engine_on_dummy_weights() -> None:
     from tq_warmup_plugin.driver_build import engine_spec
 
-    spec = engine_spec("/m", "turboquant_4bit_nc", "bfloat16", 4096, 16, 8192, True)
+    spec = engine_spec("turboquant_4bit_nc", "bfloat16", 4096, 16, 8192, True)
     kw = spec["engine"]
-    assert (kw["model"], kw["load_format"], kw["skip_tokenizer_init"]) == ("/m", "dummy", True)
+    assert (kw["load_format"], kw["skip_tokenizer_init"]) == ("dummy", True)
+    assert "model" not in kw  # the build gives it: the directory, or a copy of the file
     assert (kw["kv_cache_dtype"], kw["dtype"], kw["max_model_len"]) == (
         "turboquant_4bit_nc",
         "bfloat16",
@@ -302,7 +303,7 @@ def test_the_engine_spec_is_the_models_engine_on_dummy_weights() -> None:
         True,
     )
     assert spec["prompt_lens"] == [1, 2048]  # one token, then one chunk within the budget
-    short = engine_spec("/m", "turboquant_3bit_nc", None, 1024, 4, 512)
+    short = engine_spec("turboquant_3bit_nc", None, 1024, 4, 512)
     assert "dtype" not in short["engine"] and short["prompt_lens"] == [1, 512]
     assert (
         "max_model_len" not in engine_spec("/m", "turboquant_3bit_nc", None, None, 4, 512)["engine"]
@@ -336,10 +337,11 @@ def test_an_engine_that_cannot_start_is_one_line(tmp_path: Path) -> None:
 
     cache = tmp_path / "stage" / "cache"
     cache.mkdir(parents=True)
-    model = Path(__file__).parent / "data" / "models" / "llama-3-8b"
-    spec = driver_build.engine_spec(str(model), "turboquant_4bit_nc", "bfloat16", 1024, 4, 512)
+    model = Path(__file__).parent / "data" / "models" / "llama-3-8b" / "config.json"
+    spec = driver_build.engine_spec("turboquant_4bit_nc", "bfloat16", 1024, 4, 512)
     with pytest.raises(driver_build.BuildError) as err:
-        driver_build._run("engine", ["--engine"], spec, cache, timeout=300)
+        driver_build._run_engine(model, spec, cache, timeout=300)
     line = str(err.value)
     assert line.startswith("the engine process failed (exit ") and "\n" not in line
     assert not list(cache.parent.glob("engine*.json"))  # spec and result removed
+    assert not list(cache.parent.glob("model*"))  # the file's copy was not in the stage

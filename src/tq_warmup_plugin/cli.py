@@ -279,7 +279,6 @@ def driver_cache(args: argparse.Namespace) -> int:
     engine = None
     if args.engine:
         spec = engine_spec(
-            args.model,
             planned.geometry.cache_dtype,
             args.dtype,
             args.max_model_len,

@@ -31,6 +31,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -42,9 +43,7 @@ from .launches import Launch
 
 __all__ = ["BuildError", "build", "child_env", "engine_spec", "gpu_facts", "run_launches"]
 
-# FA2 has one module per head size, dtype, causality and split (the kernels are head-count
-# agnostic), so a one-GPU engine of the model loads what each tensor-parallel rank loads.
-_ENGINE_GPU_SHARE = 0.85
+_ENGINE_GPU_SHARE = 0.85  # the build has the GPU to itself
 
 
 class BuildError(Exception):
@@ -81,7 +80,6 @@ def _seed(root: Path, key: str, node: driver_cache.Node, cache: Path) -> tuple[s
 
 
 def engine_spec(
-    model: str,
     kv_cache_dtype: str,
     dtype: str | None,
     max_model_len: int | None,
@@ -89,11 +87,12 @@ def engine_spec(
     max_num_batched_tokens: int,
     trust_remote_code: bool = False,
 ) -> dict[str, Any]:
-    """What the engine child is given: ``LLM(...)`` keywords (names as in 0.20-0.33
-    ``EngineArgs``: dummy weights, no tokenizer, one GPU) and the prompt lengths it
-    serves: one token (FA2 runs a one-query call non-causal) and one chunk."""
+    """What the engine child is given, but the model: ``LLM(...)`` keywords (names as in
+    0.20-0.33 ``EngineArgs``: dummy weights, no tokenizer) and the prompt lengths it
+    serves: one token (FA2 runs a one-query call non-causal) and one chunk. One GPU: FA2
+    has a module per head size, dtype, causality and split, not per head count, so it
+    loads what each tensor-parallel rank of the model loads."""
     kwargs: dict[str, Any] = {
-        "model": model,
         "load_format": "dummy",
         "skip_tokenizer_init": True,
         "kv_cache_dtype": kv_cache_dtype,
@@ -153,15 +152,16 @@ def _run_child(todo: Mapping[Launch, str], scale: float, cache: Path, timeout: f
     return _run("launches", [], payload, cache, timeout)
 
 
-def _engine_model(model: Path, stage: Path) -> str:
-    """The engine's model directory: ``model`` itself, or for a config file of another
-    name a directory in the stage holding it as ``config.json``."""
-    if model.is_dir():
-        return str(model)
-    target = stage / "model"
-    target.mkdir()
-    shutil.copyfile(model, target / "config.json")
-    return str(target)
+def _run_engine(model: Path, spec: Mapping[str, Any], cache: Path, timeout: float) -> Any:
+    """The engine child over ``model``: the directory itself, or for a config file of
+    another name a temporary directory holding it as ``config.json`` (not in the stage,
+    which becomes the entry)."""
+    with tempfile.TemporaryDirectory(prefix="tq-warmup-engine-model-") as tmp:
+        if not model.is_dir():
+            shutil.copyfile(model, Path(tmp) / "config.json")
+        where = str(model if model.is_dir() else tmp)
+        payload = {**spec, "engine": {**spec["engine"], "model": where}}
+        return _run("engine", ["--engine"], payload, cache, timeout)
 
 
 def _hashed(cache: Path) -> dict[str, tuple[str, int]]:
@@ -203,11 +203,7 @@ def build(
         facts = _run_child(todo, scale, cache, timeout)
         if facts["errors"]:
             raise BuildError(f"{len(facts['errors'])} launches failed: {facts['errors'][0]}")
-        started: dict[str, Any] = {}
-        if engine is not None:
-            model, spec = engine
-            spec = {**spec, "engine": {**spec["engine"], "model": _engine_model(model, staged)}}
-            started = _run("engine", ["--engine"], spec, cache, timeout)
+        started = _run_engine(*engine, cache, timeout) if engine is not None else {}
         engine_label = (
             [f"engine {engine[0].name} {engine[1]['engine']['kv_cache_dtype']}"] if engine else []
         )
