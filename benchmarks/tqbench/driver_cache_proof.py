@@ -306,21 +306,7 @@ class Proof:
         a = self.args
         work = self.work / name
         cfg = SpecConfig(REFERENCE)  # eager, no speculation
-        options = {
-            "preset": preset,
-            "geometry": a.geometry,
-            "layers": a.layers,
-            "model_size": self.size,
-            "max_model_len": a.max_model_len,
-            "max_num_seqs": a.max_num_seqs,
-            "budget": a.budget,
-            "kv_cache_gib": a.kv_cache_gib,
-            "gpu_mem_util": 0.3,
-            "jit_monitor_mode": "warn",
-            "weight_scale": 1.0,
-            "max_tokens": 8,
-            "logprobs": 0,
-        }
+        options = shipped.engine_options(a, preset)
         records.write_json_atomic(
             work / "spec.json",
             {

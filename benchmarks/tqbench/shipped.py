@@ -64,6 +64,7 @@ __all__ = [
     "cmd_shipped",
     "corrupt",
     "decode_cubin",
+    "engine_options",
     "file_hashes",
     "layered_env",
     "markdown_report",
@@ -137,6 +138,34 @@ def warnings_in(log: str) -> list[str]:
     ]
 
 
+def engine_options(
+    a: argparse.Namespace,
+    preset: str,
+    weight_scale: float = 1.0,
+    max_tokens: int = 8,
+    logprobs: int = 0,
+) -> dict[str, Any]:
+    """A spec child's options for the small dummy model in the engine shape of
+    :data:`SHIPPED_OPTIONS` (``--geometry``, ``--max-model-len``, ``--budget``, ...):
+    eager engines share the GPU, so a fixed KV cache and 30% of the memory each."""
+    size = {**asdict(MODEL_SIZES["small"]), "geometry": a.geometry, "layers": a.layers}
+    return {
+        "preset": preset,
+        "geometry": a.geometry,
+        "layers": a.layers,
+        "model_size": size,
+        "max_model_len": a.max_model_len,
+        "max_num_seqs": a.max_num_seqs,
+        "budget": a.budget,
+        "kv_cache_gib": a.kv_cache_gib,
+        "gpu_mem_util": 0.3,
+        "jit_monitor_mode": "warn",
+        "weight_scale": weight_scale,
+        "max_tokens": max_tokens,
+        "logprobs": logprobs,
+    }
+
+
 class Shipped:
     """Runs the children and keeps one row per engine."""
 
@@ -156,22 +185,7 @@ class Shipped:
 
     def options(self, preset: str) -> dict[str, Any]:
         a = self.args
-        size = MODEL_SIZES["small"]
-        return {
-            "preset": preset,
-            "geometry": a.geometry,
-            "layers": a.layers,
-            "model_size": {**asdict(size), "geometry": a.geometry, "layers": a.layers},
-            "max_model_len": a.max_model_len,
-            "max_num_seqs": a.max_num_seqs,
-            "budget": a.budget,
-            "kv_cache_gib": a.kv_cache_gib,
-            "gpu_mem_util": 0.3,
-            "jit_monitor_mode": "warn",
-            "weight_scale": a.weight_scale,
-            "max_tokens": a.max_tokens,
-            "logprobs": 2,
-        }
+        return engine_options(a, preset, a.weight_scale, a.max_tokens, logprobs=2)
 
     def child(
         self, preset: str, variant: str, env_extra: dict[str, str], src: str = ""
