@@ -166,6 +166,19 @@ def slowest_launch(
     return max(known, key=lambda c: seconds[_label(c)], default=None)
 
 
+def _changed(root: Path, before: dict[str, int]) -> int:
+    """Files under ``root`` added or resized since ``before`` (its :func:`_tree`)."""
+    return sum(1 for k, v in _tree(root).items() if before.get(k) != v)
+
+
+def _probe_out(got: dict[str, Any]) -> dict[str, Any]:
+    """A launch probe's JSON (its last line) when it exited 0, else nothing."""
+    if got["rc"] != 0:
+        return {}
+    out: dict[str, Any] = json.loads(got["text"].strip().splitlines()[-1])
+    return out
+
+
 def _mib(root: Path) -> float:
     return round(sum(_tree(root).values()) / 2**20, 1) if root.is_dir() else 0.0
 
@@ -362,21 +375,12 @@ class Proof:
             mount = (
                 'mount --bind "$1" "$2" && mount -o remount,bind,ro "$2" && shift 2 && exec "$@"'
             )
-            argv = ["unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh"]
-            argv += [
-                str(read_only),
-                str(path),
-                sys.executable,
-                "-c",
-                LAUNCH_PROBE,
-                json.dumps(probe),
-            ]
+            unshare = ["unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh"]
+            argv = [*unshare, str(read_only), str(path), *argv]
             path.mkdir(parents=True, exist_ok=True)
         before = _tree(path) if read_only is None else None
         got = self.run(name, argv, self.env(f"home-{name}"), a.probe_timeout)
-        out: dict[str, Any] = {}
-        if got["rc"] == 0:
-            out = json.loads(got["text"].strip().splitlines()[-1])
+        out = _probe_out(got)
         row = {
             "step": name,
             "rc": got["rc"],
@@ -389,9 +393,7 @@ class Proof:
             "tail": None if got["rc"] == 0 else got["text"].strip()[-300:],
         }
         if before is not None:
-            row["files_added_or_changed"] = sum(
-                1 for k, v in _tree(path).items() if before.get(k) != v
-            )
+            row["files_added_or_changed"] = _changed(path, before)
         self.add(row)
 
     def fresh_machine(self) -> None:
@@ -418,7 +420,7 @@ class Proof:
         before = _tree(path)
         argv = [sys.executable, "-c", LAUNCH_PROBE, json.dumps(probe)]
         got = self.run("variants", argv, self.env("home-variants"), 3 * self.args.probe_timeout)
-        out = json.loads(got["text"].strip().splitlines()[-1]) if got["rc"] == 0 else {}
+        out = _probe_out(got)
         self.add(
             {
                 "step": "variants",
@@ -426,9 +428,7 @@ class Proof:
                 "wall_s": got["wall_s"],
                 "seconds": out.get("seconds"),
                 "errors": out.get("errors"),
-                "files_added_or_changed": sum(
-                    1 for k, v in _tree(path).items() if before.get(k) != v
-                ),
+                "files_added_or_changed": _changed(path, before),
                 "tail": None if got["rc"] == 0 else got["text"].strip()[-300:],
             }
         )
