@@ -4,7 +4,12 @@ table says each step's result. The GPU steps themselves run only on the GPU mach
 
 from __future__ import annotations
 
+import argparse
+import json
+from pathlib import Path
+
 import fakes
+import pytest
 
 from benchmarks.tqbench import driver_cache_proof as proof
 from tq_warmup_plugin import launches
@@ -59,3 +64,42 @@ def test_the_variants_are_calls_the_plan_does_not_make() -> None:
     assert {v["kind"] for v in variants} == {"attention", "paged_prefill", "paged_decode"}
     for v in variants:  # each one the plugin's launcher accepts
         launches.Launch(**v)
+
+
+def test_a_kept_work_dir_with_an_entry_is_reused_and_build_only_stops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from benchmarks.tqbench.cli import build_parser
+
+    def args(*extra: str) -> argparse.Namespace:
+        argv = ["driver-cache-proof", "--work-dir", str(tmp_path / "w"), "--out"]
+        return build_parser().parse_args([*argv, str(tmp_path / "out"), *extra])
+
+    built: list[str] = []
+    monkeypatch.setattr(proof.Proof, "build", lambda self: built.append("build"))
+    assert proof.Proof(args("--build-only", "--skip-fresh")).go() == 1  # the build made no entry
+    assert built == ["build"]
+
+    entry = tmp_path / "w" / "layer" / "driver-cache" / "k1"
+    (entry / "cache").mkdir(parents=True)
+    (entry / "cache" / "module").write_bytes(b"x" * 2048)
+    extra = {"launch_s": {"attention bfloat16 512x512": 61.5}, "engine_s": {"startup_s": 40.0}}
+    (entry / "manifest.json").write_text(json.dumps({"driver": "580.1", "extra": extra}))
+    ran: list[str] = []
+    monkeypatch.setattr(proof.Proof, "decision", lambda self: ran.append("decision"))
+    monkeypatch.setattr(proof.Proof, "probe", lambda self, name, *a, **k: ran.append(name))
+    monkeypatch.setattr(proof.Proof, "variants", lambda self: ran.append("variants"))
+    monkeypatch.setattr(
+        proof.Proof, "engine", lambda self, name, *a: {"step": name, "status": "ok"}
+    )
+
+    assert proof.Proof(args("--build-only", "--skip-fresh")).go() == 1  # builds again: no entry yet
+    assert built == ["build", "build"] and ran == []
+    p = proof.Proof(args("--skip-fresh"))
+    assert p.go() == 0
+    assert built == ["build", "build"]  # reused, not built
+    assert ran == ["decision", "writable", "read-only", "late-env", "variants"]
+    row = p.rows[0]
+    assert row["step"] == "build" and row["reused"] == str(entry) and row["files"] == 1
+    assert dict(map(tuple, proof.table_rows([row])))["build"].startswith(f"reused {entry}; 1 files")
+    assert [r["step"] for r in p.rows[1:]] == ["shipped", "warm"]

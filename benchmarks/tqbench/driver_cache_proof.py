@@ -396,11 +396,38 @@ class Proof:
             row["files_added_or_changed"] = _changed(path, before)
         self.add(row)
 
+    def reuse(self) -> bool:
+        """A kept ``--work-dir`` whose layer already holds an entry (a ``--build-only``
+        run): its row again, from the manifest, and no second build."""
+        found = sorted((self.layer / "driver-cache").glob("*/manifest.json"))
+        if not found:
+            return False
+        self.entry = found[0].parent
+        self.manifest = json.loads(found[0].read_text())
+        shutil.copy(found[0], self.out / "manifest.json")
+        files = _tree(self.entry / "cache")
+        extra = self.manifest.get("extra") or {}
+        self.add(
+            {
+                "step": "build",
+                "reused": str(self.entry),
+                "entry": self.entry.name,
+                "files": len(files),
+                "mib": round(sum(files.values()) / 2**20, 1),
+                "launch_s": extra.get("launch_s"),
+                "engine_s": extra.get("engine_s"),
+                "driver": self.manifest.get("driver"),
+                "gpu": self.manifest.get("gpu"),
+            }
+        )
+        return True
+
     def fresh_machine(self) -> None:
         """``fresh``, ``auto`` and ``build`` side by side: each starts from nothing
-        (``--skip-fresh``: the build alone)."""
+        (``--skip-fresh``: the build alone; a kept work dir's entry: no build)."""
+        built = self.args.work_dir and not self.args.build_only and self.reuse()
         with ThreadPoolExecutor(max_workers=3) as pool:
-            jobs = [pool.submit(self.build)]
+            jobs = [] if built else [pool.submit(self.build)]
             if not self.args.skip_fresh:
                 jobs.append(pool.submit(lambda: self.add(self.engine("fresh", None))))
                 jobs.append(pool.submit(lambda: self.add(self.engine("auto", None, preset="auto"))))
@@ -438,6 +465,8 @@ class Proof:
         if self.entry is None:
             print("[driver-cache-proof] the build made no entry: nothing else to run", flush=True)
             return self.save(1)
+        if self.args.build_only:
+            return self.save(0)
         self.decision()
         # The probes first: a minute in all, and on the H200 (2026-12-01) an engine that
         # still JIT-compiled ran past its limit and the deadline left them out.
@@ -463,6 +492,8 @@ class Proof:
         if not self.args.work_dir:
             shutil.rmtree(self.work, ignore_errors=True)
         ok = [r for r in self.rows if r["step"] in ("fresh", "auto", "shipped", "warm")]
+        if self.args.build_only:
+            return rc or (0 if self.entry is not None else 1)
         return rc or (0 if ok and all(r.get("status") == "ok" for r in ok) else 1)
 
 
@@ -472,9 +503,15 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
     for r in rows:
         step = r["step"]
         if step == "build":
+            done = (
+                f"reused {r['reused']}"
+                if r.get("reused")
+                else f"rc {r.get('rc')}, {r.get('wall_s')} s"
+            )
             text = (
-                f"rc {r.get('rc')}, {r.get('wall_s')} s; {r.get('files')} files, {r.get('du')} "
+                f"{done}; {r.get('files')} files, {r.get('du')} "
                 f"({r.get('mib')} MiB); launches {r.get('launch_s')}"
+                + (f"; engine {r['engine_s']}" if r.get("engine_s") else "")
             )
         elif step in ("fresh", "auto", "shipped", "warm"):
             text = (
@@ -524,6 +561,13 @@ OPTIONS: tuple[Option, ...] = (
     *(o for o in shipped.SHIPPED_OPTIONS if o[0] in ENGINE_SHAPE),
     ("--build-timeout", 420.0, "seconds the build may take"),
     ("--plan-only", False, "build from the plan's launches alone (no --engine)"),
+    # Two device calls instead of one of 10 minutes: the build alone took 216 s on a
+    # fresh H200 (2026-12-01), and the engines after it must not be cut by the deadline.
+    (
+        "--build-only",
+        False,
+        "build into --work-dir and stop; a later run with the same --work-dir reuses it",
+    ),
     (
         "--skip-fresh",
         False,
