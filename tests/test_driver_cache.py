@@ -267,7 +267,8 @@ def test_driver_cache_without_a_gpu_node_is_one_line(
     flags = ["--kv-cache-dtype", "turboquant_4bit_nc", "--head-size", "128", "--num-heads", "16"]
     flags += ["--num-kv-heads", "8", "--vllm-version", "0.26.0", "--cache-dir", str(tmp_path)]
     assert cli.main(["driver-cache", *flags]) == 2
-    (line,) = capsys.readouterr().err.splitlines()
+    note, line = capsys.readouterr().err.splitlines()
+    assert note.startswith("tq-warmup: driver-cache without an engine (no --model, or --plan-only)")
     if dc.fa2_library() is None:  # the lint venv: no vLLM
         assert "FlashAttention-2 library" in line and "is not installed here" in line
     else:  # vLLM's wheel on a machine without the NVIDIA driver
@@ -283,6 +284,35 @@ def test_engine_without_a_model_is_one_line(
     assert cli.main(["driver-cache", *flags]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line == "tq-warmup: --engine starts an engine of --model: give --model"
+
+
+@pytest.mark.parametrize(
+    ("flag", "engine"), [((), True), (("--engine",), True), (("--plan-only",), False)]
+)
+def test_with_a_model_the_build_starts_an_engine_unless_plan_only(
+    flag: tuple[str, ...],
+    engine: bool,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The plan's launches alone left out one of four FA2 modules on the H200, so an
+    engine is the default wherever there is a model to start."""
+    from tq_warmup_plugin import driver_build
+
+    got: list[object] = []
+    monkeypatch.setattr(driver_build, "build", lambda *a: got.append(a[4]) or 0)
+    model = Path(__file__).parent / "data" / "models" / "llama-3-8b"
+    flags = ["--model", str(model), "--kv-cache-dtype", "turboquant_4bit_nc", *flag]
+    assert cli.main(["driver-cache", *flags, "--cache-dir", str(tmp_path)]) == 0
+    (passed,) = got
+    err = capsys.readouterr().err
+    if engine:
+        assert isinstance(passed, tuple) and passed[0] == model.resolve()
+        assert passed[1]["engine"]["kv_cache_dtype"] == "turboquant_4bit_nc"
+        assert "without an engine" not in err
+    else:
+        assert passed is None and "without an engine (no --model, or --plan-only)" in err
 
 
 def test_the_engine_spec_is_the_models_engine_on_dummy_weights() -> None:
@@ -305,9 +335,7 @@ def test_the_engine_spec_is_the_models_engine_on_dummy_weights() -> None:
     assert spec["prompt_lens"] == [1, 2048]  # one token, then one chunk within the budget
     short = engine_spec("turboquant_3bit_nc", None, 1024, 4, 512)
     assert "dtype" not in short["engine"] and short["prompt_lens"] == [1, 512]
-    assert (
-        "max_model_len" not in engine_spec("/m", "turboquant_3bit_nc", None, None, 4, 512)["engine"]
-    )
+    assert "max_model_len" not in engine_spec("turboquant_3bit_nc", None, None, 4, 512)["engine"]
 
 
 def test_children_write_into_the_stage_and_not_a_shipped_cache(tmp_path: Path) -> None:

@@ -103,3 +103,24 @@ def test_a_kept_work_dir_with_an_entry_is_reused_and_build_only_stops(
     assert row["step"] == "build" and row["reused"] == str(entry) and row["files"] == 1
     assert dict(map(tuple, proof.table_rows([row])))["build"].startswith(f"reused {entry}; 1 files")
     assert [r["step"] for r in p.rows[1:]] == ["shipped", "warm"]
+    two = proof.Proof(args("--skip-fresh", "--pairs", "2"))
+    assert two.go() == 0
+    assert [r["step"] for r in two.rows[1:]] == ["shipped", "warm", "shipped-2", "warm-2"]
+
+
+def test_the_verdict_pairs_each_shipped_engine_with_its_warm_one() -> None:
+    def eng(step: str, s: float, ms: int | None = 400, status: str = "ok") -> dict[str, object]:
+        return {"step": step, "status": status, "startup_s": s, "first_launches_ms": ms}
+
+    # Startups of the H200 runs of 2026-12-01 (the first run's pair is ``missed`` below).
+    rows = [eng("shipped", 49.55), eng("warm", 48.27), eng("shipped-b", 45.26)]
+    rows += [eng("warm-b", 42.66), eng("shipped-c", 42.61), eng("warm-c", 44.26)]
+    met = proof.verdict(rows)
+    assert [x["gap_s"] for x in met["pairs"]] == [1.28, 2.6, -1.65]
+    assert met["met"] and met["mean_gap_s"] == 0.74
+    missed = proof.verdict([eng("shipped", 46.25), eng("warm", 40.71)])
+    assert missed["pairs"][0]["gap_s"] == 5.54 and not missed["met"]
+    slow = proof.verdict([eng("shipped", 41.0, ms=1200), eng("warm", 40.7)])
+    assert not slow["met"]
+    unfinished = proof.verdict([eng("shipped", 0, status="no result"), eng("warm", 40.7)])
+    assert unfinished == {"pairs": [], "mean_gap_s": None, "met": False}

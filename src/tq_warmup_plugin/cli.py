@@ -277,7 +277,14 @@ def driver_cache(args: argparse.Namespace) -> int:
 
     todo = launches.driver_plan(named, _boundary(planned))
     engine = None
-    if args.engine:
+    if not args.model or args.plan_only:
+        print(
+            "tq-warmup: driver-cache without an engine (no --model, or --plan-only): the "
+            "entry holds the plan's FlashAttention-2 launches only, which on the H200 "
+            "(vLLM 0.26.0) left out one of the four modules a TurboQuant engine loads",
+            file=sys.stderr,
+        )
+    else:
         spec = engine_spec(
             planned.geometry.cache_dtype,
             args.dtype,
@@ -473,12 +480,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=1200,
         help="seconds the launches may take (and the engine, each)",
     )
-    p_driver.add_argument(
+    # The engine is the default: on the H200 (vLLM 0.26.0, 2026-12-01) the plan's four
+    # launches filled 3 of the 4 FA2 modules a TurboQuant engine loads (44.5 of 60.0 MiB),
+    # and an engine given that entry was still JIT-compiling after 120 s; with the engine
+    # the entry held all 4 and a shipped start was 1.9 s (mean of 4) from a warm one.
+    how = p_driver.add_mutually_exclusive_group()
+    how.add_argument(
         "--engine",
         action="store_true",
-        help="also start a dummy-weight vLLM engine of --model into the same cache and "
-        "serve two prompts: what vLLM's own warmup and first requests load, which the "
-        "plan's launches alone do not all reach",
+        help="after the plan's launches, start a dummy-weight vLLM engine of --model into "
+        "the same cache and serve two prompts (the default with --model): what vLLM's own "
+        "warmup and first requests load, which the plan's launches alone do not all reach",
+    )
+    how.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="the plan's launches alone, no engine (where vLLM's engine cannot start here)",
     )
     args = parser.parse_args(argv)
     # vLLM's import-time warnings (no CUDA here, no vllm._C) are not the CLI's answer.
