@@ -183,6 +183,13 @@ def _probe_out(got: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _fresh_copy(src: Path, dst: Path) -> Path:
+    """``dst`` a new copy of ``src``: a kept work dir's earlier copy is replaced."""
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    return dst
+
+
 def _mib(root: Path) -> float:
     return round(sum(_tree(root).values()) / 2**20, 1) if root.is_dir() else 0.0
 
@@ -225,7 +232,8 @@ class Proof:
         one), a fresh HOME (so ``~/.nv`` is empty), the plugin importable and loadable."""
         env = {k: v for k, v in os.environ.items() if k not in CUDA_CACHE_VARS}
         env.update({"HOME": str(self.work / home), "PYTHONUNBUFFERED": "1", **extra})
-        (self.work / home).mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.work / home, ignore_errors=True)  # a kept work dir's is not fresh
+        (self.work / home).mkdir(parents=True)
         env["PYTHONPATH"] = os.pathsep.join([*self.path, env.get("PYTHONPATH", "")])
         return env
 
@@ -290,8 +298,9 @@ class Proof:
 
     def decision(self) -> None:
         assert self.entry is not None
-        other = self.work / "layer-other" / "driver-cache" / self.entry.name
-        shutil.copytree(self.entry, other)
+        other = _fresh_copy(
+            self.entry, self.work / "layer-other" / "driver-cache" / self.entry.name
+        )
         data = json.loads((other / "manifest.json").read_text())
         (other / "manifest.json").write_text(json.dumps({**data, "driver": "1.0.0"}))
         for name, root in (("decision-shipped", self.layer), ("decision-other", other.parents[1])):
@@ -322,6 +331,7 @@ class Proof:
         ``copy_to``, or none (``copy_to`` None: the driver JITs into the fresh HOME)."""
         a = self.args
         work = self.work / name
+        shutil.rmtree(work, ignore_errors=True)  # no earlier run's result.json
         cfg = SpecConfig(REFERENCE)  # eager, no speculation
         options = shipped.engine_options(a, preset)
         records.write_json_atomic(
@@ -444,8 +454,7 @@ class Proof:
         fresh engine filled 15.5 MiB more than the entry on the H200, 2026-12-01)."""
         assert self.entry is not None
         g = self.geometry
-        path = self.work / "variants-copy"
-        shutil.copytree(self.entry / "cache", path)
+        path = _fresh_copy(self.entry / "cache", self.work / "variants-copy")
         todo = variant_launches(g.head_size, g.q_heads, g.kv_heads)
         probe = {"path": str(path), "late": False, "launches": todo, "scale": g.head_size**-0.5}
         before = _tree(path)
@@ -474,12 +483,10 @@ class Proof:
         self.decision()
         # The probes first: a minute in all, and on the H200 (2026-12-01) an engine that
         # still JIT-compiled ran past its limit and the deadline left them out.
-        rw = self.work / "rw-copy"
-        shutil.copytree(self.entry / "cache", rw)
+        rw = _fresh_copy(self.entry / "cache", self.work / "rw-copy")
         self.probe("writable", rw, late=False)
         self.probe("read-only", self.work / "ro-mount", late=False, read_only=self.entry / "cache")
-        late = self.work / "late-copy"
-        shutil.copytree(self.entry / "cache", late)
+        late = _fresh_copy(self.entry / "cache", self.work / "late-copy")
         self.probe("late-env", late, late=True)
         self.variants()
         self.pairs()
@@ -491,6 +498,7 @@ class Proof:
         for k in range(1, self.args.pairs + 1):
             tag = "" if k == 1 else f"-{k}"
             copy_to = self.work / f"nv-engines{tag}"
+            shutil.rmtree(copy_to, ignore_errors=True)  # register() makes it from the entry
             self.add(self.engine(f"shipped{tag}", copy_to))
             self.add(self.engine(f"warm{tag}", copy_to))
 
