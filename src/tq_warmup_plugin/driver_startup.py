@@ -1,22 +1,25 @@
 """At ``register()``: start this process's CUDA driver JIT cache from the shipped one.
 
 The driver reads ``CUDA_CACHE_PATH`` when CUDA initialises, so it must be set before any
-CUDA context: ``register()`` runs early in every vLLM process (the ``vllm.general_plugins``
-entry point; vLLM initialises CUDA in the worker, after loading its plugins), and the
-processes vLLM starts inherit what it set. Nothing here imports torch or starts CUDA:
-the node's driver and GPUs come from ``/proc/driver/nvidia``, the FA2 library is found
-without importing vLLM and compared by size (the build and ``tq-warmup verify`` compare
-its sha256; a same-size other build would only miss, as the driver keys its entries).
+CUDA context (on the H200, driver 580.159.04, 2026-12-01: a launch whose module the cache
+held was a hit in 13 s with the variable set before CUDA, and was no hit within 110 s with
+it set after torch made a context): ``register()`` runs early in every vLLM process (the
+``vllm.general_plugins`` entry point; vLLM initialises CUDA in the worker, after loading its
+plugins), and the processes vLLM starts inherit what it set. Nothing here imports torch or
+starts CUDA: the node's driver and GPUs come from ``/proc/driver/nvidia``, the FA2 library
+is found without importing vLLM and compared by size (the build and ``tq-warmup verify``
+compare its sha256; a same-size other build would only miss, as the driver keys its
+entries).
 
 Where an entry of ``TQ_WARMUP_DRIVER_CACHE`` matches: ``CUDA_CACHE_PATH`` is the entry's
-cache itself when it is writable (whether the driver reads a read-only one is the GPU
-proof's question), else a copy, made once per directory (stage + rename, every file
-hashed as it is copied) into ``TQ_WARMUP_DRIVER_CACHE_COPY_TO`` or the temporary
-directory; ``CUDA_CACHE_MAXSIZE`` is raised to 4 GiB unless set (the default 256 MiB
-may evict). A ``CUDA_CACHE_PATH`` already set is kept (one WARNING) unless
-``TQ_WARMUP_DRIVER_CACHE_OVERRIDE`` is on; one that equals the choice was set by this
-process's parent and is silently kept. A mismatch is one WARNING and the driver JITs as
-before. Nothing here raises.
+cache itself when it is writable, else a copy (the driver serves no hit from a read-only
+one: the same launch over a read-only bind mount was no hit within 110 s on the H200), made
+once per directory (stage + rename, every file hashed as it is copied) into
+``TQ_WARMUP_DRIVER_CACHE_COPY_TO`` or the temporary directory; ``CUDA_CACHE_MAXSIZE`` is
+raised to 4 GiB unless set (the default 256 MiB may evict). A ``CUDA_CACHE_PATH`` already
+set is kept (one WARNING) unless ``TQ_WARMUP_DRIVER_CACHE_OVERRIDE`` is on; one that equals
+the choice was set by this process's parent and is silently kept. A mismatch is one WARNING
+and the driver JITs as before. Nothing here raises.
 """
 
 from __future__ import annotations
