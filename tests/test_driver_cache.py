@@ -286,6 +286,7 @@ def test_engine_without_a_model_is_one_line(
     assert line == "tq-warmup: --engine starts an engine of --model: give --model"
 
 
+@pytest.mark.real_vllm  # the model's geometry comes from vLLM's ModelConfig
 @pytest.mark.parametrize(
     ("flag", "engine"), [((), True), (("--engine",), True), (("--plan-only",), False)]
 )
