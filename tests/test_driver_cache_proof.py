@@ -106,6 +106,8 @@ def test_a_kept_work_dir_with_an_entry_is_reused_and_build_only_stops(
     two = proof.Proof(args("--skip-fresh", "--pairs", "2"))
     assert two.go() == 0
     assert [r["step"] for r in two.rows[1:]] == ["shipped", "warm", "shipped-2", "warm-2"]
+    cells = dict(map(tuple, proof.table_rows(two.rows)))
+    assert cells["warm-2"].startswith("turboquant_4bit_nc: ok, startup None s")  # an engine's row
 
 
 def test_the_verdict_pairs_each_shipped_engine_with_its_warm_one() -> None:

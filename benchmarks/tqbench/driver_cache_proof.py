@@ -100,6 +100,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PRESET = "turboquant_4bit_nc"
 CUDA_CACHE_VARS = ("CUDA_CACHE_PATH", "CUDA_CACHE_DISABLE", "CUDA_CACHE_MAXSIZE")
 LOG_TAIL = 2 << 20
+ENGINE_STEPS = ("fresh", "auto", "shipped", "warm")
 ENGINE_SHAPE = ("--geometry", "--max-model-len", "--max-num-seqs", "--budget", "--kv-cache-gib")
 
 DECISION_PROBE = """
@@ -181,6 +182,11 @@ def _probe_out(got: dict[str, Any]) -> dict[str, Any]:
         return {}
     out: dict[str, Any] = json.loads(got["text"].strip().splitlines()[-1])
     return out
+
+
+def _is_engine(step: str) -> bool:
+    """An engine's row: ``fresh``, ``auto``, or a ``--pairs`` one (``shipped-2``, ...)."""
+    return step.split("-")[0] in ENGINE_STEPS
 
 
 def _fresh_copy(src: Path, dst: Path) -> Path:
@@ -518,7 +524,7 @@ class Proof:
             shutil.rmtree(self.work, ignore_errors=True)
         if self.args.build_only:
             return rc or (0 if self.entry is not None else 1)
-        ok = [r for r in self.rows if r["step"] in ("fresh", "auto", "shipped", "warm")]
+        ok = [r for r in self.rows if _is_engine(r["step"])]
         return rc or (0 if ok and all(r.get("status") == "ok" for r in ok) else 1)
 
 
@@ -570,7 +576,7 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
                 f"({r.get('mib')} MiB); launches {r.get('launch_s')}"
                 + (f"; engine {r['engine_s']}" if r.get("engine_s") else "")
             )
-        elif step in ("fresh", "auto", "shipped", "warm"):
+        elif _is_engine(step):
             text = (
                 f"{r.get('preset', PRESET)}: {r.get('status')}, startup {r.get('startup_s')} s, "
                 f"first launches {r.get('first_launches')} in {r.get('first_launches_ms')} ms, "
