@@ -71,20 +71,22 @@ GATE_COLUMNS = (
     "rocm_flydsl",
     "local_boundary_tq_backend",
     "local_tq_spec_plain",
+    "prefix_fast_path_unsafe",
+    "prefill_host_copies",
     "local_prefill_real_lens",
 )
 T, F = True, False
 GATES = {
-    (0, 20): (F, F, F, F, F, F, T, F, F, F, F, F, F, T, T, F),
-    (0, 21): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T),
-    (0, 23): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T),
-    (0, 24): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T),
-    (0, 25): (F, F, T, T, T, T, T, T, T, T, T, F, F, T, T, T),
-    (0, 26): (T, T, T, T, T, T, T, T, T, T, T, F, F, T, T, T),
-    (0, 28): (T, T, T, T, T, T, T, T, F, T, T, F, T, T, F, T),
-    (0, 29): (T, F, T, T, T, T, T, T, F, T, T, F, T, T, F, T),
-    (0, 30): (T, F, T, T, T, T, T, T, F, T, T, T, T, T, F, F),
-    (0, 33): (T, F, T, T, T, T, T, T, F, T, T, T, T, T, F, F),
+    (0, 20): (F, F, F, F, F, F, T, F, F, F, F, F, F, T, T, T, F, F),
+    (0, 21): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T, T, T),
+    (0, 23): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T, T, T),
+    (0, 24): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T, T, T),
+    (0, 25): (F, F, T, T, T, T, T, T, T, T, T, F, F, T, T, T, T, T),
+    (0, 26): (T, T, T, T, T, T, T, T, T, T, T, F, F, T, T, T, T, T),
+    (0, 28): (T, T, T, T, T, T, T, T, F, T, T, F, T, T, F, T, T, T),
+    (0, 29): (T, F, T, T, T, T, T, T, F, T, T, F, T, T, F, T, T, T),
+    (0, 30): (T, F, T, T, T, T, T, T, F, T, T, T, T, T, F, T, T, F),
+    (0, 33): (T, F, T, T, T, T, T, T, F, T, T, T, T, T, F, T, T, F),
 }
 
 

@@ -39,6 +39,7 @@ COMMAND_MODULES = (
     "layer_check_cost",
     "gemm_shapes",
     "driver_cache_proof",
+    "tokens",
 )
 
 

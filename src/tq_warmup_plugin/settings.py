@@ -59,6 +59,9 @@ class Settings(NamedTuple):
         both off.
     spec_piecewise: ``TQ_WARMUP_SPEC_GUARD=piecewise``: the PIECEWISE cap everywhere,
         never the batched path.
+    prefix_guard: ``TQ_WARMUP_PREFIX_GUARD`` (default on): TurboQuant's first-chunk
+        prefill fast path serves only batches of first chunks, so a prefix-cache hit
+        keeps its cached prefix (``guards/prefix_fast_path.py``); ``0`` turns it off.
     cache_unverified: ``TQ_WARMUP_CACHE_UNVERIFIED`` (default off): a Triton cache layer
         without a tq-warmup manifest (a plain Triton cache) is served unverified; off,
         it is one WARNING and not served (``layered_cache``): a half-built layer, or one
@@ -80,6 +83,7 @@ class Settings(NamedTuple):
     launch: bool = True
     spec_guard: bool = True
     spec_piecewise: bool = False
+    prefix_guard: bool = True
     cache_unverified: bool = False
     driver_cache: str | None = None
     driver_cache_copy_to: str | None = None
@@ -169,6 +173,7 @@ def parse(env: Mapping[str, str] | None = None) -> tuple[Settings, list[str]]:
         spec_guard=spec_piecewise
         or _flag(env, "TQ_WARMUP_SPEC_GUARD", True, problems, " / piecewise"),
         spec_piecewise=spec_piecewise,
+        prefix_guard=_flag(env, "TQ_WARMUP_PREFIX_GUARD", True, problems),
         cache_unverified=_flag(env, "TQ_WARMUP_CACHE_UNVERIFIED", False, problems),
         driver_cache=_directory(env, "TQ_WARMUP_DRIVER_CACHE", problems),
         driver_cache_copy_to=_directory(env, "TQ_WARMUP_DRIVER_CACHE_COPY_TO", problems),

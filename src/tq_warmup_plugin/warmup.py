@@ -23,7 +23,7 @@ import pluggy
 from . import compat, hookspecs, launches, workspace
 from .discovery import discover
 from .geometry import Geometry
-from .guards import draft_seq_lens, spec_problem
+from .guards import draft_seq_lens, prefix_fast_path, spec_problem
 from .report import CompileCounter, Report, error_line
 from .settings import Settings
 from .warmers import triton_jit, turboquant
@@ -232,6 +232,9 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
     )
     if problem:  # a warning, not an error: strict mode must not refuse it
         logger.warning(problem)
+    unguarded = prefix_fast_path.missing(feats, settings.prefix_guard)
+    if unguarded:  # the install's WARNING was said; strict mode refuses to start
+        report.errors.append(unguarded)
 
     # Reserved before compiling: on HIP the workspace's final size is part of the keys.
     try:

@@ -95,6 +95,11 @@ class Features(NamedTuple):
     """0.20-0.33: a chunked local boundary layer fails to start (guards/local_boundary.py)."""
     local_tq_spec_plain: bool
     """0.20-0.27: a chunked local TurboQuant layer's spec is plain (guards/local_boundary.py)."""
+    prefix_fast_path_unsafe: bool
+    """0.20-0.33: the first-chunk fast path drops a cache hit's prefix
+    (guards/prefix_fast_path.py)."""
+    prefill_host_copies: bool
+    """0.21+: ``TurboQuantMetadata`` has ``query_start_loc_cpu`` and ``seq_lens_cpu``."""
     local_prefill_real_lens: bool
     """0.21-0.29: on a chunked local attention layer (Llama 4) TurboQuant's prefill loop
     takes each *virtual* request's length from ``seq_lens_cpu_upper_bound``
@@ -126,6 +131,8 @@ def features(version: Version) -> Features:
         rocm_flydsl=version >= (0, 28),
         local_boundary_tq_backend=OLDEST <= version <= (0, 33),
         local_tq_spec_plain=OLDEST <= version <= (0, 27),
+        prefix_fast_path_unsafe=OLDEST <= version <= (0, 33),
+        prefill_host_copies=version >= (0, 21),
         local_prefill_real_lens=(0, 21) <= version <= (0, 29),
     )
 

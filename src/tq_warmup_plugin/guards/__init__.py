@@ -41,18 +41,35 @@ class Guard(Protocol):
 
 def every() -> list[Guard]:
     """Every guard there is, in the order they are applied."""
-    from . import batched_verify, draft_seq_lens, local_boundary, spec_graphs, v1_cache_dtype
+    from . import (
+        batched_verify,
+        draft_seq_lens,
+        local_boundary,
+        prefix_fast_path,
+        spec_graphs,
+        v1_cache_dtype,
+    )
 
-    return [batched_verify, spec_graphs, v1_cache_dtype, draft_seq_lens, local_boundary]
+    return [
+        batched_verify,
+        spec_graphs,
+        v1_cache_dtype,
+        draft_seq_lens,
+        local_boundary,
+        prefix_fast_path,
+    ]
 
 
 def active(settings: Settings) -> list[Guard]:
     """The guards these settings turn on: for verify batches the batched path (which
-    falls back to the PIECEWISE cap where it does not serve) or, on request, the cap."""
-    from . import batched_verify, draft_seq_lens, spec_graphs
+    falls back to the PIECEWISE cap where it does not serve) or, on request, the cap;
+    the prefix-cache guard unless ``TQ_WARMUP_PREFIX_GUARD=0``."""
+    from . import batched_verify, draft_seq_lens, prefix_fast_path, spec_graphs
 
     if not settings.spec_guard:
         off: set[object] = {batched_verify, spec_graphs, draft_seq_lens}
     else:
         off = {batched_verify} if settings.spec_piecewise else {spec_graphs}
+    if not settings.prefix_guard:
+        off.add(prefix_fast_path)
     return [guard for guard in every() if guard not in off]

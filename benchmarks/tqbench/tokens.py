@@ -1,0 +1,285 @@
+"""``tokens``: is every token TurboQuant serves the token it should be? (issue 28)
+
+Cases (one child process per engine, ``tokens_child``; in-process engines, dummy
+weights scaled so greedy tokens are decided):
+
+* ``prefix-mixed``: the reproduction of upstream #46460 in one engine with vLLM's
+  defaults (prefix caching on): a cached prefix P, then one step with a fresh prompt C
+  at least as long as every hit's sequence beside hits B_j = P + q_j; each hit against
+  itself served alone, with a control step (a shorter fresh prompt: vLLM's loop) as the
+  noise floor; the prefix-cache guard off, then on, in the same engine.
+* ``oracle``: one engine per feature X (``tokens_workload.ORACLE_ROWS``), each serving
+  one workload (hits beside longer fresh prompts, a short prompt, one near
+  ``max_model_len``, ``n = 2``; logprobs on every request) in one step with the guard on
+  and off, judged against TurboQuant eager with X off serving each request alone; the
+  noise floor is FULL graphs with prefix caching off in one batch.
+* ``cost``: one engine, a prefix-heavy workload (80% of the requests hit the cached
+  prefix), timed with the guard on and off in alternation.
+
+Writes ``result.json`` (every child's result, the verdicts) and ``SUMMARY.md`` (the
+table) into ``--out`` (default: ``benchmarks/results/raw/tokens-<run id>``, git-ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import shutil
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from benchmarks.tqbench import entry_point, logs, phases, records
+from benchmarks.tqbench.children import Children, Deadline, child_pythonpath
+from benchmarks.tqbench.cli import Option, add_options, new_parser
+from benchmarks.tqbench.engine import REPO_ROOT
+from benchmarks.tqbench.spec_child import child_env, read_result
+from benchmarks.tqbench.spec_configs import MODEL_SIZES, SpecConfig
+from benchmarks.tqbench.tokens_judge import judge_oracle, judge_prefix_mixed
+from benchmarks.tqbench.tokens_table import cost_figures, render
+from benchmarks.tqbench.tokens_workload import (
+    ORACLE_ROWS,
+    EngineRow,
+    Request,
+    Step,
+    oracle_requests,
+    oracle_steps,
+    prefix_mixed_steps,
+    prompts,
+)
+
+__all__ = ["CASES", "add_parser", "cost_steps", "plan", "select_rows"]
+
+CASES = ("prefix-mixed", "oracle", "cost")
+DEFAULT_OUT_DIR = REPO_ROOT / "benchmarks" / "results" / "raw"
+
+
+def select_rows(text: str) -> list[EngineRow]:
+    """The oracle rows ``--rows`` names (``all``: every one), references kept first."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    known = {r.name: r for r in ORACLE_ROWS}
+    if "all" in names:
+        return list(ORACLE_ROWS)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown rows {unknown}: all, or some of {', '.join(known)}")
+    return [r for r in ORACLE_ROWS if r.name in names]
+
+
+def cost_steps(seed: int, vocab: int, pairs: int) -> list[Step]:
+    """``pairs`` x (guard on, guard off), in alternation: 32 hits of 64 new tokens on a
+    cached prefix and 8 fresh prompts longer than them (80% of the requests hit)."""
+    prefix = prompts(seed, vocab, [640])[0]
+    tails = prompts(seed + 5, vocab, [64] * 32)
+    fresh = prompts(seed + 6, vocab, [720] * 8)
+    reqs = [Request(f"hit{i}", prefix + t) for i, t in enumerate(tails)]
+    reqs += [Request(f"fresh{i}", p) for i, p in enumerate(fresh)]
+    order = [("on", "off") if i % 2 == 0 else ("off", "on") for i in range(pairs)]
+    return [Step(f"cost-{g}-{i}", reqs, g, prefix) for i, gs in enumerate(order) for g in gs]
+
+
+def plan(args: argparse.Namespace) -> list[tuple[EngineRow, list[Step]]]:
+    """The engines of the case and each one's steps."""
+    vocab = MODEL_SIZES[args.model_size].vocab_size
+    defaults = EngineRow("prefix", "prefix caching (vLLM's defaults)")
+    if args.case == "prefix-mixed":
+        return [(defaults, prefix_mixed_steps(args.seed, vocab))]
+    if args.case == "cost":
+        return [(defaults, cost_steps(args.seed, vocab, args.pairs))]
+    reqs = oracle_requests(args.seed, vocab, args.max_model_len, args.max_tokens)
+    prefix = prompts(args.seed, vocab, [640])[0]
+    return [(row, oracle_steps(reqs, prefix, row.reference)) for row in select_rows(args.rows)]
+
+
+class TokensBench:
+    """Runs the children (references first), judges, writes ``result.json``/``SUMMARY.md``."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.run_id = dt.datetime.now().strftime("%Y%m%dT%H%M%S")
+        self.deadline = Deadline(args.deadline_s)
+        self.children = Children()
+        self.engines = plan(args)
+        self.work_root = Path(args.work_dir or tempfile.mkdtemp(prefix="tq-tokens-")).resolve()
+        self.out = Path(args.out or DEFAULT_OUT_DIR / f"tokens-{args.case}-{self.run_id}")
+        self.rows: dict[str, dict[str, Any]] = {}
+        self.stub: list[str] = []
+        if not entry_point.found() and args.entry_point_stub:
+            self.stub = [str(entry_point.write_stub(self.work_root / "entry-point"))]
+        keep = ("preset", "max_tokens", "logprobs", "max_num_seqs", "kv_cache_gib")
+        self.options: dict[str, Any] = {k: getattr(args, k) for k in keep}
+        self.options.update(
+            jit_monitor_mode=args.jit_monitor_mode,
+            weight_scale=args.weight_scale,
+            model_size=asdict(MODEL_SIZES[args.model_size]),
+            max_model_len=args.max_model_len,
+            gpu_mem_util=args.gpu_mem_util or phases.default_gpu_mem_util(args.jobs),
+        )
+
+    def environ(self, row: EngineRow, work: Path) -> dict[str, str]:
+        env = child_env(
+            SpecConfig(row.name, spec_guard=None), work, self.args.share_compile_cache, os.environ
+        )
+        env["PYTHONPATH"] = child_pythonpath([*self.stub, str(REPO_ROOT / "src")], env)
+        if self.args.driver_cache_from:  # a copy per engine of a warm driver cache
+            nv = work / "nv"
+            shutil.rmtree(nv, ignore_errors=True)
+            shutil.copytree(self.args.driver_cache_from, nv)
+            env["CUDA_CACHE_PATH"] = str(nv)
+        return env
+
+    def run_one(self, row: EngineRow, steps: list[Step]) -> None:
+        if self.children.stopping or self.deadline.left() < 30:
+            self.rows[row.name] = {"status": "skipped", "error_line": "deadline reached"}
+            return
+        work = self.work_root / row.name
+        log = self.out / "logs" / f"{row.name}.log"
+        spec = {
+            "row": asdict(row),
+            "options": self.options,
+            "work": str(work),
+            "result": str(work / "result.json"),
+            "steps": [s.to_dict() for s in steps],
+        }
+        records.write_json_atomic(work / "spec.json", spec)
+        argv = [
+            sys.executable,
+            "-m",
+            "benchmarks.tqbench",
+            "tokens",
+            "--child",
+            str(work / "spec.json"),
+        ]
+        print(f"[tokens] start {row.name} (log {log})", flush=True)
+        ended = self.children.run(
+            argv, log, self.environ(row, work), self.deadline.limit(self.args.timeout, margin=5)
+        )
+        result = read_result(work)
+        text = log.read_text(errors="replace")
+        if result.get("status") != "ok":
+            result["error_line"] = logs.last_error_line(text) or str(result.get("error", ""))[-300:]
+        result.update(
+            rc=None if ended.timed_out else ended.rc,
+            wall_s=round(ended.wall_s, 1),
+            feature=row.feature,
+            plugin_log=logs.plugin_log_lines(text),
+        )
+        self.rows[row.name] = result
+        print(
+            f"[tokens] done  {row.name}: {result.get('status')} {result.get('error_line') or ''}",
+            flush=True,
+        )
+
+    def judged(self) -> dict[str, Any]:
+        tol = self.args.lp_tol
+        if self.args.case == "oracle":
+            return judge_oracle(self.rows, tol)
+        steps = next(iter(self.rows.values()), {}).get("steps") or {}
+        if self.args.case == "cost":
+            return cost_figures(steps)
+        return judge_prefix_mixed(steps, tol)
+
+    def run(self) -> int:
+        self.children.stop_on_sigterm()
+        refs = [e for e in self.engines if e[0].reference]
+        rest = [e for e in self.engines if not e[0].reference]
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, self.args.jobs)) as pool:
+                for fut in [pool.submit(self.run_one, *e) for e in refs]:
+                    fut.result()
+                for fut in [pool.submit(self.run_one, *e) for e in rest]:
+                    fut.result()
+        except BaseException:
+            self.children.kill_all()
+            raise
+        finally:
+            if not self.args.work_dir:
+                shutil.rmtree(self.work_root, ignore_errors=True)
+        verdicts = self.judged()
+        run = {
+            "case": self.args.case,
+            "run_id": self.run_id,
+            "date": dt.date.today().isoformat(),
+            "options": self.options,
+            "lp_tol": self.args.lp_tol,
+        }
+        first = next(iter(self.rows.values()), {})
+        run.update(vllm_version=first.get("vllm_version"), gpu=first.get("gpu"))
+        records.write_json_atomic(
+            self.out / "result.json", {"run": run, "verdicts": verdicts, "engines": self.rows}
+        )
+        table = render(self.args.case, run, verdicts, self.rows)
+        (self.out / "SUMMARY.md").write_text(table)
+        print(table)
+        print(f"[tokens] {self.out}/result.json, {self.out}/SUMMARY.md", flush=True)
+        return 0 if all(r.get("status") == "ok" for r in self.rows.values()) else 1
+
+
+def cmd_tokens(args: argparse.Namespace) -> int:
+    if args.child:  # exit at once: a broken CUDA context can hang the interpreter's exit
+        from benchmarks.tqbench.tokens_child import run_child
+
+        rc = run_child(Path(args.child))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    if args.case == "oracle":
+        select_rows(args.rows)  # an unknown row is an error before any engine starts
+    return TokensBench(args).run()
+
+
+OPTIONS: tuple[Option, ...] = (
+    ("--rows", "all", "oracle: comma list of rows (all, or names of tokens_workload.ORACLE_ROWS)"),
+    ("--pairs", 3, "cost: guard on/off pairs, alternating"),
+    ("--max-tokens", 32, "tokens generated per request"),
+    (
+        "--weight-scale",
+        100.0,
+        "multiply every dummy weight after startup, so greedy tokens "
+        "are decided (at 1 the logits are nearly flat)",
+    ),
+    ("--seed", 0, "seed of the prompts"),
+    ("--logprobs", 2, "logprobs per position (2: the top-1/top-2 margin too)"),
+    ("--lp-tol", 1e-3, "logprob tolerance of 'equal', and over the noise floor"),
+    ("--max-model-len", 2048, "max_model_len (the oracle has a prompt near it)"),
+    ("--max-num-seqs", 64, "max_num_seqs"),
+    ("--kv-cache-gib", 2.0, "fixed KV cache per engine (kv_cache_memory_bytes)"),
+    ("--gpu-mem-util", 0.0, "gpu_memory_utilization; 0: min(0.85, 0.9/jobs - 0.03)"),
+    ("--jobs", 1, "engines at once on the GPU"),
+    ("--timeout", 600.0, "seconds per engine"),
+    ("--deadline-s", 0.0, "after this many seconds start no engine and kill running ones"),
+    ("--out", "", "output directory (default: benchmarks/results/raw/tokens-CASE-RUNID)"),
+    ("--work-dir", "", "kept if given (default: a temporary directory, removed)"),
+    (
+        "--driver-cache-from",
+        "",
+        "a warm CUDA driver cache directory (the one holding 'index'): "
+        "each engine gets a copy as CUDA_CACHE_PATH",
+    ),
+    ("--share-compile-cache", False, "engines share VLLM_CACHE_ROOT / TORCHINDUCTOR_CACHE_DIR"),
+    (
+        "--entry-point-stub",
+        False,
+        "if the plugin's entry point is not installed, declare it "
+        "in a dist-info put on the children's PYTHONPATH",
+    ),
+)
+
+
+def add_parser(subparsers: Any) -> None:
+    """The ``tokens`` subcommand."""
+    summary = "the token oracle: prefix-cache reproduction (#46460), every feature, the cost"
+    p = new_parser(subparsers, "tokens", summary, __doc__)
+    p.add_argument("--case", choices=CASES, default="prefix-mixed")
+    add_options(p, OPTIONS)
+    p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="small")
+    p.add_argument("--preset", choices=phases.TQ_PRESETS, default="turboquant_4bit_nc")
+    p.add_argument(
+        "--jit-monitor-mode", choices=("warn", "error"), default="warn", help="vLLM >= 0.25 only"
+    )
+    p.add_argument("--child", default="", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_tokens)
