@@ -108,6 +108,32 @@ class Children:
                     self.procs.pop(proc.pid, None)
         return Exit(rc, timed_out, time.monotonic() - t)
 
+    def spawn(
+        self, argv: Sequence[str], log: Path, env: Mapping[str, str]
+    ) -> subprocess.Popen[bytes]:
+        """Start ``argv`` (a server) in its own process group, output to ``log``, and
+        return at once; :meth:`stop` (or :meth:`kill_all`) ends it with its group."""
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("wb") as logf:
+            proc = subprocess.Popen(
+                list(argv),
+                cwd=REPO_ROOT,
+                env=dict(env),
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        with self.lock:
+            self.procs[proc.pid] = proc
+        return proc
+
+    def stop(self, proc: subprocess.Popen[bytes]) -> None:
+        """Kill a spawned child's group and reap it."""
+        _kill_group(proc)
+        proc.wait()
+        with self.lock:
+            self.procs.pop(proc.pid, None)
+
     def kill_all(self) -> None:
         """Kill every running child's group; children asked for later are not started."""
         self.stopping = True

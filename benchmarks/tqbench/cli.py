@@ -40,6 +40,7 @@ COMMAND_MODULES = (
     "gemm_shapes",
     "driver_cache_proof",
     "tokens",
+    "serve_prefix",
 )
 
 

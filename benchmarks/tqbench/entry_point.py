@@ -24,15 +24,20 @@ def found() -> bool:
     return False
 
 
-def write_stub(root: Path) -> Path:
+def write_stub(root: Path, plugin: bool = True, weight_scale: bool = False) -> Path:
     """A dist-info under ``root`` that declares the plugin's entry point (for a tree where
-    the plugin is importable from ``src`` but not installed); put ``root`` on the path."""
+    the plugin is importable from ``src`` but not installed); put ``root`` on the path.
+    ``weight_scale``: also the benchmark's dummy-weight scaler (``dummy_scale``), for
+    engines in processes the benchmark does not run (``vllm serve``'s engine core)."""
     info = root / "tq_warmup_plugin_stub-0.dist-info"
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text(
         "Metadata-Version: 2.1\nName: tq-warmup-plugin-stub\nVersion: 0\n"
     )
-    (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\ntq_warmup = tq_warmup_plugin:register\n"
-    )
+    lines = ["[vllm.general_plugins]"]
+    if plugin:
+        lines.append("tq_warmup = tq_warmup_plugin:register")
+    if weight_scale:
+        lines.append("tqbench_weight_scale = benchmarks.tqbench.dummy_scale:register")
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
     return root

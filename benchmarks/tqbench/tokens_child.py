@@ -103,7 +103,7 @@ def engine_kwargs(
 ) -> dict[str, Any]:
     """``LLM(...)`` keywords of the row: the spec benchmark's, and the row's feature."""
     cfg = SpecConfig(row.name, row.method or None, row.k, None if row.eager else FULL)
-    model_opts = {**opts, "method": "mtp" if row.name.endswith("mtp") else None}
+    model_opts = {**opts, "method": "mtp" if "mtp" in row.name else None}
     model_dir, head_dir = spec_child.write_models(cfg, model_opts, work)
     kwargs = spec_child.engine_kwargs(cfg, opts, str(model_dir), monitor, head_dir)
     kwargs["enable_prefix_caching"] = row.prefix_caching
@@ -214,8 +214,12 @@ def run_child(spec_path: Path) -> int:
     )
 
     def params(n: int) -> Any:
+        # vLLM refuses n > 1 with greedy sampling: a temperature of 1e-4 (logits x1e4,
+        # just above vLLM's greedy threshold) samples the argmax unless two logits are
+        # within ~1e-3; at 0.01 the samples differed from the reference in the noise row
+        # too (H200, 0.26.0).
         return SamplingParams(
-            temperature=0.0,
+            temperature=0.0 if n == 1 else 1e-4,
             max_tokens=opts["max_tokens"],
             n=n,
             logprobs=opts["logprobs"],

@@ -9,8 +9,10 @@ graphs, where the bug cannot fire), and ``verdicts.verdict`` calls a row
 * ``prefix-mixed``: per guard state, each hit of ``mixed`` and of ``control`` against the
   same hit served alone in the same engine; the floor is ``control``'s.
 * ``oracle``: every row's ``batch-on`` / ``batch-off`` step against the reference row's
-  ``alone`` step (``ref``, or ``ref-mtp`` for the MTP rows); the floor is the ``noise``
-  row's (FULL graphs, one batch, prefix caching off).
+  ``alone`` step (``ref``: eager, each request alone after the prefix is cached again;
+  ``ref-mtp`` for the MTP rows; ``ref-nocache`` for the rows without prefix caching);
+  the floor is the ``noise`` row's (FULL graphs, one batch, prefix caching off) against
+  ``ref-nocache``.
 """
 
 from __future__ import annotations
@@ -104,22 +106,33 @@ def judge_prefix_mixed(
     return judged
 
 
+def _reference_of(name: str) -> str:
+    """The reference row a row is judged against: the MTP target's for MTP rows, the
+    cache-less one for the rows without prefix caching (``noise``), else ``ref``."""
+    if "mtp" in name:
+        return "ref-mtp"
+    return "ref-nocache" if name in ("noise", "ref") else "ref"
+
+
 def judge_oracle(rows: Mapping[str, Mapping[str, Any]], lp_tol: float) -> dict[str, Any]:
-    """Per row and guard state, the verdict against the row's reference; the floor."""
-    ref_steps = {n: r.get("steps", {}).get("alone") for n, r in rows.items() if n.startswith("ref")}
-    noise_step = rows.get("noise", {}).get("steps", {}).get("batch-on")
-    ref = ref_steps.get("ref")
-    floor = noise_floor(ref["outputs"], noise_step["outputs"]) if ref and noise_step else None
+    """Per row and guard state, the verdict against the row's reference (``ref`` itself
+    against ``ref-nocache``: what a lossy cache's hit changes); the noise floor is the
+    ``noise`` row against ``ref-nocache`` (FULL graphs and one batch, no hit to lose)."""
+    alone = {n: (r.get("steps") or {}).get("alone") for n, r in rows.items()}
+    noise_step = (rows.get("noise", {}).get("steps") or {}).get("batch-on")
+    base = alone.get("ref-nocache")
+    floor = noise_floor(base["outputs"], noise_step["outputs"]) if base and noise_step else None
     judged: dict[str, Any] = {}
     for name, row in rows.items():
-        if name.startswith("ref"):
+        if name.startswith("ref") and name != "ref":
             continue
-        base = ref_steps.get("ref-mtp" if name.endswith("mtp") else "ref") or ref_steps.get("ref")
-        entry: dict[str, Any] = {"status": row.get("status")}
-        for g in ("on", "off"):
-            step = (row.get("steps") or {}).get(f"batch-{g}")
-            if base and step:
-                per = compare_outputs(base["outputs"], step["outputs"], lp_tol, floor)
+        ref = alone.get(_reference_of(name))
+        entry: dict[str, Any] = {"status": row.get("status"), "reference": _reference_of(name)}
+        steps = row.get("steps") or {}
+        for g, step in (("on", steps.get("batch-on") or steps.get("alone")),
+                        ("off", steps.get("batch-off"))):  # fmt: skip
+            if ref and step:
+                per = compare_outputs(ref["outputs"], step["outputs"], lp_tol, floor)
                 entry[g] = {**_summary(per), "branches": step.get("branches")}
         judged[name] = entry
     return {"noise_floor": floor, "rows": judged}

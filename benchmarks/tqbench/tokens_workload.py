@@ -147,6 +147,6 @@ ORACLE_ROWS = (
     EngineRow("draft2", "speculative decoding: draft_model k=2", method="draft_model", k=2),
     EngineRow("eagle2", "speculative decoding: EAGLE k=2", method="eagle", k=2),
     EngineRow("preempt", "preemption: 96 KV blocks, requests recomputed", gpu_blocks=96),
-    EngineRow("ref-mtp", "the MTP target (MiMo): eager, prefix caching off, alone", True, False),
+    EngineRow("ref-mtp", "the MTP target (MiMo): eager, each request alone", True),
     EngineRow("mtp2", "speculative decoding: MTP k=2 (MiMo target)", method="mtp", k=2),
 )
