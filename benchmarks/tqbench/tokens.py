@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import os
 import shutil
 import sys
@@ -177,15 +178,6 @@ class TokensBench:
             flush=True,
         )
 
-    def judged(self) -> dict[str, Any]:
-        tol = self.args.lp_tol
-        if self.args.case == "oracle":
-            return judge_oracle(self.rows, tol)
-        steps = next(iter(self.rows.values()), {}).get("steps") or {}
-        if self.args.case == "cost":
-            return cost_figures(steps)
-        return judge_prefix_mixed(steps, tol)
-
     def run(self) -> int:
         self.children.stop_on_sigterm()
         # The first engine runs alone: on a fresh machine the CUDA driver compiles
@@ -204,24 +196,82 @@ class TokensBench:
         finally:
             if not self.args.work_dir:
                 shutil.rmtree(self.work_root, ignore_errors=True)
-        verdicts = self.judged()
-        run = {
-            "case": self.args.case,
-            "run_id": self.run_id,
-            "date": dt.date.today().isoformat(),
-            "options": self.options,
-            "lp_tol": self.args.lp_tol,
-        }
-        done = next(iter(self.rows.values()), {})
-        run.update(vllm_version=done.get("vllm_version"), gpu=done.get("gpu"))
+        return write_outputs(self.out, self.args.case, self.rows, self.args.lp_tol, self.run_id)
+
+
+def judged(case: str, rows: dict[str, dict[str, Any]], lp_tol: float) -> dict[str, Any]:
+    """The case's verdicts over the engines' results (pure: ``--from-result`` re-judges)."""
+    if case == "oracle":
+        return judge_oracle(rows, lp_tol)
+    steps = next(iter(rows.values()), {}).get("steps") or {}
+    return cost_figures(steps) if case == "cost" else judge_prefix_mixed(steps, lp_tol)
+
+
+_COMPACT = (
+    "status",
+    "feature",
+    "vllm_version",
+    "gpu",
+    "startup_s",
+    "cudagraph_mode",
+    "async_scheduling",
+    "prefix_caching",
+    "block_size",
+    "budget",
+    "engine_kwargs",
+    "tq_compiles_after_startup",
+    "other_jit_after_startup",
+    "plugin_log",
+    "error_line",
+)
+
+
+def write_outputs(
+    out: Path,
+    case: str,
+    rows: dict[str, dict[str, Any]],
+    lp_tol: float,
+    run_id: str,
+    raw: bool = True,
+) -> int:
+    """``result.json`` (everything, the served tokens too), ``summary.json`` (the
+    verdicts and each engine's setup, no tokens: small enough to commit), ``SUMMARY.md``."""
+    verdicts = judged(case, rows, lp_tol)
+    done = next(iter(rows.values()), {})
+    run = {
+        "case": case,
+        "run_id": run_id,
+        "date": dt.date.today().isoformat(),
+        "lp_tol": lp_tol,
+        "vllm_version": done.get("vllm_version"),
+        "gpu": done.get("gpu"),
+    }
+    if raw:  # --from-result's input is the raw file: only the summaries are written
         records.write_json_atomic(
-            self.out / "result.json", {"run": run, "verdicts": verdicts, "engines": self.rows}
+            out / "result.json", {"run": run, "verdicts": verdicts, "engines": rows}
         )
-        table = render(self.args.case, run, verdicts, self.rows)
-        (self.out / "SUMMARY.md").write_text(table)
-        print(table)
-        print(f"[tokens] {self.out}/result.json, {self.out}/SUMMARY.md", flush=True)
-        return 0 if all(r.get("status") == "ok" for r in self.rows.values()) else 1
+    compact = {n: {k: r.get(k) for k in _COMPACT if k in r} for n, r in rows.items()}
+    records.write_json_atomic(
+        out / "summary.json", {"run": run, "verdicts": verdicts, "engines": compact}
+    )
+    table = render(case, run, verdicts, rows)
+    (out / "SUMMARY.md").write_text(table)
+    print(table)
+    written = "result.json, summary.json" if raw else "summary.json"
+    print(f"[tokens] {out}: {written}, SUMMARY.md", flush=True)
+    return 0 if all(r.get("status") == "ok" for r in rows.values()) else 1
+
+
+def from_results(paths: list[Path], out: Path, lp_tol: float) -> int:
+    """Judge saved ``result.json`` files again, their engines merged (a later file's engine
+    replaces an earlier one's of the same name): one run split over device calls."""
+    results = [json.loads(p.read_text()) for p in paths]
+    rows: dict[str, dict[str, Any]] = {}
+    for res in results:
+        rows.update(res["engines"])
+    first = results[0]["run"]
+    run_id = str(first.get("run_id"))
+    return write_outputs(out, first["case"], rows, lp_tol, run_id, raw=False)
 
 
 def cmd_tokens(args: argparse.Namespace) -> int:
@@ -232,6 +282,9 @@ def cmd_tokens(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(rc)
+    if args.from_result:
+        paths = [Path(p) for p in args.from_result.split(",") if p.strip()]
+        return from_results(paths, Path(args.out or paths[0].parent), args.lp_tol)
     if args.case == "oracle":
         select_rows(args.rows)  # an unknown row is an error before any engine starts
     return TokensBench(args).run()
@@ -249,7 +302,13 @@ OPTIONS: tuple[Option, ...] = (
     ),
     ("--seed", 0, "seed of the prompts"),
     ("--logprobs", 2, "logprobs per position (2: the top-1/top-2 margin too)"),
-    ("--lp-tol", 1e-3, "logprob tolerance of 'equal', and over the noise floor"),
+    (
+        "--lp-tol",
+        2**-9,
+        "logprob tolerance of 'equal', and over the noise floor: one step of "
+        "the bf16 grid the dummy model's logits sit on (their top-2 margins are multiples of "
+        "2^-9 on the H200, 0.26.0)",
+    ),
     ("--max-model-len", 2048, "max_model_len (the oracle has a prompt near it)"),
     ("--max-num-seqs", 64, "max_num_seqs"),
     ("--kv-cache-gib", 2.0, "fixed KV cache per engine (kv_cache_memory_bytes)"),
@@ -287,4 +346,10 @@ def add_parser(subparsers: Any) -> None:
         "--jit-monitor-mode", choices=("warn", "error"), default="warn", help="vLLM >= 0.25 only"
     )
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--from-result",
+        default="",
+        help="comma list of result.json files to judge "
+        "again, their engines merged; runs nothing (output: --out, else beside the first)",
+    )
     p.set_defaults(func=cmd_tokens)

@@ -59,18 +59,22 @@ def noise_floor(ref: Outputs, noise: Outputs) -> float:
     return max((d for d in deltas if d is not None), default=0.0)
 
 
-def _row_verdict(per: Mapping[str, Mapping[str, Any]]) -> str:
-    verdicts = [p["verdict"] for p in per.values()]
+def _row_verdict(per: Mapping[str, Mapping[str, Any]], unstable: frozenset[str]) -> str:
+    verdicts = [p["verdict"] for n, p in per.items() if n not in unstable]
     if all(v == "equal" for v in verdicts):
         return "equal"
     return "within-noise" if all(v in OK_VERDICTS for v in verdicts) else "WRONG"
 
 
-def _summary(per: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    diverged = {n: p for n, p in per.items() if p["diverged"]}
-    deltas = [p["max_lp_delta"] for p in per.values() if p["max_lp_delta"] is not None]
+def _summary(
+    per: Mapping[str, Mapping[str, Any]], unstable: frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    judged = {n: p for n, p in per.items() if n not in unstable}
+    diverged = {n: p for n, p in judged.items() if p["diverged"]}
+    deltas = [p["max_lp_delta"] for p in judged.values() if p["max_lp_delta"] is not None]
     return {
-        "verdict": _row_verdict(per),
+        "verdict": _row_verdict(per, unstable),
+        "unjudged": sorted(unstable & set(per)),
         "requests": len(per),
         "diverged": sorted(diverged),
         "first_divergence": {n: p["first_divergence"] for n, p in diverged.items()},
@@ -117,11 +121,18 @@ def _reference_of(name: str) -> str:
 def judge_oracle(rows: Mapping[str, Mapping[str, Any]], lp_tol: float) -> dict[str, Any]:
     """Per row and guard state, the verdict against the row's reference (``ref`` itself
     against ``ref-nocache``: what a lossy cache's hit changes); the noise floor is the
-    ``noise`` row against ``ref-nocache`` (FULL graphs and one batch, no hit to lose)."""
+    ``noise`` row against ``ref-nocache`` (FULL graphs and one batch, no hit to lose).
+    A request the noise row itself gets WRONG (a decided token changes with batching or
+    graphs alone) cannot be judged by this floor: it is listed ``unjudged`` in every row
+    and left out of the row verdicts."""
     alone = {n: (r.get("steps") or {}).get("alone") for n, r in rows.items()}
     noise_step = (rows.get("noise", {}).get("steps") or {}).get("batch-on")
     base = alone.get("ref-nocache")
     floor = noise_floor(base["outputs"], noise_step["outputs"]) if base and noise_step else None
+    unstable: frozenset[str] = frozenset()
+    if base and noise_step:
+        noise = compare_outputs(base["outputs"], noise_step["outputs"], lp_tol, floor)
+        unstable = frozenset(n for n, p in noise.items() if p["verdict"] not in OK_VERDICTS)
     judged: dict[str, Any] = {}
     for name, row in rows.items():
         if name.startswith("ref") and name != "ref":
@@ -133,6 +144,6 @@ def judge_oracle(rows: Mapping[str, Mapping[str, Any]], lp_tol: float) -> dict[s
                         ("off", steps.get("batch-off"))):  # fmt: skip
             if ref and step:
                 per = compare_outputs(ref["outputs"], step["outputs"], lp_tol, floor)
-                entry[g] = {**_summary(per), "branches": step.get("branches")}
+                entry[g] = {**_summary(per, unstable), "branches": step.get("branches")}
         judged[name] = entry
-    return {"noise_floor": floor, "rows": judged}
+    return {"noise_floor": floor, "lp_tol": lp_tol, "unjudged": sorted(unstable), "rows": judged}

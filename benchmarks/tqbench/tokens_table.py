@@ -74,29 +74,33 @@ def _prefix_mixed(verdicts: Mapping[str, Any]) -> list[str]:
 
 
 def _oracle(verdicts: Mapping[str, Any], rows: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    unjudged = ", ".join(verdicts.get("unjudged") or []) or "none"
     lines = [
         f"noise floor (max abs chosen-token logprob diff, FULL one batch vs eager alone): "
-        f"{_f(verdicts.get('noise_floor'))}",
+        f"{_f(verdicts.get('noise_floor'))}; tolerance over it {_f(verdicts.get('lp_tol'))}",
+        f"unjudged (WRONG in the noise row itself): {unjudged}",
         "",
-        "| row | feature | guard on | diverged (first index) | max abs logprob diff "
-        "| guard off | diverged (first index) | TQ compiles after startup |",
-        "|---|---|---|---|---|---|---|---|",
+        "| row | feature | against | guard on | max abs logprob diff | diverged (first index) "
+        "| guard off | max abs logprob diff | diverged (first index) "
+        "| lost-prefix fast-path calls off / on | TQ compiles after startup |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, v in verdicts["rows"].items():
         row = rows.get(name, {})
-        cells = []
+        cells = [name, str(row.get("feature", "")), str(v.get("reference"))]
+        lost = []
         for g in ("on", "off"):
             s = v.get(g)
             if not s:
-                cells += (
-                    [str(v.get("status")), "-", "-"] if g == "on" else [str(v.get("status")), "-"]
-                )
+                cells += [str(v.get("status")) if g == "on" else "-", "-", "-"]
+                lost.append("-")
                 continue
             div = ", ".join(f"{n} ({i})" for n, i in s["first_divergence"].items()) or "none"
-            cells += [s["verdict"], div] + ([_f(s["max_lp_delta"])] if g == "on" else [])
+            cells += [s["verdict"], _f(s["max_lp_delta"]), div]
+            lost.append(str((s.get("branches") or {}).get("fast_with_cached")))
         compiles = row.get("tq_compiles_after_startup")
-        n = "-" if compiles is None else str(len(compiles))
-        lines.append(f"| {name} | {row.get('feature', '')} | {' | '.join(cells)} | {n} |")
+        cells += [f"{lost[1]} / {lost[0]}", "-" if compiles is None else str(len(compiles))]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
