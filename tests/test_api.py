@@ -37,6 +37,7 @@ REGISTER_MODULES = {
     f"{NAME}.guards.draft_seq_lens",
     f"{NAME}.guards.gate",
     f"{NAME}.guards.local_boundary",
+    f"{NAME}.guards.prefix_fast_path",
     f"{NAME}.guards.batched_verify",
     f"{NAME}.verify_rows",
     f"{NAME}.guards.spec_graphs",

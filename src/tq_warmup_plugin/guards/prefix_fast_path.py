@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -75,25 +76,28 @@ def first_chunks_only(query_start_loc: Any, seq_lens: Any) -> bool:
     """Whether every request of a batch is a first chunk: its sequence is exactly its
     query (``seq_lens[i] == query_start_loc[i + 1] - query_start_loc[i]``). Host
     tensors or lists; a batch of padding requests (0 tokens, length 0) counts as fresh."""
-    qsl = [int(x) for x in query_start_loc]
-    seqs = [int(x) for x in seq_lens]
+    qsl, seqs = _host_list(query_start_loc), _host_list(seq_lens)
     n = len(qsl) - 1
     if len(seqs) < n:
         return False
     return all(seqs[i] == qsl[i + 1] - qsl[i] for i in range(n))
 
 
+def _host_list(values: Any) -> list[int]:
+    """A host tensor's values (``tolist``: host copies only, never a device tensor), or
+    a sequence's."""
+    return [int(x) for x in (values.tolist() if hasattr(values, "tolist") else values)]
+
+
 def _first_chunks(meta: Any) -> bool | None:
-    """``first_chunks_only`` of the metadata's host copies; None where it has none."""
+    """``first_chunks_only`` of the metadata's host copies; None where it has none.
+    Two host tensors of ``num_reqs (+1)`` entries: microseconds, no device sync (vLLM's
+    own loop reads the same copies with ``tolist``)."""
     qsl = getattr(meta, "query_start_loc_cpu", None)
     seqs = getattr(meta, "seq_lens_cpu", None)
     if qsl is None or seqs is None:
         return None
-    n = int(qsl.shape[0]) - 1
-    if int(seqs.shape[0]) < n:
-        return False
-    # Two host tensors of num_reqs (+1) entries: microseconds, no device sync.
-    return bool(((qsl[1:] - qsl[:-1]) == seqs[:n]).all())
+    return first_chunks_only(_host_list(qsl), _host_list(seqs))
 
 
 def keeps_fast_path(meta: Any, layer: Any = None) -> bool:
@@ -102,11 +106,13 @@ def keeps_fast_path(meta: Any, layer: Any = None) -> bool:
     single request without them (its maxima are its own lengths); and a chunked local
     layer on a release whose host lengths are not its virtual batch's (vLLM's choice)."""
     fresh = _first_chunks(meta)
-    if fresh is not None:
-        if fresh or compat.local_attention_chunk(layer) is None:
-            return fresh
-        return not _local_lengths_unknown()
-    return int(meta.query_start_loc.shape[0]) <= 2
+    if fresh is None:
+        return int(meta.query_start_loc.shape[0]) <= 2
+    if fresh:
+        return True
+    # Not all first chunks by these lengths; a chunked local layer whose host lengths
+    # are not its own keeps vLLM's choice (the loop would read the wrong lengths).
+    return compat.local_attention_chunk(layer) is not None and _local_lengths_unknown()
 
 
 def _local_lengths_unknown() -> bool:
@@ -132,8 +138,10 @@ def _features() -> compat.Features | None:
 
 
 def _capturing() -> bool:
-    import torch
-
+    """Whether this thread's CUDA stream is capturing a graph (no torch imported: no)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
     return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
@@ -212,12 +220,8 @@ def remove(backend: ModuleType) -> None:
 def missing(feats: compat.Features, wanted: bool) -> str | None:
     """The warmup's check, for strict mode: an error line where the guard is wanted on
     a release with the bug but is not in place (its install failed), else None."""
-    import sys
-
-    if not (wanted and feats.prefix_fast_path_unsafe):
-        return None
-    backend = sys.modules.get(MODULE)
-    if backend is not None and installed(backend):
+    backend = sys.modules.get(MODULE)  # not imported: no TurboQuant layer to guard here
+    if not (wanted and feats.prefix_fast_path_unsafe) or backend is None or installed(backend):
         return None
     return (
         "prefix-cache guard not installed: a prefix-cache hit can lose its prefix (upstream #46460)"
