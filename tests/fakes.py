@@ -28,6 +28,12 @@ from tq_warmup_plugin.warmup import plugin_manager
 PRESET = "turboquant_4bit_nc"
 FAILING = "_tq_full_dequant_kv"
 
+# The first release past the supported range and its one-line refusal, from ``compat``:
+# a release bump moves them with NEWEST (no test names the next release itself).
+BEYOND = f"{compat.NEWEST[0]}.{compat.NEWEST[1] + 1}"
+BEYOND_RELEASE = f"{BEYOND}.0"
+OUTSIDE = f"vLLM {BEYOND} is outside the supported releases {compat.SUPPORTED}"
+
 
 def geometry(
     *,

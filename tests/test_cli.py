@@ -13,7 +13,7 @@ from pathlib import Path
 import fakes
 import pytest
 
-from tq_warmup_plugin import cli, cli_inputs
+from tq_warmup_plugin import cli, cli_inputs, compat
 from tq_warmup_plugin.geometry import Geometry
 
 DATA = Path(__file__).parent / "data"
@@ -72,9 +72,9 @@ def test_inspect_text_counts_keys(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_inspect_refuses_unsupported_release(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["inspect", *H200_FLAGS[:-2], "--vllm-version", "0.34.0"]) == 2
+    assert cli.main(["inspect", *H200_FLAGS[:-2], "--vllm-version", fakes.BEYOND_RELEASE]) == 2
     err = capsys.readouterr().err
-    assert err == "tq-warmup: vLLM 0.34 is outside the supported releases 0.20-0.33\n"
+    assert err == f"tq-warmup: {fakes.OUTSIDE}\n"
 
 
 def test_a_reports_layers_are_counted(capsys: pytest.CaptureFixture[str]) -> None:
@@ -97,7 +97,10 @@ def test_a_reports_layers_are_counted(capsys: pytest.CaptureFixture[str]) -> Non
         (["--scale", "nan"], "argument --scale: nan is not a positive finite number"),
         (["--arch", "0"], "argument --arch: sm0 is not a target Triton compiles for"),
         (["--num-kv-heads", "5"], "32 query heads are not a multiple of 5 KV heads"),
-        (["--vllm-version", "0.19.0"], "vLLM 0.19 is outside the supported releases 0.20-0.33"),
+        (
+            ["--vllm-version", "0.19.0"],
+            f"vLLM 0.19 is outside the supported releases {compat.SUPPORTED}",
+        ),
     ],
 )
 def test_nonsense_flags_are_refused_in_one_line(
@@ -172,8 +175,12 @@ def test_doctor_reports_versions_and_settings(
 @pytest.mark.parametrize(
     ("vllm", "env", "step"),
     [
-        (None, {}, "install vLLM 0.20-0.33 (found: None)"),
-        ("0.34.0", {}, "install vLLM 0.20-0.33 (found: 0.34.0)"),
+        (None, {}, f"install vLLM {compat.SUPPORTED} (found: None)"),
+        (
+            fakes.BEYOND_RELEASE,
+            {},
+            f"install vLLM {compat.SUPPORTED} (found: {fakes.BEYOND_RELEASE})",
+        ),
         ("0.26.0", {"TQ_WARMUP": "off"}, "unset TQ_WARMUP (it turns the plugin off)"),
         ("0.26.0", {"VLLM_PLUGINS": "other"}, "add tq_warmup to VLLM_PLUGINS, or unset it"),
     ],

@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from fakes import STACK
+from fakes import BEYOND_RELEASE, STACK
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -38,7 +38,9 @@ numbers = st.one_of(
     st.integers(-3, 300).map(str),
     st.sampled_from(["0", "nan", "-inf", "1e9", "x"]),
 )
-versions = st.sampled_from(["0.20.0", "0.26.0", "v0.26.0", "0.33.0", "0.33", "0.34.0", "junk"])
+versions = st.sampled_from(
+    ["0.20.0", "0.26.0", "v0.26.0", "0.33.0", "0.33", BEYOND_RELEASE, "junk"]
+)
 odd_values = st.one_of(
     st.none(),
     st.booleans(),

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import fakes
 import pytest
 
 from tq_warmup_plugin import compat, planning
@@ -39,14 +40,15 @@ def test_supported_releases(version: compat.Version) -> None:
 
 
 @pytest.mark.parametrize(
-    ("version", "shown"), [((0, 19), "0.19"), ((0, 34), "0.34"), ((1, 0), "1.0")]
+    ("version", "shown"),
+    [((0, 19), "0.19"), ((compat.NEWEST[0], compat.NEWEST[1] + 1), fakes.BEYOND), ((1, 0), "1.0")],
 )
 def test_unsupported_release_is_one_line_naming_the_range(
     version: compat.Version, shown: str
 ) -> None:
     problem = compat.support_problem(version)
     assert problem is not None and "\n" not in problem
-    assert shown in problem and "0.20-0.33" in problem
+    assert shown in problem and compat.SUPPORTED in problem
 
 
 def test_unknown_version_is_a_problem() -> None:
@@ -88,6 +90,30 @@ GATES = {
     (0, 30): (T, F, T, T, T, T, T, T, F, T, T, T, T, T, F, T, T, F),
     (0, 33): (T, F, T, T, T, T, T, T, F, T, T, T, T, T, F, T, T, F),
 }
+
+
+def test_a_release_bump_rejudges_every_gate_that_would_end_under_it() -> None:
+    """Moving ``NEWEST`` past a gate's last release turns that guard off for the new
+    release; this fails, naming each such gate, until it is extended to the new release
+    (the bug is still there) or named in ``JUDGED_ENDINGS`` (fixed upstream)."""
+    ending = compat.gates_ending_at_newest()
+    assert not ending, (
+        f"NEWEST is {compat.NEWEST[0]}.{compat.NEWEST[1]}: re-judge on it the gates that end "
+        f"with the release before: {', '.join(ending)} (extend each, or name it in "
+        "compat.JUDGED_ENDINGS with the release that fixed it)"
+    )
+
+
+def test_the_bump_check_sees_a_gate_that_ends_and_one_judged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    last = max(m for m in range(20, 100) if compat.features((0, m)).spec_graphs_unsafe)
+    beyond = (0, last + 1)
+    ending = compat.gates_ending_at_newest(beyond)  # NEWEST moved past it, not re-judged
+    assert "spec_graphs_unsafe" in ending
+    assert "v1_tq_cache_dtype_lost" not in ending  # ended at 0.26, long before
+    monkeypatch.setitem(compat.JUDGED_ENDINGS, "spec_graphs_unsafe", beyond)
+    assert "spec_graphs_unsafe" not in compat.gates_ending_at_newest(beyond)
 
 
 def test_gate_table_names_every_gate() -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import fakes
 import pytest
 from conftest import Log
 
@@ -110,14 +111,13 @@ def test_gate(
 def test_unsupported_release_leaves_vllm_alone(
     fake: types.ModuleType, monkeypatch: pytest.MonkeyPatch, log: Log
 ) -> None:
-    monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.34.0")
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: fakes.BEYOND_RELEASE)
     assert not guard.install(fake)
     assert fake.extend_all_queries_by_N is vllms_extend
     assert log() == [
         (
             logging.WARNING,
-            "tq-warmup: draft-pass sequence-length guard not "
-            "installed: vLLM 0.34 is outside the supported releases 0.20-0.33",
+            f"tq-warmup: draft-pass sequence-length guard not installed: {fakes.OUTSIDE}",
         )
     ]
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import fakes
 import pytest
 from conftest import Log
 
@@ -183,7 +184,7 @@ def test_an_unsupported_release_installs_nothing(
     backend: tuple[types.ModuleType, list[Any]], release: Any
 ) -> None:
     module, _ = backend
-    release("0.34.0")
+    release(fakes.BEYOND_RELEASE)
     assert not guard.install(module)
     assert not guard.installed(module)
 

@@ -132,14 +132,13 @@ def test_subclasses_are_capped_and_everything_comes_back(fake: types.ModuleType)
 def test_unsupported_release_leaves_the_builder_alone(
     fake: types.ModuleType, monkeypatch: pytest.MonkeyPatch, log: Log
 ) -> None:
-    monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.34.0")
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: fakes.BEYOND_RELEASE)
     assert not guard.install(fake)
     assert fake.TurboQuantMetadataBuilder.get_cudagraph_support(SPEC, None) is Support.UNIFORM_BATCH
     assert log() == [
         (
             logging.WARNING,
-            "tq-warmup: speculative-decoding guard not installed: "
-            "vLLM 0.34 is outside the supported releases 0.20-0.33",
+            "tq-warmup: speculative-decoding guard not installed: " + fakes.OUTSIDE,
         )
     ]
 

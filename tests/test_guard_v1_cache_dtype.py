@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import fakes
 import pytest
 from conftest import Log
 
@@ -169,13 +170,12 @@ def test_releases_without_the_bug_are_left_alone(
 def test_unsupported_release_warns_once(
     fake: types.ModuleType, monkeypatch: pytest.MonkeyPatch, log: Log
 ) -> None:
-    monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.34.0")
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: fakes.BEYOND_RELEASE)
     assert not guard.install(fake)
     assert log() == [
         (
             logging.WARNING,
-            "tq-warmup: V1 cache-dtype guard not installed: "
-            "vLLM 0.34 is outside the supported releases 0.20-0.33",
+            "tq-warmup: V1 cache-dtype guard not installed: " + fakes.OUTSIDE,
         )
     ]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import re
 import sys
 import types
 from collections.abc import Iterator
@@ -267,9 +268,7 @@ def test_unwritable_report_only_warns(
     assert "cannot write the JSON report" in log()[1][1]
 
 
-UNSUPPORTED = Report(
-    status="unsupported", reason="vLLM 0.34 is outside the supported releases 0.20-0.33"
-)
+UNSUPPORTED = Report(status="unsupported", reason=fakes.OUTSIDE)
 
 
 def test_declined_release_warns_and_vllm_starts(monkeypatch: pytest.MonkeyPatch, log: Log) -> None:
@@ -278,7 +277,7 @@ def test_declined_release_warns_and_vllm_starts(monkeypatch: pytest.MonkeyPatch,
     assert log() == [
         (
             logging.WARNING,
-            "tq-warmup: unsupported: vLLM 0.34 is outside the supported releases 0.20-0.33",
+            f"tq-warmup: unsupported: {fakes.OUTSIDE}",
         )
     ]
 
@@ -289,14 +288,11 @@ def test_strict_mode_fails_startup_on_a_declined_release(
     monkeypatch.setattr(warmup, "run", lambda w, s: UNSUPPORTED)
     with pytest.raises(RuntimeError) as raised:
         install.warm_worker(SimpleNamespace(rank=0), Settings(strict=True))
-    assert str(raised.value) == (
-        "tq-warmup strict mode: tq-warmup: unsupported: "
-        "vLLM 0.34 is outside the supported releases 0.20-0.33"
-    )
+    assert str(raised.value) == ("tq-warmup strict mode: tq-warmup: unsupported: " + fakes.OUTSIDE)
     assert log() == [(logging.WARNING, UNSUPPORTED.line())]
 
 
-@pytest.mark.parametrize("version", ["0.34.0", "0.19.1", None])
+@pytest.mark.parametrize("version", [fakes.BEYOND_RELEASE, "0.19.1", None])
 def test_strict_mode_fails_startup_on_the_installed_unsupported_release(
     monkeypatch: pytest.MonkeyPatch, log: Log, version: str | None
 ) -> None:
@@ -312,8 +308,15 @@ def test_the_readme_says_what_strict_mode_does_on_a_declined_release() -> None:
     readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
     rows = {row.split("|")[1].strip(): row for row in readme.splitlines() if row.startswith("| ")}
     assert "an unsupported vLLM release fails startup" in rows["`TQ_WARMUP_STRICT`"]
-    line = Report(status="unsupported", reason=compat.support_problem((0, 34)) or "").line()
-    assert f"`{line.replace('0.34', 'X.Y')}` (WARNING)" in rows["other"]
+    line = Report(
+        status="unsupported",
+        reason=compat.support_problem(compat.parse_version(fakes.BEYOND)) or "",
+    ).line()
+    # The README states the range as released; a bump changes it with NEWEST.
+    shown = line.replace(fakes.BEYOND, "X.Y").replace(compat.SUPPORTED, "RANGE")
+    assert re.search(
+        re.escape(f"`{shown}` (WARNING)").replace("RANGE", r"\d+\.\d+-\d+\.\d+"), rows["other"]
+    )
     assert "with `TQ_WARMUP_STRICT=1` startup fails instead" in rows["other"]
 
 

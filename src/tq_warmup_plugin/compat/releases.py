@@ -21,7 +21,9 @@ __all__ = [
     "UnsupportedRelease",
     "Version",
     "distribution_version",
+    "JUDGED_ENDINGS",
     "features",
+    "gates_ending_at_newest",
     "installed_vllm_version",
     "parse_version",
     "release_features",
@@ -135,6 +137,25 @@ def features(version: Version) -> Features:
         prefill_host_copies=version >= (0, 21),
         local_prefill_real_lens=(0, 21) <= version <= (0, 29),
     )
+
+
+JUDGED_ENDINGS: dict[str, Version] = {}
+"""Gates judged to end with the release before ``NEWEST`` (their bug fixed upstream in
+``NEWEST``), by the release that fixed it. A gate that ends there and is not named here
+is one nobody re-judged when ``NEWEST`` moved (``gates_ending_at_newest``)."""
+
+
+def gates_ending_at_newest(newest: Version = NEWEST) -> list[str]:
+    """The gates on for the release before ``newest`` and off for ``newest`` itself
+    that ``JUDGED_ENDINGS`` does not name: moving ``NEWEST`` past a gate's last release
+    turns its guard off for the new one silently, unless someone judged that it should."""
+    before = features((newest[0], newest[1] - 1))
+    now = features(newest)
+    return [
+        gate
+        for gate in Features._fields[1:]
+        if getattr(before, gate) and not getattr(now, gate) and gate not in JUDGED_ENDINGS
+    ]
 
 
 def release_features(version_text: str | None) -> Features:
