@@ -79,7 +79,6 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
         compat, "single_token_decode_support", lambda: Support.UNIFORM_SINGLE_TOKEN_DECODE
     )
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.22.0")
-    monkeypatch.setattr(guard, "_announced", False)
     module = fake_backend()
     yield module
     guard.remove(module)
@@ -233,9 +232,9 @@ def test_vllms_plugin_loader_installs_each_guard_where_its_gate_is_on(
     plugin: bool,
 ) -> None:
     """Through vLLM's own plugin loader, then vLLM importing each guarded module: the
-    speculative-decoding guards follow TQ_WARMUP_SPEC_GUARD, the V1 cache-dtype and the
-    chunked-local boundary fixes only the plugin switch, each only in the releases its
-    gate names."""
+    speculative-decoding guards follow TQ_WARMUP_SPEC_GUARD, the V1 cache-dtype, the
+    chunked-local boundary and the prefix-cache fixes only the plugin switch (and their
+    own variables), each only in the releases its gate names."""
     code = (
         "import importlib, json\n"
         "from vllm.plugins import load_general_plugins; load_general_plugins()\n"
@@ -259,4 +258,5 @@ def test_vllms_plugin_loader_installs_each_guard_where_its_gate_is_on(
         "v1_cache_dtype": plugin and vllm_env.v1_tq_cache_dtype_lost,
         "draft_seq_lens": spec_guards and vllm_env.draft_cpu_seq_lens_stale,
         "local_boundary": plugin and vllm_env.local_boundary_tq_backend,
+        "prefix_fast_path": plugin and vllm_env.prefix_fast_path_unsafe,
     }

@@ -14,6 +14,7 @@ import re
 from typing import NamedTuple
 
 __all__ = [
+    "JUDGED_ENDINGS",
     "NEWEST",
     "OLDEST",
     "SUPPORTED",
@@ -21,7 +22,6 @@ __all__ = [
     "UnsupportedRelease",
     "Version",
     "distribution_version",
-    "JUDGED_ENDINGS",
     "features",
     "gates_ending_at_newest",
     "installed_vllm_version",

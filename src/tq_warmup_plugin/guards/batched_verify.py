@@ -168,3 +168,4 @@ def remove(backend: ModuleType) -> None:
             _patching.restore(builder, name)
         delattr(builder, _GUARD_ATTR)
     spec_graphs.remove(backend)
+    _once.reset()

@@ -70,6 +70,8 @@ MODULE = compat.BACKEND_MODULE
 
 _METHOD = "_prefill_attention"
 _once = _patching.Once()
+_failed: list[bool] = []
+"""Non-empty after an install on a release with the bug that did not place the guard."""
 
 
 def first_chunks_only(query_start_loc: Any, seq_lens: Any) -> bool:
@@ -190,10 +192,14 @@ def _guard(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def install(backend: ModuleType) -> bool:
     """Wrap ``TurboQuantAttentionImpl._prefill_attention`` where the installed release
-    has the bug. Returns whether the guard is in place; never raises into vLLM's import."""
-    return install_where_needed(
+    has the bug. Returns whether the guard is in place; never raises into vLLM's import
+    (a failure is install_where_needed's WARNING, and ``missing`` tells strict mode)."""
+    placed = install_where_needed(
         "prefix-cache", lambda feats: feats.prefix_fast_path_unsafe, lambda: _apply(backend)
     )
+    feats = _features()
+    _failed[:] = [] if placed or feats is None or not feats.prefix_fast_path_unsafe else [True]
+    return placed
 
 
 def _apply(backend: ModuleType) -> bool:
@@ -215,13 +221,13 @@ def remove(backend: ModuleType) -> None:
     if impl is not None:
         _patching.restore(impl, _METHOD)
     _once.reset()
+    _failed.clear()
 
 
 def missing(feats: compat.Features, wanted: bool) -> str | None:
     """The warmup's check, for strict mode: an error line where the guard is wanted on
-    a release with the bug but is not in place (its install failed), else None."""
-    backend = sys.modules.get(MODULE)  # not imported: no TurboQuant layer to guard here
-    if not (wanted and feats.prefix_fast_path_unsafe) or backend is None or installed(backend):
+    a release with the bug and its install failed (one WARNING said why), else None."""
+    if not (wanted and feats.prefix_fast_path_unsafe and _failed):
         return None
     return (
         "prefix-cache guard not installed: a prefix-cache hit can lose its prefix (upstream #46460)"

@@ -43,7 +43,7 @@ MODULE = compat.BACKEND_MODULE
 """The vLLM module this guard adjusts once it has executed."""
 
 _GUARD_ATTR = "__tq_warmup_spec_guard__"
-_announced = False
+_once = _patching.Once()
 _exempt: Callable[[Any], bool] | None = None
 """Configurations another verify path serves (``batched_verify.serves``): not capped."""
 _ON_REQUEST = "TQ_WARMUP_SPEC_GUARD=piecewise"
@@ -58,10 +58,8 @@ def capped_support(support: Any, speculative: bool, cap: Any) -> Any:
 
 
 def _announce(builder: type, support: Any, cap: Any) -> None:
-    global _announced
-    if _announced:
+    if not _once.first("cap"):
         return
-    _announced = True
     logger.info(
         "tq-warmup: speculative decoding with TurboQuant: verify batches run PIECEWISE "
         "(%s; %s reports %s instead of %s: a FULL graph of a verify batch through the "
@@ -146,6 +144,7 @@ def remove(backend: ModuleType) -> None:
     """Give the builder (and subclasses guarded since) vLLM's own methods back."""
     global _exempt
     _exempt = None
+    _once.reset()
     builder = getattr(backend, compat.BUILDER_CLASS, None)
     if builder is None or not builder.__dict__.get(_GUARD_ATTR):
         return
