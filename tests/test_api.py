@@ -33,7 +33,6 @@ REGISTER_MODULES = {
     f"{NAME}.compat.triton",
     f"{NAME}.compat.vllm_paths",
     f"{NAME}.guards",
-    f"{NAME}.guards._patching",
     f"{NAME}.guards.draft_seq_lens",
     f"{NAME}.guards.gate",
     f"{NAME}.guards.local_boundary",
@@ -43,6 +42,7 @@ REGISTER_MODULES = {
     f"{NAME}.guards.spec_graphs",
     f"{NAME}.guards.v1_cache_dtype",
     f"{NAME}.install",
+    f"{NAME}.patching",
     f"{NAME}.multinode",
     f"{NAME}.settings",
 }

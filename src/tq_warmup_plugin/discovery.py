@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import compat
+from . import compat, verify_rows
 from .compat import Features
 from .geometry import Geometry
-from .guards import batched_verify
 
 __all__ = ["PREFILL_ONLY_PATHS", "Discovery", "discover", "layer_geometry"]
 
@@ -155,7 +154,7 @@ def discover(worker: Any, feats: Features) -> Discovery:
                     continue
                 try:
                     table = compat.block_table(runner, group, group.kv_cache_group_id, use_v2)
-                    rows = batched_verify.rows_of(compat.metadata_builder(group))
+                    rows = verify_rows.rows_of(compat.metadata_builder(group))
                     found.geometries[name] = layer_geometry(
                         layer,
                         table,

@@ -20,8 +20,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-from . import compat, guards
-from .guards import _patching
+from . import compat, guards, patching
 from .settings import Settings
 
 # A child of vLLM's "vllm" logger inherits its handlers and format.
@@ -61,7 +60,7 @@ def warm_worker(worker: Any, settings: Settings) -> None:
 def wrap(original: Callable[..., Any], settings: Settings) -> Callable[..., Any]:
     """``original`` with our warmup in front; accepts 0.27+'s ``process_local_only``."""
 
-    @_patching.wraps(original)
+    @patching.wraps(original)
     def kernel_warmup(worker: Any, *args: Any, **kwargs: Any) -> Any:
         warm_worker(worker, settings)
         return original(worker, *args, **kwargs)
@@ -75,7 +74,7 @@ Patch = Callable[[ModuleType], object]
 def _hook_warmup(source: ModuleType, settings: Settings) -> None:
     """Wrap the defining module's ``kernel_warmup`` and rebind every call site."""
     if getattr(source, "kernel_warmup", None) is not None:
-        _patching.wrap_function(
+        patching.wrap_function(
             source,
             "kernel_warmup",
             lambda original: wrap(original, settings),
@@ -139,7 +138,7 @@ def uninstall() -> None:
         module = sys.modules.get(guard.MODULE)
         if module is not None:
             guard.remove(module)
-    _patching.unwrap_function(_patching.loaded(compat.CALL_SITE_MODULES), "kernel_warmup")
+    patching.unwrap_function(patching.loaded(compat.CALL_SITE_MODULES), "kernel_warmup")
 
 
 def hooked() -> bool:
@@ -150,7 +149,7 @@ def hooked() -> bool:
 def installed() -> bool:
     """Whether the defining module's ``kernel_warmup`` is currently our wrapper."""
     module = sys.modules.get(compat.WARMUP_MODULE)
-    return module is not None and _patching.is_ours(module.kernel_warmup)
+    return module is not None and patching.is_ours(module.kernel_warmup)
 
 
 __all__ = ["hooked", "install", "installed", "uninstall", "warm_worker", "wrap"]

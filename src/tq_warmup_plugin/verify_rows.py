@@ -29,9 +29,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-__all__ = ["VerifyRows", "causal_lengths", "loop_rows"]
+__all__ = ["ROWS_ATTR", "VerifyRows", "causal_lengths", "loop_rows", "rows_of"]
 
 logger = logging.getLogger("vllm.tq_warmup_plugin")
+
+ROWS_ATTR = "_tq_warmup_verify_rows"
+"""The metadata builder attribute holding its ``VerifyRows`` while the batched verify
+path serves it (``guards.batched_verify`` sets it; discovery reads it)."""
 
 
 def causal_lengths(query_start_loc: Any, seq_lens: Any, num_decodes: int, tokens: Any) -> Any:
@@ -158,3 +162,9 @@ class VerifyRows:
         meta.num_decodes = 0
         meta.num_decode_tokens = 0
         meta.is_prefill = True
+
+
+def rows_of(builder: Any) -> VerifyRows | None:
+    """The builder's rows while the batched verify path serves it, else None."""
+    rows = getattr(builder, ROWS_ATTR, None)
+    return rows if isinstance(rows, VerifyRows) else None

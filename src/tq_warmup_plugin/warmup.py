@@ -20,10 +20,10 @@ from typing import Any, Generic, TypeVar
 
 import pluggy
 
-from . import compat, hookspecs, launches, workspace
+from . import compat, hookspecs, launches, spec_problem, workspace
 from .discovery import discover
 from .geometry import Geometry
-from .guards import draft_seq_lens, prefix_fast_path, spec_problem
+from .guards import draft_seq_lens, prefix_fast_path
 from .report import CompileCounter, Report, error_line
 from .settings import Settings
 from .warmers import triton_jit, turboquant

@@ -26,7 +26,7 @@ from realvllm import (
     recorded_keys,
 )
 
-from tq_warmup_plugin import compat
+from tq_warmup_plugin import compat, verify_rows
 from tq_warmup_plugin.guards import batched_verify, spec_graphs
 from tq_warmup_plugin.verify_rows import loop_rows
 from tq_warmup_plugin.warmers.triton_jit import compile_key
@@ -168,13 +168,13 @@ def test_the_rows_serve_vllms_own_spec_as_decode_threshold(
     vllms.vllm_config = config
     vllms._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
     builder = make_builder(backend, config)
-    rows = batched_verify.rows_of(builder)
+    rows = verify_rows.rows_of(builder)
     assert rows is not None
     assert builder.reorder_batch_threshold == vllms.reorder_batch_threshold == rows.query_len
     assert compat.spec_decode_threshold(config) == vllms.reorder_batch_threshold
     assert rows.capacity == MAX_NUM_SEQS * rows.query_len
     split = make_builder(backend, spec_config(k, dcp=2, parallel=parallel, v2=v2))
-    assert batched_verify.rows_of(split) is None and split.reorder_batch_threshold == 1
+    assert verify_rows.rows_of(split) is None and split.reorder_batch_threshold == 1
     assert not batched_verify.serves(spec_config(k, dcp=2, parallel=parallel, v2=v2))
 
 

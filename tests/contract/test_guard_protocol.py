@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tq_warmup_plugin import compat, guards
-from tq_warmup_plugin.guards import _patching
+from tq_warmup_plugin import patching as _patching
 
 pytestmark = pytest.mark.real_vllm
 

@@ -11,7 +11,7 @@ A test patches a name where its caller reads it: code outside ``compat`` reads
 ``compat.X``, so ``monkeypatch.setattr(compat, "X", ...)`` reaches it; inside the
 package ``live`` reads module names as ``vllm_paths.X`` at call time. Offline
 planning from a model's config is ``planning``, the Ray variables ``multinode``, and
-the speculative-decoding warning ``guards.spec_problem``.
+the speculative-decoding warning ``spec_problem``.
 """
 
 from __future__ import annotations

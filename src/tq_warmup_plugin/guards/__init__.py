@@ -10,9 +10,9 @@ A guard is a module of this package with:
 * ``installed(module) -> bool``: whether the fix is in place;
 * ``remove(module)``: give vLLM exactly what it had (``uninstall``, the tests).
 
-Each patch is made with ``_patching`` (wrap, mark, rebind, restore, log once), and each
-guard's module docstring holds its bug's evidence: the releases, the files and lines,
-the measurement. Which guards a process gets is decided here, from the frozen
+Each patch is made with ``tq_warmup_plugin.patching`` (wrap, mark, rebind, restore, log
+once), and each guard's module docstring holds its bug's evidence: the releases, the
+files and lines, the measurement. Which guards a process gets is decided here, from the frozen
 settings; ``install.py`` applies them. A new guard joins ``every()`` and gets a
 ``tests/test_guard_<name>.py``.
 """

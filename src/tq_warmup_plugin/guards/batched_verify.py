@@ -37,9 +37,9 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from .. import compat
-from ..verify_rows import VerifyRows
-from . import _patching, spec_graphs
+from .. import compat, patching
+from ..verify_rows import ROWS_ATTR, VerifyRows, rows_of
+from . import spec_graphs
 from .gate import install_where_needed
 
 __all__ = ["MODULE", "ROWS_ATTR", "install", "installed", "remove", "rows_of", "serves"]
@@ -49,10 +49,8 @@ logger = logging.getLogger("vllm.tq_warmup_plugin")
 MODULE = compat.BACKEND_MODULE
 """The vLLM module this guard adjusts once it has executed."""
 
-ROWS_ATTR = "_tq_warmup_verify_rows"
-"""The builder attribute holding its ``VerifyRows`` while the path serves it."""
 _GUARD_ATTR = "__tq_warmup_batched_verify__"
-_once = _patching.Once()
+_once = patching.Once()
 
 
 def _threshold(vllm_config: Any) -> int:
@@ -68,12 +66,6 @@ def _threshold(vllm_config: Any) -> int:
 def serves(vllm_config: Any) -> bool:
     """Whether a TurboQuant builder of this configuration takes the batched path."""
     return _threshold(vllm_config) > 1
-
-
-def rows_of(builder: Any) -> VerifyRows | None:
-    """The builder's rows while the batched path serves it, else None."""
-    rows = getattr(builder, ROWS_ATTR, None)
-    return rows if isinstance(rows, VerifyRows) else None
 
 
 def _announce(rows: VerifyRows, k_tokens: int) -> None:
@@ -107,7 +99,7 @@ def _serve(builder: Any) -> None:
 
 
 def _wrap_init(original: Callable[..., None]) -> Callable[..., None]:
-    @_patching.wraps(original)
+    @patching.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         _serve(self)
@@ -116,7 +108,7 @@ def _wrap_init(original: Callable[..., None]) -> Callable[..., None]:
 
 
 def _wrap_build(original: Callable[..., Any]) -> Callable[..., Any]:
-    @_patching.wraps(original)
+    @patching.wraps(original)
     def build(self: Any, *args: Any, **kwargs: Any) -> Any:
         meta = original(self, *args, **kwargs)
         rows = rows_of(self)
@@ -144,8 +136,8 @@ def _apply(backend: ModuleType) -> bool:
     builder: type = getattr(backend, compat.BUILDER_CLASS)
     if builder.__dict__.get(_GUARD_ATTR):
         return True
-    _patching.replace(builder, "__init__", _wrap_init(builder.__dict__["__init__"]))
-    _patching.replace(builder, "build", _wrap_build(builder.__dict__["build"]))
+    patching.replace(builder, "__init__", _wrap_init(builder.__dict__["__init__"]))
+    patching.replace(builder, "build", _wrap_build(builder.__dict__["build"]))
     setattr(builder, _GUARD_ATTR, True)
     why = "a configuration the batched verify path does not serve"
     if not spec_graphs.install(backend, exempt=serves, why=why):
@@ -165,7 +157,7 @@ def remove(backend: ModuleType) -> None:
     builder = getattr(backend, compat.BUILDER_CLASS, None)
     if builder is not None and builder.__dict__.get(_GUARD_ATTR):
         for name in ("__init__", "build"):
-            _patching.restore(builder, name)
+            patching.restore(builder, name)
         delattr(builder, _GUARD_ATTR)
     spec_graphs.remove(backend)
     _once.reset()

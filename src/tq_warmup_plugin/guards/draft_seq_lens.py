@@ -17,7 +17,7 @@ draft_model runs on the V1 runner up to 0.30 (V2 refuses it, ``config/vllm.py``
 0.23:2011, 0.30:2844) and on request (``VLLM_USE_V2_MODEL_RUNNER=0``) in 0.31-0.33;
 scheduling is async by default from 0.28, where the bound's prefill rows are still exact
 (``backend.py`` 0.22:405-409): all of them need the guard. What it leaves (async
-scheduling, the V2 runner's first draft pass) is ``guards.spec_problem``'s WARNING.
+scheduling, the V2 runner's first draft pass) is ``spec_problem``'s WARNING.
 
 What: ``extend_all_queries_by_N`` of the defining module is wrapped so that, after
 vLLM's own function, the CPU lengths of the metadata it returns are raised by N too,
@@ -35,8 +35,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from .. import compat
-from . import _patching
+from .. import compat, patching
 from .gate import install_where_needed
 
 __all__ = ["CALL_SITES", "MODULE", "bumped", "in_place", "install", "installed", "remove"]
@@ -67,7 +66,7 @@ def bumped(metadata: Any, n: int) -> Any:
 
 
 def _guard(original: Callable[..., Any]) -> Callable[..., Any]:
-    @_patching.wraps(original)
+    @patching.wraps(original)
     def extend_all_queries_by_N(
         common_attn_metadata: Any, N: int, *args: Any, **kwargs: Any
     ) -> Any:
@@ -87,13 +86,13 @@ def install(utils: ModuleType) -> bool:
 
 
 def _apply(utils: ModuleType) -> bool:
-    _patching.wrap_function(utils, NAME, _guard, CALL_SITES)
+    patching.wrap_function(utils, NAME, _guard, CALL_SITES)
     return True
 
 
 def installed(utils: ModuleType) -> bool:
     """Whether ``utils.extend_all_queries_by_N`` is the guard."""
-    return _patching.is_ours(getattr(utils, NAME, None))
+    return patching.is_ours(getattr(utils, NAME, None))
 
 
 def in_place() -> bool:
@@ -104,4 +103,4 @@ def in_place() -> bool:
 
 def remove(utils: ModuleType) -> None:
     """Give the defining module and every call site vLLM's own function back."""
-    _patching.unwrap_function([utils, *_patching.loaded(CALL_SITES)], NAME)
+    patching.unwrap_function([utils, *patching.loaded(CALL_SITES)], NAME)

@@ -39,8 +39,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from .. import compat
-from . import _patching
+from .. import compat, patching
 from .gate import install_where_needed
 
 __all__ = ["MODULE", "install", "installed", "remove", "skipped_layer"]
@@ -51,7 +50,7 @@ MODULE = compat.CHUNKED_LOCAL_MODULE
 """The vLLM module this guard adjusts once it has executed."""
 
 CLASS = compat.CHUNKED_LOCAL_CLASS
-_once = _patching.Once()
+_once = patching.Once()
 
 
 def skipped_layer(cache_config: Any, layer_index: int | None) -> bool:
@@ -78,7 +77,7 @@ def _layer_index(prefix: str) -> int | None:
 def _guard(original: Callable[..., Any]) -> Callable[..., Any]:
     signature = inspect.signature(original)
 
-    @_patching.wraps(original)
+    @patching.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         bound = signature.bind(self, *args, **kwargs)
         cache_config: Any = bound.arguments.get("cache_config")
@@ -144,19 +143,19 @@ def _apply(module: ModuleType) -> bool:
     cls: type = getattr(module, CLASS)
     if installed(module):
         return True
-    _patching.replace(cls, "__init__", _guard(cls.__dict__["__init__"]))
+    patching.replace(cls, "__init__", _guard(cls.__dict__["__init__"]))
     return True
 
 
 def installed(module: ModuleType) -> bool:
     """Whether ``ChunkedLocalAttention.__init__`` is the guard."""
     cls = getattr(module, CLASS, None)
-    return cls is not None and _patching.is_ours(cls.__dict__.get("__init__"))
+    return cls is not None and patching.is_ours(cls.__dict__.get("__init__"))
 
 
 def remove(module: ModuleType) -> None:
     """Give the class vLLM's own ``__init__`` back."""
     cls = getattr(module, CLASS, None)
     if cls is not None:
-        _patching.restore(cls, "__init__")
+        patching.restore(cls, "__init__")
     _once.reset()

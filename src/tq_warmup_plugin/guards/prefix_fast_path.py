@@ -49,8 +49,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from .. import compat
-from . import _patching
+from .. import compat, patching
 from .gate import install_where_needed
 
 __all__ = [
@@ -69,7 +68,7 @@ MODULE = compat.BACKEND_MODULE
 """The vLLM module this guard adjusts once it has executed."""
 
 _METHOD = "_prefill_attention"
-_once = _patching.Once()
+_once = patching.Once()
 _failed: list[bool] = []
 """Non-empty after an install on a release with the bug that did not place the guard."""
 
@@ -167,7 +166,7 @@ def _announce() -> None:
 
 
 def _guard(original: Callable[..., Any]) -> Callable[..., Any]:
-    @_patching.wraps(original)
+    @patching.wraps(original)
     def _prefill_attention(
         self: Any,
         query: Any,
@@ -205,21 +204,21 @@ def install(backend: ModuleType) -> bool:
 def _apply(backend: ModuleType) -> bool:
     impl: type = getattr(backend, compat.IMPL_CLASS)
     if not installed(backend):
-        _patching.replace(impl, _METHOD, _guard(impl.__dict__[_METHOD]))
+        patching.replace(impl, _METHOD, _guard(impl.__dict__[_METHOD]))
     return True
 
 
 def installed(backend: ModuleType) -> bool:
     """Whether the impl's ``_prefill_attention`` is the guard."""
     impl = getattr(backend, compat.IMPL_CLASS, None)
-    return impl is not None and _patching.is_ours(impl.__dict__.get(_METHOD))
+    return impl is not None and patching.is_ours(impl.__dict__.get(_METHOD))
 
 
 def remove(backend: ModuleType) -> None:
     """Give the impl vLLM's own ``_prefill_attention`` back."""
     impl = getattr(backend, compat.IMPL_CLASS, None)
     if impl is not None:
-        _patching.restore(impl, _METHOD)
+        patching.restore(impl, _METHOD)
     _once.reset()
     _failed.clear()
 

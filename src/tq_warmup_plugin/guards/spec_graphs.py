@@ -31,8 +31,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from .. import compat
-from . import _patching
+from .. import compat, patching
 from .gate import install_where_needed
 
 __all__ = ["MODULE", "capped_support", "install", "installed", "remove"]
@@ -43,7 +42,7 @@ MODULE = compat.BACKEND_MODULE
 """The vLLM module this guard adjusts once it has executed."""
 
 _GUARD_ATTR = "__tq_warmup_spec_guard__"
-_once = _patching.Once()
+_once = patching.Once()
 _exempt: Callable[[Any], bool] | None = None
 """Configurations another verify path serves (``batched_verify.serves``): not capped."""
 _ON_REQUEST = "TQ_WARMUP_SPEC_GUARD=piecewise"
@@ -74,7 +73,7 @@ def _announce(builder: type, support: Any, cap: Any) -> None:
 def _guard(original: Callable[..., Any]) -> Callable[..., Any]:
     """``get_cudagraph_support``'s function, capped under speculative decoding."""
 
-    @_patching.wraps(original)
+    @patching.wraps(original)
     def get_cudagraph_support(cls: type, vllm_config: Any, kv_cache_spec: Any) -> Any:
         support = original(cls, vllm_config, kv_cache_spec)
         cap = compat.single_token_decode_support()
@@ -91,11 +90,11 @@ def _guard(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _guard_class(cls: type) -> None:
     """Cap ``cls.get_cudagraph_support`` (inherited or its own), once."""
-    if _patching.is_ours(cls.__dict__.get("get_cudagraph_support")):
+    if patching.is_ours(cls.__dict__.get("get_cudagraph_support")):
         return
     # A bound classmethod's ``__func__`` is the plain function, wherever it is defined.
     original = cls.get_cudagraph_support.__func__  # type: ignore[attr-defined]
-    _patching.replace(cls, "get_cudagraph_support", classmethod(_guard(original)))
+    patching.replace(cls, "get_cudagraph_support", classmethod(_guard(original)))
 
 
 def _init_subclass_guarded(cls: Any, /, **kwargs: Any) -> None:
@@ -149,7 +148,7 @@ def remove(backend: ModuleType) -> None:
     if builder is None or not builder.__dict__.get(_GUARD_ATTR):
         return
     for cls in (builder, *_subclasses(builder)):
-        _patching.restore(cls, "get_cudagraph_support")
+        patching.restore(cls, "get_cudagraph_support")
     init = builder.__dict__.get("__init_subclass__")
     if init is not None and init.__func__ is _init_subclass_guarded:
         del builder.__init_subclass__

@@ -28,8 +28,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from .. import compat
-from . import _patching
+from .. import compat, patching
 from .gate import install_where_needed
 
 __all__ = ["MODULE", "install", "installed", "remove", "substitute"]
@@ -44,7 +43,7 @@ IMPL_CLASS = compat.IMPL_CLASS
 
 _presets: set[str] = set()
 """The ``kv_cache_dtype`` of every TurboQuant impl this process built while guarded."""
-_once = _patching.Once()
+_once = patching.Once()
 
 
 def substitute(cache_dtype_str: str, presets: set[str]) -> str | None:
@@ -93,7 +92,7 @@ def _guard_shape(original: Callable[..., Any]) -> Callable[..., Any]:
     dtype. Its signature (0.25-0.26): ``(num_blocks, block_size, num_kv_heads,
     head_size, cache_dtype_str="turboquant_4bit_nc")``; an omitted dtype stays omitted."""
 
-    @_patching.wraps(original)
+    @patching.wraps(original)
     def get_kv_cache_shape(*args: Any, **kwargs: Any) -> Any:
         if len(args) > 4:
             given, args, kwargs = args[4], args[:4], {**kwargs, "cache_dtype_str": args[4]}
@@ -115,7 +114,7 @@ def _recording_init(original: Callable[..., Any]) -> Callable[..., Any]:
     """``TurboQuantAttentionImpl.__init__`` that records the preset once it is valid
     (``__init__`` raises for an unknown one, 0.25-0.26)."""
 
-    @_patching.wraps(original)
+    @patching.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         dtype = getattr(self, "kv_cache_dtype", None)
@@ -141,8 +140,8 @@ def _apply(backend: ModuleType) -> bool:
     # A staticmethod in 0.25-0.26; reading it through the class gives the function.
     shape = staticmethod(_guard_shape(backend_cls.get_kv_cache_shape))  # type: ignore[attr-defined]
     init = _recording_init(impl_cls.__init__)  # type: ignore[misc]
-    _patching.replace(backend_cls, "get_kv_cache_shape", shape)
-    _patching.replace(impl_cls, "__init__", init)
+    patching.replace(backend_cls, "get_kv_cache_shape", shape)
+    patching.replace(impl_cls, "__init__", init)
     return True
 
 
@@ -150,7 +149,7 @@ def installed(backend: ModuleType) -> bool:
     """Whether the backend class of ``backend`` carries the guarded shape function."""
     cls = getattr(backend, BACKEND_CLASS, None)
     current = cls.__dict__.get("get_kv_cache_shape") if cls is not None else None
-    return _patching.is_ours(current)
+    return patching.is_ours(current)
 
 
 def remove(backend: ModuleType) -> None:
@@ -158,6 +157,6 @@ def remove(backend: ModuleType) -> None:
     for class_name, name in ((BACKEND_CLASS, "get_kv_cache_shape"), (IMPL_CLASS, "__init__")):
         cls = getattr(backend, class_name, None)
         if cls is not None:
-            _patching.restore(cls, name)
+            patching.restore(cls, name)
     _presets.clear()
     _once.reset()
