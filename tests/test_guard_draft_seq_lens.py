@@ -17,10 +17,9 @@ import fakes
 import pytest
 from conftest import Log
 
-from tq_warmup_plugin import compat, guards, install, warmup
+from tq_warmup_plugin import compat, guards, install, spec_problem, warmup
 from tq_warmup_plugin.discovery import Discovery
 from tq_warmup_plugin.guards import draft_seq_lens as guard
-from tq_warmup_plugin import spec_problem
 from tq_warmup_plugin.guards import spec_graphs
 from tq_warmup_plugin.settings import Settings
 
