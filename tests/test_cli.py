@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import fakes
 import pytest
@@ -161,25 +162,47 @@ def test_a_report_may_lack_any_field_with_a_default_and_only_those() -> None:
             Geometry.from_report({k: v for k, v in plain.items() if k != name}, feats)
 
 
+@pytest.fixture
+def gpu(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """doctor's GPU list, as the driver would give it."""
+    from tq_warmup_plugin import doctor
+
+    def use(*names: str) -> None:
+        monkeypatch.setattr(doctor, "_gpus", lambda: names)
+
+    use("NVIDIA H200")
+    return use
+
+
+def rows_of(out: str) -> dict[str, list[str]]:
+    rows: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        key = line[:12].strip()
+        if key and not line.startswith("tq-warmup:"):
+            rows.setdefault(key, []).append(line[14:])
+    return rows
+
+
 def test_doctor_reports_versions_and_settings(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, gpu: Any
 ) -> None:
     monkeypatch.setenv("TQ_WARMUP", "0")
     monkeypatch.setenv("VLLM_PLUGINS", "other")
-    assert cli.main(["doctor"]) == 0
+    assert cli.main(["doctor"]) == 1  # will not warm: a script can gate on it
     out = capsys.readouterr().out
     assert "enabled=False" in out and "VLLM_PLUGINS  other" in out
-    assert "will warm     no" in out
+    assert rows_of(out)["GPU"] == ["NVIDIA H200"]
+    assert rows_of(out)["will warm"][0].startswith("no: ")
 
 
 @pytest.mark.parametrize(
     ("vllm", "env", "step"),
     [
-        (None, {}, f"install vLLM {compat.SUPPORTED} (found: None)"),
+        (None, {}, f"install vLLM {compat.SUPPORTED} (found: None): pip install vllm=="),
         (
             fakes.BEYOND_RELEASE,
             {},
-            f"install vLLM {compat.SUPPORTED} (found: {fakes.BEYOND_RELEASE})",
+            f"install vLLM {compat.SUPPORTED} (found: {fakes.BEYOND_RELEASE}): pip install",
         ),
         ("0.26.0", {"TQ_WARMUP": "off"}, "unset TQ_WARMUP (it turns the plugin off)"),
         ("0.26.0", {"VLLM_PLUGINS": "other"}, "add tq_warmup to VLLM_PLUGINS, or unset it"),
@@ -191,24 +214,42 @@ def test_doctor_says_the_next_step_when_the_plugin_will_not_warm(
     step: str,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
+    gpu: Any,
 ) -> None:
-    from tq_warmup_plugin import compat
-
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: vllm)
     monkeypatch.setattr(cli, "_entry_point_visible", lambda: True)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert cli.main(["doctor"]) == 0
-    rows = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines()[-3:])
-    assert rows["will"] == "warm     no"
-    assert rows["next"] == f"step     {step}"
+    assert cli.main(["doctor"]) == 1
+    rows = rows_of(capsys.readouterr().out)
+    assert rows["will warm"][0].startswith("no: ")
+    assert rows["next step"][0].startswith(step) and "then" not in rows
+
+
+def test_doctor_on_a_cpu_host_names_the_cpu_recipe_and_exits_1(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, gpu: Any
+) -> None:
+    """No GPU, no vLLM: it will not warm, says why, and names CI's CPU recipe, which is
+    in the checkout, then the GPU host; ``--json`` says the same to a machine."""
+    gpu()
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: None)
+    monkeypatch.setattr(cli, "_entry_point_visible", lambda: True)
+    assert cli.main(["doctor"]) == 1
+    rows = rows_of(capsys.readouterr().out)
+    assert rows["GPU"] == ["none found"] and "no GPU" in rows["will warm"][0]
+    recipe = rows["next step"][0]
+    assert "bash .ci/vllm-env.sh 0.33.0 3.8.0 .venv-vllm" in recipe
+    assert (Path(__file__).parents[1] / ".ci" / "vllm-env.sh").is_file()
+    assert rows["then"] == ["serve on a GPU host: the plugin warms vLLM's GPU workers"]
+    assert cli.main(["doctor", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["will_warm"] is False and data["next_steps"][0] == recipe
+    assert data["rows"]["GPU"] == "none found"
 
 
 def test_doctor_says_no_next_step_when_the_plugin_will_warm(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, gpu: Any
 ) -> None:
-    from tq_warmup_plugin import compat
-
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
     monkeypatch.setattr(cli, "_entry_point_visible", lambda: True)
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
@@ -216,6 +257,8 @@ def test_doctor_says_no_next_step_when_the_plugin_will_warm(
     assert cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[-1].split() == ["will", "warm", "yes"] and "next step" not in out
+    assert cli.main(["doctor", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["will_warm"] is True
 
 
 def test_a_model_file_of_another_name_is_read_from_a_directory_removed_after(
@@ -239,7 +282,7 @@ def test_doctor_prints_the_settings_problems(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TQ_WARMUP_LAUNCH", "maybe")
-    assert cli.main(["doctor"]) == 0
+    assert cli.main(["doctor"]) in (0, 1)  # whether it warms depends on this host
     assert "tq-warmup: TQ_WARMUP_LAUNCH='maybe' is not one of" in capsys.readouterr().out
 
 

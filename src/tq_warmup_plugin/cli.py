@@ -40,39 +40,22 @@ def _entry_point_visible() -> bool:
     return any(ep.name == "tq_warmup" for ep in eps)
 
 
-def doctor(_: argparse.Namespace) -> int:
-    """Versions, support, settings and whether vLLM will load the plugin."""
-    vllm_version = compat.installed_vllm_version()
-    problem = compat.support_problem(compat.parse_version(vllm_version))
+def doctor(args: argparse.Namespace) -> int:
+    """Versions, support, settings, the GPU and whether vLLM will warm (``doctor.py``):
+    exit 1 where it will not, with the next steps."""
+    from . import doctor as checks
+
     settings, problems = parse()
-    plugins = os.environ.get("VLLM_PLUGINS")
-    filtered_out = plugins is not None and "tq_warmup" not in plugins.split(",")
-    visible = _entry_point_visible()
-    rows = [
-        ("vllm", vllm_version or "not installed"),
-        ("torch", compat.distribution_version("torch") or "not installed"),
-        ("triton", compat.distribution_version("triton") or "not installed"),
-        ("supported", "yes" if problem is None else f"no: {problem}"),
-        ("settings", ", ".join(f"{k}={v}" for k, v in settings._asdict().items())),
-        ("entry point", "visible" if visible else "missing (reinstall the package)"),
-        ("VLLM_PLUGINS", plugins if plugins is not None else "unset (all plugins load)"),
-    ]
-    will_load = visible and not filtered_out and settings.enabled and problem is None
-    rows.append(("will warm", "yes" if will_load else "no"))
-    steps = [
-        (problem is not None, f"install vLLM {compat.SUPPORTED} (found: {vllm_version})"),
-        (not visible, "reinstall tq-warmup-plugin (vLLM finds plugins by entry point)"),
-        (filtered_out, "add tq_warmup to VLLM_PLUGINS, or unset it"),
-        (not settings.enabled, "unset TQ_WARMUP (it turns the plugin off)"),
-    ]
-    if not will_load:  # the plugin turns itself on in every vLLM process once installed
-        rows.append(("next step", "; ".join(step for needed, step in steps if needed)))
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
+    found = checks.diagnose(checks.facts(_entry_point_visible(), settings, problems))
+    if args.json:
+        print(json.dumps({**found.to_dict(), "settings_problems": problems}, indent=1))
+        return 0 if found.will_warm else 1
+    width = max(len(k) for k, _ in found.rows)
+    for k, v in found.rows:
         print(f"{k:<{width}}  {v}")
     for line in problems:  # the WARNING lines register() logs in every vLLM process
         print(line)
-    return 0
+    return 0 if found.will_warm else 1
 
 
 def _plan(
@@ -445,7 +428,14 @@ def _geometry_flags(p: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _Parser(prog="tq-warmup", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("doctor", help="versions, support, settings, plugin visibility")
+    p_doctor = sub.add_parser(
+        "doctor",
+        help="will this machine's vLLM warm? versions, settings, GPU; exit 1 if not",
+        description="Checks the installed vLLM, torch and Triton, the plugin's settings, "
+        "vLLM's plugin filter and entry point, and the GPUs; prints the next step where "
+        "the plugin will not warm, and exits 1 there (0 where it will).",
+    )
+    p_doctor.add_argument("--json", action="store_true", help="one JSON object instead of rows")
     p_inspect = sub.add_parser("inspect", help="print the kernel keys startup would warm")
     _geometry_flags(p_inspect)
     p_inspect.add_argument("--json", action="store_true")

@@ -62,6 +62,8 @@ class Report:
         if self.status != "ok":
             return f"tq-warmup: {self.status}: {self.reason}"
         paths = ", ".join(f"{path} {n}" for path, n in self.keys.items())
+        if sum(self.keys.values()) != self.distinct:  # e.g. continuation and decode share one
+            paths += "; a key two paths share counts in each"
         text = (
             f"tq-warmup: {self.layers} TurboQuant layers, {self.distinct} distinct kernel keys "
             f"({paths}): {self.compiled} compiled, {self.shipped} from the shipped cache, "
