@@ -502,3 +502,35 @@ def test_an_image_wheel_sets_the_manifests_triton_build_and_python_abi(
         triton_build=manifest.digest("the wheel's triton_key()"),
     )
     assert precompile.target_stack(80, None, None) == dataclasses.replace(fakes.STACK, arch=80)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ({}, None),
+        ({"installed": {"vllm": None, "triton": "3.6.0"}}, "vllm not installed"),
+        ({"image_vllm": "0.22.0"}, "the image runs vllm 0.22.0 but 0.26.0 is installed"),
+        ({"image_triton": "3.7.1"}, "the image runs triton 3.7.1 but 3.6.0"),
+        ({"image_triton": "3.6.0", "wheel": "3.7.1"}, "but the wheel is Triton 3.7.1"),
+        ({"wheel": "3.7.1"}, "the image runs triton 3.7.1"),
+        ({"vllm_version": "0.30.0"}, "--vllm-version 0.30.0 but vLLM 0.26.0 is installed"),
+        ({"report": ("r.json", "0.26.0", True)}, "comes from a ROCm (HIP) startup"),
+        ({"report": ("r.json", "0.22.0", False)}, "comes from vLLM 0.22.0 but vLLM 0.26.0"),
+        ({"report": ("r.json", "0.26.0", False), "image_vllm": "0.26"}, None),
+    ],
+)
+def test_precompile_refuses_what_the_image_cannot_use(
+    args: dict[str, Any], expected: str | None
+) -> None:
+    from tq_warmup_plugin.precompile import refusal
+
+    installed = args.get("installed", {"vllm": "0.26.0", "triton": "3.6.0"})
+    found = refusal(
+        installed,
+        args.get("image_vllm"),
+        args.get("image_triton"),
+        args.get("wheel"),
+        args.get("vllm_version"),
+        args.get("report"),
+    )
+    assert found == expected if expected is None else found is not None and expected in found

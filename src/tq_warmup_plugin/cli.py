@@ -149,51 +149,24 @@ def _wheel_tags(path: str) -> tuple[str, str]:
 
 def precompile(args: argparse.Namespace) -> int:
     """Compile the plan for the target architecture into ``--cache-dir``."""
+    from .precompile import refusal
+
     start = time.perf_counter()
     installed = {
         "vllm": compat.installed_vllm_version(),
         "triton": compat.distribution_version("triton"),
     }
-    if installed["vllm"] is None or installed["triton"] is None:
-        missing = " and ".join(k for k, v in installed.items() if v is None)
-        raise CliError(f"precompile compiles the installed kernels: {missing} not installed")
-    image_triton = args.image_triton
-    if args.image_triton_wheel is not None:
-        release = _wheel_tags(args.image_triton_wheel)[0]
-        if image_triton is not None and image_triton.removeprefix("v") != release:
-            raise CliError(f"--image-triton {image_triton} but the wheel is Triton {release}")
-        image_triton = release
-    wanted = {"vllm": args.image_vllm, "triton": image_triton}
-    for name, want in wanted.items():
-        if want is not None and not compat.same_release(want, installed[name]):
-            raise CliError(
-                f"refusing: the image runs {name} {want} but {installed[name]} is "
-                "installed here; Triton's cache is only valid for the same Triton and "
-                "kernel sources"
-            )
-    if args.vllm_version is not None and not compat.same_release(
-        args.vllm_version, installed["vllm"]
-    ):
-        raise CliError(
-            f"refusing: --vllm-version {args.vllm_version} but vLLM {installed['vllm']} is "
-            "installed here, and precompile builds the installed kernel sources (run it "
-            f"where vLLM {args.vllm_version} is installed; inspect plans for any release)"
-        )
-    cache_dir = _cache_dir(args.cache_dir)
-    if args.geometry_json is not None:
+    wheel = _wheel_tags(args.image_triton_wheel)[0] if args.image_triton_wheel else None
+    startup = None
+    if args.geometry_json is not None and installed["vllm"] and installed["triton"]:
         found, _, version = geometries_from_report(args.geometry_json)
-        if any(g.pointer_ranges for g in found):
-            raise CliError(
-                f"refusing: --geometry-json {args.geometry_json} comes from a ROCm (HIP) "
-                "startup, whose keys carry the storage-size flag; precompile builds for a "
-                "CUDA --arch"
-            )
-        if not compat.same_release(version, installed["vllm"]):
-            raise CliError(
-                f"refusing: --geometry-json {args.geometry_json} comes from vLLM {version} "
-                f"but vLLM {installed['vllm']} is installed here; the geometry and kernel "
-                "sources differ between releases"
-            )
+        startup = (args.geometry_json, version, any(g.pointer_ranges for g in found))
+    refused = refusal(
+        installed, args.image_vllm, args.image_triton, wheel, args.vllm_version, startup
+    )
+    if refused is not None or installed["vllm"] is None:
+        raise CliError(refused or "vLLM is not installed")
+    cache_dir = _cache_dir(args.cache_dir)
     args.vllm_version = installed["vllm"]  # compile with, and for, what is installed
     # Triton's own manager on a private directory (precompile.staging): a layered cache
     # configured in this shell would load kernels that --cache-dir does not hold.

@@ -34,6 +34,7 @@ __all__ = [
     "WheelError",
     "cache_keys_for",
     "install",
+    "refusal",
     "staging",
     "stale_stages",
     "target_stack",
@@ -42,6 +43,58 @@ __all__ = [
     "use_compile_only_target",
     "wheel_tags",
 ]
+
+
+def refusal(
+    installed: Mapping[str, str | None],
+    image_vllm: str | None,
+    image_triton: str | None,
+    wheel_release: str | None,
+    vllm_version: str | None,
+    report: tuple[str, str | None, bool] | None = None,
+) -> str | None:
+    """Why ``precompile`` must not build here, in one line, or None (pure).
+
+    It compiles the *installed* kernel sources with the *installed* Triton, so it refuses
+    what would build a cache the image cannot use: vLLM or Triton missing; an image
+    release (``--image-vllm``, ``--image-triton``, the image's Triton wheel) other than
+    the installed one; a ``--vllm-version`` other than the installed one; a startup
+    report (``report``: its path, its vLLM version, whether it came from HIP) of another
+    release or from ROCm, whose keys carry the storage-size flag (``keys``)."""
+    missing = " and ".join(k for k in ("vllm", "triton") if installed.get(k) is None)
+    if missing:
+        return f"precompile compiles the installed kernels: {missing} not installed"
+    triton_given = image_triton is not None and wheel_release is not None
+    if triton_given and str(image_triton).removeprefix("v") != wheel_release:
+        return f"--image-triton {image_triton} but the wheel is Triton {wheel_release}"
+    wanted = {"vllm": image_vllm, "triton": image_triton or wheel_release}
+    for name, want in wanted.items():
+        if want is not None and not compat.same_release(want, installed[name]):
+            return (
+                f"refusing: the image runs {name} {want} but {installed[name]} is installed "
+                "here; Triton's cache is only valid for the same Triton and kernel sources"
+            )
+    if vllm_version is not None and not compat.same_release(vllm_version, installed["vllm"]):
+        return (
+            f"refusing: --vllm-version {vllm_version} but vLLM {installed['vllm']} is "
+            "installed here, and precompile builds the installed kernel sources (run it "
+            f"where vLLM {vllm_version} is installed; inspect plans for any release)"
+        )
+    if report is not None:
+        path, version, hip = report
+        if hip:
+            return (
+                f"refusing: --geometry-json {path} comes from a ROCm (HIP) startup, whose "
+                "keys carry the storage-size flag; precompile builds for a CUDA --arch"
+            )
+        if version is None or not compat.same_release(version, str(installed["vllm"])):
+            return (
+                f"refusing: --geometry-json {path} comes from vLLM {version} but vLLM "
+                f"{installed['vllm']} is installed here; the geometry and kernel sources "
+                "differ between releases"
+            )
+    return None
+
 
 STAGE_PREFIX = ".tq-warmup-stage-"
 LOCK_FILE = ".tq-warmup.lock"
