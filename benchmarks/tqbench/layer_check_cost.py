@@ -11,7 +11,8 @@ lookup, so a worker's check finds it cached), then times the manifest check of
 
     CUDA_VISIBLE_DEVICES="" python -m benchmarks.tqbench layer-check-cost --cache-dir D
 
-Prints a table and writes JSON (default ``benchmarks/results/layer-check-cost.json``).
+Prints a table and writes JSON (default ``benchmarks/results/raw/layer-check-cost.json``,
+git-ignored: a documented run never changes the committed summary unless ``--out`` names it).
 """
 
 from __future__ import annotations
@@ -105,5 +106,10 @@ def add_parser(subparsers: Any) -> None:
     p = new_parser(subparsers, "layer-check-cost", summary_line, __doc__)
     p.add_argument("--cache-dir", required=True, help="a directory tq-warmup precompile built")
     p.add_argument("--samples", type=int, default=10)
-    p.add_argument("--out", default=str(DEFAULT_RESULTS_DIR / "layer-check-cost.json"))
+    p.add_argument(
+        "--out",
+        default=str(DEFAULT_RESULTS_DIR / "raw" / "layer-check-cost.json"),
+        help="the JSON summary (default under benchmarks/results/raw/, git-ignored; the "
+        "committed benchmarks/results/layer-check-cost.json is written only when named here)",
+    )
     p.set_defaults(func=cmd_layer_check_cost)

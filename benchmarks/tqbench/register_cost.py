@@ -7,7 +7,8 @@ function must stay cheap. Each sample is a new interpreter that first imports
 
     CUDA_VISIBLE_DEVICES="" python -m benchmarks.tqbench register-cost [--samples 15]
 
-Prints a table and writes JSON (default ``benchmarks/results/register-cost.json``).
+Prints a table and writes JSON (default ``benchmarks/results/raw/register-cost.json``,
+git-ignored: a documented run never changes the committed summary unless ``--out`` names it).
 """
 
 from __future__ import annotations
@@ -92,5 +93,10 @@ def add_parser(subparsers: Any) -> None:
     summary_line = "what register() costs a process that imported vllm.plugins (CPU is enough)"
     p = new_parser(subparsers, "register-cost", summary_line, __doc__)
     p.add_argument("--samples", type=int, default=15)
-    p.add_argument("--out", default=str(DEFAULT_RESULTS_DIR / "register-cost.json"))
+    p.add_argument(
+        "--out",
+        default=str(DEFAULT_RESULTS_DIR / "raw" / "register-cost.json"),
+        help="the JSON summary (default under benchmarks/results/raw/, git-ignored; the "
+        "committed benchmarks/results/register-cost.json is written only when named here)",
+    )
     p.set_defaults(func=cmd_register_cost)
