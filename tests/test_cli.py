@@ -477,7 +477,8 @@ def test_precompile_refuses_in_one_line(
         args.append(
             {"REPORT033": str(tmp_path / "r.json"), "FILE": str(tmp_path / "file")}.get(arg, arg)
         )
-    flags = [*H200_FLAGS[:-2], "--cache-dir", str(tmp_path / "cache"), *args]
+    geometry = [] if "--geometry-json" in args else H200_FLAGS[:-2]  # the report is it
+    flags = [*geometry, "--cache-dir", str(tmp_path / "cache"), *args]
     assert cli.main(["precompile", *flags]) == 2
     err = capsys.readouterr().err
     assert line in err and err.count("\n") == 1, err
@@ -534,3 +535,19 @@ def test_precompile_refuses_what_the_image_cannot_use(
         args.get("report"),
     )
     assert found == expected if expected is None else found is not None and expected in found
+
+
+@pytest.mark.parametrize("text", ["90", "sm90", "sm_90", "9.0", " 90 "])
+def test_arch_accepts_a_compute_capability_or_an_sm_name(text: str) -> None:
+    assert cli._arch(text) == 90
+
+
+def test_geometry_json_beside_a_flag_it_would_ignore_is_one_line_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = tmp_path / "r.json"
+    report.write_text("{}")
+    argv = ["inspect", "--geometry-json", str(report), "--kv-cache-dtype", "turboquant_4bit_nc"]
+    assert cli.main([*argv, "--vllm-version=0.26.0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--kv-cache-dtype, --vllm-version: drop them" in err

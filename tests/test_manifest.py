@@ -260,7 +260,7 @@ def test_verify_names_each_problem(
     (name,) = [p.name for p in manifest.manifest_files(shipped_dir) if "old" not in p.name]
     assert rc == 1
     assert lines[0].startswith(f"{manifest.PREFIX}old.json: not a usable manifest: schema None")
-    assert lines[1] == f"{name}: arch: the manifest says 90, found 80"
+    assert lines[1] == f"{name}: arch: the manifest says 90, asked for 80"
     assert lines[2].startswith(f"{name}: {K1}/k.cubin: the manifest says sha256 ")
     assert " found sha256 " in lines[2]
     assert lines[3].startswith(f"{name}: {K2}/o.json: the manifest says sha256 ")

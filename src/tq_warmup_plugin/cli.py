@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pluggy
 
@@ -329,7 +329,10 @@ def _scale(text: str) -> float:
 
 
 def _arch(text: str) -> int:
-    value = _whole(0)(text.removeprefix("sm").removeprefix("sm_"))
+    """``90``, ``sm90``, ``sm_90`` or ``9.0`` (a compute capability) -> 90."""
+    bare = text.strip().removeprefix("sm_").removeprefix("sm")
+    major, dot, minor = bare.partition(".")
+    value = _whole(0)(major + minor if dot and major.isdigit() and minor.isdigit() else bare)
     if value not in compat.SM_TARGETS:
         targets = ", ".join(map(str, compat.SM_TARGETS))
         raise argparse.ArgumentTypeError(
@@ -343,6 +346,37 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"tq-warmup: {message} (see {self.prog} --help)\n")
+
+
+# Flags a --geometry-json report already answers: given beside it, they would be ignored.
+_FROM_REPORT = ("--model", "--trust-remote-code", "--kv-cache-dtype", "--head-size",
+                "--num-heads", "--num-kv-heads", "--tensor-parallel-size", "-tp",
+                "--block-size", "--max-num-seqs", "--max-model-len", "--max-num-batched-tokens",
+                "--kv-splits", "--attention-chunk-size", "--dtype", "--scale", "--runner",
+                "--enable-dbo", "--vllm-version")  # fmt: skip
+
+
+def _report_conflicts(argv: Sequence[str]) -> list[str]:
+    """The flags of ``argv`` that a ``--geometry-json`` beside them would ignore."""
+    given = {token.split("=", 1)[0] for token in argv if token.startswith("-")}
+    return [flag for flag in _FROM_REPORT if flag in given] if "--geometry-json" in given else []
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written, and a flag's default after its help where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def _command(sub: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """A subcommand's parser: its help as its description too, defaults shown."""
+    kwargs.setdefault("description", kwargs.get("help"))
+    parser: argparse.ArgumentParser = sub.add_parser(name, formatter_class=_Help, **kwargs)
+    return parser
 
 
 def _geometry_flags(p: argparse.ArgumentParser) -> None:
@@ -360,20 +394,35 @@ def _geometry_flags(p: argparse.ArgumentParser) -> None:
         help="plan from the geometries in a plugin JSON report "
         "(TQ_WARMUP_REPORT) of a real startup instead of the flags below",
     )
-    p.add_argument("--kv-cache-dtype", choices=sorted(PRESETS))
-    p.add_argument("--head-size", type=_whole(1))
+    p.add_argument(
+        "--kv-cache-dtype", choices=sorted(PRESETS), help="vLLM's --kv-cache-dtype (a preset)"
+    )
+    p.add_argument("--head-size", type=_whole(1), help="attention head size (default: model's)")
     p.add_argument("--num-heads", type=_whole(1), help="query heads (whole model)")
     p.add_argument("--num-kv-heads", type=_whole(1), help="KV heads (whole model)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=_whole(1), default=1)
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=_whole(1),
+        default=1,
+        help="vLLM's -tp: heads per rank",
+    )
     p.add_argument(
         "--block-size",
         type=_whole(1),
         default=16,
         help="vLLM's --block-size; the effective TurboQuant block is derived",
     )
-    p.add_argument("--max-num-seqs", type=_whole(1), default=256)
-    p.add_argument("--max-model-len", type=_whole(1))
-    p.add_argument("--max-num-batched-tokens", type=_whole(1), default=8192)
+    p.add_argument("--max-num-seqs", type=_whole(1), default=256, help="vLLM's --max-num-seqs")
+    p.add_argument(
+        "--max-model-len", type=_whole(1), help="vLLM's --max-model-len (default: model's)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=_whole(1),
+        default=8192,
+        help="vLLM's --max-num-batched-tokens (the chunked-prefill budget)",
+    )
     p.add_argument(
         "--kv-splits",
         type=_whole(1),
@@ -386,9 +435,13 @@ def _geometry_flags(p: argparse.ArgumentParser) -> None:
         help="chunked local attention (Llama 4): also plan layers over its virtual-batch "
         "table (default: the model's attention_chunk_size; 0: none)",
     )
-    p.add_argument("--dtype", choices=["bfloat16", "float16"])
+    p.add_argument(
+        "--dtype", choices=["bfloat16", "float16"], help="model dtype (default: model's)"
+    )
     p.add_argument("--scale", type=_scale, help="attention scale if not the model's own")
-    p.add_argument("--arch", type=_arch, default=90, help="target SM, e.g. 90 for H100/H200")
+    p.add_argument(
+        "--arch", type=_arch, default=90, help="target SM: 90, sm90 or 9.0 for H100/H200"
+    )
     p.add_argument("--runner", choices=["v1", "v2"], help="model runner (default: release's)")
     p.add_argument(
         "--enable-dbo",
@@ -399,9 +452,17 @@ def _geometry_flags(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _Parser(prog="tq-warmup", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_doctor = sub.add_parser(
+    parser = _Parser(
+        prog="tq-warmup",
+        description="Warm vLLM's TurboQuant kernels: doctor checks this machine; inspect "
+        "prints the kernel keys startup would warm (no GPU needed); precompile builds them "
+        "into a Triton cache directory for a target GPU; verify checks such a directory; "
+        "driver-cache fills a CUDA driver JIT cache on a GPU. inspect and precompile plan "
+        "exactly what a worker's startup warms.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p_doctor = _command(
+        sub,
         "doctor",
         help="will this machine's vLLM warm? versions, settings, GPU; exit 1 if not",
         description="Checks the installed vLLM, torch and Triton, the plugin's settings, "
@@ -409,12 +470,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "the plugin will not warm, and exits 1 there (0 where it will).",
     )
     p_doctor.add_argument("--json", action="store_true", help="one JSON object instead of rows")
-    p_inspect = sub.add_parser("inspect", help="print the kernel keys startup would warm")
+    p_inspect = _command(sub, "inspect", help="print the kernel keys startup would warm")
     _geometry_flags(p_inspect)
-    p_inspect.add_argument("--json", action="store_true")
-    p_pre = sub.add_parser("precompile", help="build the keys into a Triton cache dir")
+    p_inspect.add_argument("--json", action="store_true", help="the plan as JSON")
+    p_pre = _command(sub, "precompile", help="build the keys into a Triton cache dir")
     _geometry_flags(p_pre)
-    p_pre.add_argument("--cache-dir", required=True)
+    p_pre.add_argument("--cache-dir", required=True, help="the Triton cache layer to build")
     p_pre.add_argument("--image-vllm", help="vLLM version the image will run")
     p_pre.add_argument("--image-triton", help="Triton version the image will run")
     p_pre.add_argument(
@@ -423,14 +484,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Triton's cache keys hash its own build, so they are computed "
         "from this wheel (same Triton release only)",
     )
-    p_verify = sub.add_parser(
-        "verify", help="check a precompiled cache dir's files and stack (exit 1 on a problem)"
+    p_verify = _command(
+        sub, "verify", help="check a precompiled cache dir's files and stack (exit 1 on a problem)"
     )
-    p_verify.add_argument("--cache-dir", required=True)
+    p_verify.add_argument("--cache-dir", required=True, help="a layer tq-warmup precompile built")
     p_verify.add_argument(
         "--arch", type=_arch, help="the GPU it is for, e.g. 90 (default: arch is not checked)"
     )
-    p_driver = sub.add_parser(
+    p_driver = _command(
+        sub,
         "driver-cache",
         help="on a GPU: fill a CUDA driver JIT cache with the plan's FlashAttention-2 "
         "kernels, into --cache-dir/driver-cache",
@@ -461,6 +523,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the plan's launches alone, no engine (where vLLM's engine cannot start here)",
     )
     args = parser.parse_args(argv)
+    conflicts = _report_conflicts(sys.argv[1:] if argv is None else argv)
+    if conflicts:
+        print(
+            f"tq-warmup: --geometry-json plans from a startup report, which fixes "
+            f"{', '.join(conflicts)}: drop them",
+            file=sys.stderr,
+        )
+        return 2
     # vLLM's import-time warnings (no CUDA here, no vllm._C) are not the CLI's answer.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     handlers = {

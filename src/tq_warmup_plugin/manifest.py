@@ -102,7 +102,9 @@ class Problem(NamedTuple):
     """What is here."""
 
     def __str__(self) -> str:
-        return f"{self.what}: the manifest says {self.expected}, found {self.found}"
+        # The arch is the one asked for (``verify --arch``, the running GPU), not read here.
+        here = "asked for" if self.what == "arch" else "found"
+        return f"{self.what}: the manifest says {self.expected}, {here} {self.found}"
 
 
 class ManifestError(ValueError):
