@@ -14,7 +14,7 @@ from typing import Any
 import fakes
 import pytest
 
-from tq_warmup_plugin import cli, cli_inputs, compat
+from tq_warmup_plugin import cli, cli_flags, cli_inputs, compat
 from tq_warmup_plugin.geometry import Geometry
 
 DATA = Path(__file__).parent / "data"
@@ -539,7 +539,7 @@ def test_precompile_refuses_what_the_image_cannot_use(
 
 @pytest.mark.parametrize("text", ["90", "sm90", "sm_90", "9.0", " 90 "])
 def test_arch_accepts_a_compute_capability_or_an_sm_name(text: str) -> None:
-    assert cli._arch(text) == 90
+    assert cli_flags.arch(text) == 90
 
 
 def test_geometry_json_beside_a_flag_it_would_ignore_is_one_line_exit_2(

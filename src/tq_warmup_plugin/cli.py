@@ -18,16 +18,16 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any, NoReturn
 
 import pluggy
 
 from . import compat, launches, manifest, planning, warmup
+from .cli_flags import Parser, arch, command, geometry_flags, report_conflicts, whole
 from .cli_inputs import CliError, geometries, geometries_from_report
-from .geometry import PRESETS, Geometry
+from .geometry import Geometry
 from .planning import Planned
 from .report import Report
 from .settings import load, parse
@@ -305,154 +305,8 @@ def verify(args: argparse.Namespace) -> int:
     return 1 if problems or driver_problems else 0
 
 
-def _whole(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} is less than {minimum}")
-        return value
-
-    return parse
-
-
-def _scale(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive finite number")
-    return value
-
-
-def _arch(text: str) -> int:
-    """``90``, ``sm90``, ``sm_90`` or ``9.0`` (a compute capability) -> 90."""
-    bare = text.strip().removeprefix("sm_").removeprefix("sm")
-    major, dot, minor = bare.partition(".")
-    value = _whole(0)(major + minor if dot and major.isdigit() and minor.isdigit() else bare)
-    if value not in compat.SM_TARGETS:
-        targets = ", ".join(map(str, compat.SM_TARGETS))
-        raise argparse.ArgumentTypeError(
-            f"sm{value} is not a target Triton compiles for ({targets})"
-        )
-    return value
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (exit code 2), like every other refusal."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"tq-warmup: {message} (see {self.prog} --help)\n")
-
-
-# Flags a --geometry-json report already answers: given beside it, they would be ignored.
-_FROM_REPORT = ("--model", "--trust-remote-code", "--kv-cache-dtype", "--head-size",
-                "--num-heads", "--num-kv-heads", "--tensor-parallel-size", "-tp",
-                "--block-size", "--max-num-seqs", "--max-model-len", "--max-num-batched-tokens",
-                "--kv-splits", "--attention-chunk-size", "--dtype", "--scale", "--runner",
-                "--enable-dbo", "--vllm-version")  # fmt: skip
-
-
-def _report_conflicts(argv: Sequence[str]) -> list[str]:
-    """The flags of ``argv`` that a ``--geometry-json`` beside them would ignore."""
-    given = {token.split("=", 1)[0] for token in argv if token.startswith("-")}
-    return [flag for flag in _FROM_REPORT if flag in given] if "--geometry-json" in given else []
-
-
-class _Help(argparse.RawDescriptionHelpFormatter):
-    """Descriptions as written, and a flag's default after its help where it has one."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text:
-            text += " (default: %(default)s)"
-        return text
-
-
-def _command(sub: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
-    """A subcommand's parser: its help as its description too, defaults shown."""
-    kwargs.setdefault("description", kwargs.get("help"))
-    parser: argparse.ArgumentParser = sub.add_parser(name, formatter_class=_Help, **kwargs)
-    return parser
-
-
-def _geometry_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        help="directory of a model's config.json (read by vLLM's ModelConfig), or the file",
-    )
-    p.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="run the model's own config code (models transformers does not know)",
-    )
-    p.add_argument(
-        "--geometry-json",
-        help="plan from the geometries in a plugin JSON report "
-        "(TQ_WARMUP_REPORT) of a real startup instead of the flags below",
-    )
-    p.add_argument(
-        "--kv-cache-dtype", choices=sorted(PRESETS), help="vLLM's --kv-cache-dtype (a preset)"
-    )
-    p.add_argument("--head-size", type=_whole(1), help="attention head size (default: model's)")
-    p.add_argument("--num-heads", type=_whole(1), help="query heads (whole model)")
-    p.add_argument("--num-kv-heads", type=_whole(1), help="KV heads (whole model)")
-    p.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=_whole(1),
-        default=1,
-        help="vLLM's -tp: heads per rank",
-    )
-    p.add_argument(
-        "--block-size",
-        type=_whole(1),
-        default=16,
-        help="vLLM's --block-size; the effective TurboQuant block is derived",
-    )
-    p.add_argument("--max-num-seqs", type=_whole(1), default=256, help="vLLM's --max-num-seqs")
-    p.add_argument(
-        "--max-model-len", type=_whole(1), help="vLLM's --max-model-len (default: model's)"
-    )
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=_whole(1),
-        default=8192,
-        help="vLLM's --max-num-batched-tokens (the chunked-prefill budget)",
-    )
-    p.add_argument(
-        "--kv-splits",
-        type=_whole(1),
-        default=32,
-        help="attention_config.tq_max_kv_splits_for_cuda_graph",
-    )
-    p.add_argument(
-        "--attention-chunk-size",
-        type=_whole(0),
-        help="chunked local attention (Llama 4): also plan layers over its virtual-batch "
-        "table (default: the model's attention_chunk_size; 0: none)",
-    )
-    p.add_argument(
-        "--dtype", choices=["bfloat16", "float16"], help="model dtype (default: model's)"
-    )
-    p.add_argument("--scale", type=_scale, help="attention scale if not the model's own")
-    p.add_argument(
-        "--arch", type=_arch, default=90, help="target SM: 90, sm90 or 9.0 for H100/H200"
-    )
-    p.add_argument("--runner", choices=["v1", "v2"], help="model runner (default: release's)")
-    p.add_argument(
-        "--enable-dbo",
-        action="store_true",
-        help="vLLM's --enable-dbo (or --ubatch-size over 1): microbatches' unaligned views",
-    )
-    p.add_argument("--vllm-version", help="release to plan for (default: installed)")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _Parser(
+    parser = Parser(
         prog="tq-warmup",
         description="Warm vLLM's TurboQuant kernels: doctor checks this machine; inspect "
         "prints the kernel keys startup would warm (no GPU needed); precompile builds them "
@@ -460,8 +314,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "driver-cache fills a CUDA driver JIT cache on a GPU. inspect and precompile plan "
         "exactly what a worker's startup warms.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    p_doctor = _command(
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    p_doctor = command(
         sub,
         "doctor",
         help="will this machine's vLLM warm? versions, settings, GPU; exit 1 if not",
@@ -470,11 +324,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "the plugin will not warm, and exits 1 there (0 where it will).",
     )
     p_doctor.add_argument("--json", action="store_true", help="one JSON object instead of rows")
-    p_inspect = _command(sub, "inspect", help="print the kernel keys startup would warm")
-    _geometry_flags(p_inspect)
+    p_inspect = command(sub, "inspect", help="print the kernel keys startup would warm")
+    geometry_flags(p_inspect)
     p_inspect.add_argument("--json", action="store_true", help="the plan as JSON")
-    p_pre = _command(sub, "precompile", help="build the keys into a Triton cache dir")
-    _geometry_flags(p_pre)
+    p_pre = command(sub, "precompile", help="build the keys into a Triton cache dir")
+    geometry_flags(p_pre)
     p_pre.add_argument("--cache-dir", required=True, help="the Triton cache layer to build")
     p_pre.add_argument("--image-vllm", help="vLLM version the image will run")
     p_pre.add_argument("--image-triton", help="Triton version the image will run")
@@ -484,24 +338,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Triton's cache keys hash its own build, so they are computed "
         "from this wheel (same Triton release only)",
     )
-    p_verify = _command(
+    p_verify = command(
         sub, "verify", help="check a precompiled cache dir's files and stack (exit 1 on a problem)"
     )
     p_verify.add_argument("--cache-dir", required=True, help="a layer tq-warmup precompile built")
     p_verify.add_argument(
-        "--arch", type=_arch, help="the GPU it is for, e.g. 90 (default: arch is not checked)"
+        "--arch", type=arch, help="the GPU it is for, e.g. 90 (default: arch is not checked)"
     )
-    p_driver = _command(
+    p_driver = command(
         sub,
         "driver-cache",
         help="on a GPU: fill a CUDA driver JIT cache with the plan's FlashAttention-2 "
         "kernels, into --cache-dir/driver-cache",
     )
-    _geometry_flags(p_driver)
+    geometry_flags(p_driver)
     p_driver.add_argument("--cache-dir", required=True, help="the shipped layer")
     p_driver.add_argument(
         "--timeout",
-        type=_whole(1),
+        type=whole(1),
         default=1200,
         help="seconds the launches may take (and the engine, each)",
     )
@@ -523,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the plan's launches alone, no engine (where vLLM's engine cannot start here)",
     )
     args = parser.parse_args(argv)
-    conflicts = _report_conflicts(sys.argv[1:] if argv is None else argv)
+    conflicts = report_conflicts(sys.argv[1:] if argv is None else argv)
     if conflicts:
         print(
             f"tq-warmup: --geometry-json plans from a startup report, which fixes "

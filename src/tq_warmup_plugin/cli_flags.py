@@ -1,0 +1,171 @@
+"""The ``tq-warmup`` command's flags: their types, the geometry flags every planning
+subcommand shares, the parser whose usage errors are one line, and the help format.
+
+Parsing only: what a flag's value means is decided where it is used (``planning``,
+``precompile``, ``doctor``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+from . import compat
+from .geometry import PRESETS
+
+__all__ = [
+    "Help",
+    "Parser",
+    "arch",
+    "command",
+    "geometry_flags",
+    "report_conflicts",
+    "scale",
+    "whole",
+]
+
+
+def whole(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is less than {minimum}")
+        return value
+
+    return parse
+
+
+def scale(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive finite number")
+    return value
+
+
+def arch(text: str) -> int:
+    """``90``, ``sm90``, ``sm_90`` or ``9.0`` (a compute capability) -> 90."""
+    bare = text.strip().removeprefix("sm_").removeprefix("sm")
+    major, dot, minor = bare.partition(".")
+    value = whole(0)(major + minor if dot and major.isdigit() and minor.isdigit() else bare)
+    if value not in compat.SM_TARGETS:
+        targets = ", ".join(map(str, compat.SM_TARGETS))
+        raise argparse.ArgumentTypeError(
+            f"sm{value} is not a target Triton compiles for ({targets})"
+        )
+    return value
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (exit code 2), like every other refusal."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"tq-warmup: {message} (see {self.prog} --help)\n")
+
+
+# Flags a --geometry-json report already answers: given beside it, they would be ignored.
+FROM_REPORT = ("--model", "--trust-remote-code", "--kv-cache-dtype", "--head-size",
+                "--num-heads", "--num-kv-heads", "--tensor-parallel-size", "-tp",
+                "--block-size", "--max-num-seqs", "--max-model-len", "--max-num-batched-tokens",
+                "--kv-splits", "--attention-chunk-size", "--dtype", "--scale", "--runner",
+                "--enable-dbo", "--vllm-version")  # fmt: skip
+
+
+def report_conflicts(argv: Sequence[str]) -> list[str]:
+    """The flags of ``argv`` that a ``--geometry-json`` beside them would ignore."""
+    given = {token.split("=", 1)[0] for token in argv if token.startswith("-")}
+    return [flag for flag in FROM_REPORT if flag in given] if "--geometry-json" in given else []
+
+
+class Help(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written, and a flag's default after its help where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def command(sub: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """A subcommand's parser: its help as its description too, defaults shown."""
+    kwargs.setdefault("description", kwargs.get("help"))
+    parser: argparse.ArgumentParser = sub.add_parser(name, formatter_class=Help, **kwargs)
+    return parser
+
+
+def geometry_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        help="directory of a model's config.json (read by vLLM's ModelConfig), or the file",
+    )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the model's own config code (models transformers does not know)",
+    )
+    p.add_argument(
+        "--geometry-json",
+        help="plan from the geometries in a plugin JSON report "
+        "(TQ_WARMUP_REPORT) of a real startup instead of the flags below",
+    )
+    p.add_argument(
+        "--kv-cache-dtype", choices=sorted(PRESETS), help="vLLM's --kv-cache-dtype (a preset)"
+    )
+    p.add_argument("--head-size", type=whole(1), help="attention head size (default: model's)")
+    p.add_argument("--num-heads", type=whole(1), help="query heads (whole model)")
+    p.add_argument("--num-kv-heads", type=whole(1), help="KV heads (whole model)")
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=whole(1),
+        default=1,
+        help="vLLM's -tp: heads per rank",
+    )
+    p.add_argument(
+        "--block-size",
+        type=whole(1),
+        default=16,
+        help="vLLM's --block-size; the effective TurboQuant block is derived",
+    )
+    p.add_argument("--max-num-seqs", type=whole(1), default=256, help="vLLM's --max-num-seqs")
+    p.add_argument(
+        "--max-model-len", type=whole(1), help="vLLM's --max-model-len (default: model's)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=whole(1),
+        default=8192,
+        help="vLLM's --max-num-batched-tokens (the chunked-prefill budget)",
+    )
+    p.add_argument(
+        "--kv-splits",
+        type=whole(1),
+        default=32,
+        help="attention_config.tq_max_kv_splits_for_cuda_graph",
+    )
+    p.add_argument(
+        "--attention-chunk-size",
+        type=whole(0),
+        help="chunked local attention (Llama 4): also plan layers over its virtual-batch "
+        "table (default: the model's attention_chunk_size; 0: none)",
+    )
+    p.add_argument(
+        "--dtype", choices=["bfloat16", "float16"], help="model dtype (default: model's)"
+    )
+    p.add_argument("--scale", type=scale, help="attention scale if not the model's own")
+    p.add_argument("--arch", type=arch, default=90, help="target SM: 90, sm90 or 9.0 for H100/H200")
+    p.add_argument("--runner", choices=["v1", "v2"], help="model runner (default: release's)")
+    p.add_argument(
+        "--enable-dbo",
+        action="store_true",
+        help="vLLM's --enable-dbo (or --ubatch-size over 1): microbatches' unaligned views",
+    )
+    p.add_argument("--vllm-version", help="release to plan for (default: installed)")
