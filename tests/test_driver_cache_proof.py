@@ -11,6 +11,7 @@ from pathlib import Path
 import fakes
 import pytest
 
+from benchmarks.tqbench import driver_cache_parts as parts
 from benchmarks.tqbench import driver_cache_proof as proof
 from tq_warmup_plugin import launches
 
@@ -18,15 +19,15 @@ from tq_warmup_plugin import launches
 def test_the_candidates_are_the_plugins_driver_plan_for_the_proofs_model() -> None:
     g = fakes.geometry(num_heads=16, num_kv_heads=8, head_size=128, batched=512, max_model_len=4096)
     plan = launches.driver_plan({"l2": g}, {"boundary": (16, 8, 128)})
-    candidates = proof.candidate_launches(128, 16, 8, 512, 4096)
+    candidates = parts.candidate_launches(128, 16, 8, 512, 4096)
     assert [launches.Launch(**c) for c in candidates] == list(plan)
 
 
 def test_the_probe_is_the_launch_the_build_spent_most_on() -> None:
-    candidates = proof.candidate_launches(128, 16, 8, 512, 4096)
+    candidates = parts.candidate_launches(128, 16, 8, 512, 4096)
     seconds = {"attention bfloat16 512x512": 40.0, "paged_decode bfloat16 1x2048": 61.5}
-    assert proof.slowest_launch(seconds, candidates) == candidates[2]
-    assert proof.slowest_launch({}, candidates) is None
+    assert parts.slowest_launch(seconds, candidates) == candidates[2]
+    assert parts.slowest_launch({}, candidates) is None
 
 
 def test_the_table_says_each_steps_result() -> None:
@@ -42,7 +43,7 @@ def test_the_table_says_each_steps_result() -> None:
         {"step": "read-only", "launch": "paged_decode bfloat16 1x2048", "probe_s": 0.2,
          "build_s": 61.5, "writable": False, "rc": 0},
     ]  # fmt: skip
-    cells = dict(map(tuple, proof.table_rows(rows)))
+    cells = dict(map(tuple, parts.table_rows(rows)))
     assert cells["build"].startswith("rc 0, 150.0 s; 9 files, 41M (40.2 MiB)")
     assert cells["shipped"].startswith(
         "turboquant_4bit_nc: ok, startup 31.2 s, first launches 4 in 310 ms"
@@ -58,8 +59,8 @@ def test_the_table_says_each_steps_result() -> None:
 
 
 def test_the_variants_are_calls_the_plan_does_not_make() -> None:
-    plan = {tuple(sorted(c.items())) for c in proof.candidate_launches(128, 16, 8, 512, 4096)}
-    variants = proof.variant_launches(128, 16, 8)
+    plan = {tuple(sorted(c.items())) for c in parts.candidate_launches(128, 16, 8, 512, 4096)}
+    variants = parts.variant_launches(128, 16, 8)
     assert variants and not plan & {tuple(sorted(v.items())) for v in variants}
     assert {v["kind"] for v in variants} == {"attention", "paged_prefill", "paged_decode"}
     for v in variants:  # each one the plugin's launcher accepts
@@ -101,12 +102,12 @@ def test_a_kept_work_dir_with_an_entry_is_reused_and_build_only_stops(
     assert ran == ["decision", "writable", "read-only", "late-env", "variants"]
     row = p.rows[0]
     assert row["step"] == "build" and row["reused"] == str(entry) and row["files"] == 1
-    assert dict(map(tuple, proof.table_rows([row])))["build"].startswith(f"reused {entry}; 1 files")
+    assert dict(map(tuple, parts.table_rows([row])))["build"].startswith(f"reused {entry}; 1 files")
     assert [r["step"] for r in p.rows[1:]] == ["shipped", "warm"]
     two = proof.Proof(args("--skip-fresh", "--pairs", "2"))
     assert two.go() == 0
     assert [r["step"] for r in two.rows[1:]] == ["shipped", "warm", "shipped-2", "warm-2"]
-    cells = dict(map(tuple, proof.table_rows(two.rows)))
+    cells = dict(map(tuple, parts.table_rows(two.rows)))
     assert cells["warm-2"].startswith("turboquant_4bit_nc: ok, startup None s")  # an engine's row
 
 
@@ -117,12 +118,12 @@ def test_the_verdict_pairs_each_shipped_engine_with_its_warm_one() -> None:
     # Startups of the H200 runs of 2026-12-01 (the first run's pair is ``missed`` below).
     rows = [eng("shipped", 49.55), eng("warm", 48.27), eng("shipped-b", 45.26)]
     rows += [eng("warm-b", 42.66), eng("shipped-c", 42.61), eng("warm-c", 44.26)]
-    met = proof.verdict(rows)
+    met = parts.verdict(rows)
     assert [x["gap_s"] for x in met["pairs"]] == [1.28, 2.6, -1.65]
     assert met["met"] and met["mean_gap_s"] == 0.74
-    missed = proof.verdict([eng("shipped", 46.25), eng("warm", 40.71)])
+    missed = parts.verdict([eng("shipped", 46.25), eng("warm", 40.71)])
     assert missed["pairs"][0]["gap_s"] == 5.54 and not missed["met"]
-    slow = proof.verdict([eng("shipped", 41.0, ms=1200), eng("warm", 40.7)])
+    slow = parts.verdict([eng("shipped", 41.0, ms=1200), eng("warm", 40.7)])
     assert not slow["met"]
-    unfinished = proof.verdict([eng("shipped", 0, status="no result"), eng("warm", 40.7)])
+    unfinished = parts.verdict([eng("shipped", 0, status="no result"), eng("warm", 40.7)])
     assert unfinished == {"pairs": [], "mean_gap_s": None, "met": False}

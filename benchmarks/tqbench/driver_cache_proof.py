@@ -72,7 +72,24 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.tqbench import entry_point, logs, phases, records, shipped, tables
+from benchmarks.tqbench.children import Children
 from benchmarks.tqbench.cli import Option, add_options, new_parser
+from benchmarks.tqbench.driver_cache_parts import (
+    DECISION_PROBE,
+    LAUNCH_PROBE,
+    PRESET,
+    candidate_launches,
+    changed_files,
+    is_engine,
+    label,
+    mib,
+    probe_out,
+    slowest_launch,
+    table_rows,
+    tree,
+    variant_launches,
+    verdict,
+)
 from benchmarks.tqbench.spec_child import child_argv, child_env, read_result
 from benchmarks.tqbench.spec_configs import (
     MODEL_SIZES,
@@ -83,110 +100,12 @@ from benchmarks.tqbench.spec_configs import (
     spec_prompts,
 )
 
-__all__ = [
-    "DECISION_PROBE",
-    "LAUNCH_PROBE",
-    "OPTIONS",
-    "Proof",
-    "add_parser",
-    "candidate_launches",
-    "cmd_driver_cache_proof",
-    "slowest_launch",
-    "table_rows",
-    "verdict",
-]
+__all__ = ["OPTIONS", "Proof", "add_parser", "cmd_driver_cache_proof"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PRESET = "turboquant_4bit_nc"
 CUDA_CACHE_VARS = ("CUDA_CACHE_PATH", "CUDA_CACHE_DISABLE", "CUDA_CACHE_MAXSIZE")
 LOG_TAIL = 2 << 20
-ENGINE_STEPS = ("fresh", "auto", "shipped", "warm")
 ENGINE_SHAPE = ("--geometry", "--max-model-len", "--max-num-seqs", "--budget", "--kv-cache-gib")
-
-DECISION_PROBE = """
-import json, logging, os, sys
-logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stdout)
-import tq_warmup_plugin
-tq_warmup_plugin.register()
-print(json.dumps({"CUDA_CACHE_PATH": os.environ.get("CUDA_CACHE_PATH")}))
-"""
-
-LAUNCH_PROBE = """
-import json, os, sys, time
-probe = json.loads(sys.argv[1])
-path = probe["path"]
-try:
-    open(os.path.join(path, ".tq-probe"), "x").close()
-    os.unlink(os.path.join(path, ".tq-probe"))
-    writable = True
-except OSError:
-    writable = False
-t0 = time.perf_counter()
-import torch
-if probe["late"]:  # CUDA initialised and a context made before the variable is set
-    torch.cuda.init(); torch.zeros(1, device="cuda"); torch.cuda.synchronize()
-os.environ["CUDA_CACHE_PATH"] = path
-from tq_warmup_plugin.driver_build import run_launches
-from tq_warmup_plugin.launches import Launch
-out = run_launches([Launch(**x) for x in probe["launches"]], probe["scale"])
-print(json.dumps({**out, "writable": writable, "total_s": time.perf_counter() - t0}))
-"""
-
-
-def candidate_launches(
-    head: int, q: int, kv: int, budget: int, max_len: int
-) -> list[dict[str, Any]]:
-    """The FA2 launches ``launches.driver_plan`` makes for the proof's dense model (the
-    parent does not import the plugin's planning, which needs vLLM's config)."""
-    tokens = min(budget, max_len, 2048)
-    shape = {"q_heads": q, "kv_heads": kv, "head_size": head, "dtype": "bfloat16"}
-    out = [{"kind": "attention", "rows": tokens, "cols": tokens, **shape}]
-    out.append({"kind": "attention", "rows": tokens, "cols": 2 * tokens, **shape})
-    out.append({"kind": "paged_decode", "rows": 1, "cols": min(max_len, 2048), **shape})
-    out.append({"kind": "paged_prefill", "rows": tokens, "cols": tokens, **shape})
-    return out
-
-
-def variant_launches(head: int, q: int, kv: int) -> list[dict[str, Any]]:
-    """FA2 calls a startup can make that :func:`candidate_launches` does not: a one-token
-    prompt (FA2 runs a call with one query token non-causal: another module, untested),
-    vLLM's V2 ``warmup_kernels`` steps (prompts of 2 tokens, then a decode over 3, which
-    FA2 does not split), each timed over a copy of the entry by the ``variants`` step."""
-    shape = {"q_heads": q, "kv_heads": kv, "head_size": head, "dtype": "bfloat16"}
-    sizes = (("attention", 1, 1), ("attention", 2, 2), ("paged_prefill", 2, 2))
-    return [
-        {"kind": k, "rows": r, "cols": c, **shape} for k, r, c in (*sizes, ("paged_decode", 1, 3))
-    ]
-
-
-def _label(x: dict[str, Any]) -> str:
-    return f"{x['kind']} {x['dtype']} {x['rows']}x{x['cols']}"
-
-
-def slowest_launch(
-    seconds: dict[str, float], candidates: list[dict[str, Any]]
-) -> dict[str, Any] | None:
-    """The candidate the build spent the most seconds on (its module's JIT)."""
-    known = [c for c in candidates if _label(c) in seconds]
-    return max(known, key=lambda c: seconds[_label(c)], default=None)
-
-
-def _changed(root: Path, before: dict[str, int]) -> int:
-    """Files under ``root`` added or resized since ``before`` (its :func:`_tree`)."""
-    return sum(1 for k, v in _tree(root).items() if before.get(k) != v)
-
-
-def _probe_out(got: dict[str, Any]) -> dict[str, Any]:
-    """A launch probe's JSON (its last line) when it exited 0, else nothing."""
-    if got["rc"] != 0:
-        return {}
-    out: dict[str, Any] = json.loads(got["text"].strip().splitlines()[-1])
-    return out
-
-
-def _is_engine(step: str) -> bool:
-    """An engine's row: ``fresh``, ``auto``, or a ``--pairs`` one (``shipped-2``, ...)."""
-    return step.split("-")[0] in ENGINE_STEPS
 
 
 def _fresh_copy(src: Path, dst: Path) -> Path:
@@ -194,14 +113,6 @@ def _fresh_copy(src: Path, dst: Path) -> Path:
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(src, dst)
     return dst
-
-
-def _mib(root: Path) -> float:
-    return round(sum(_tree(root).values()) / 2**20, 1) if root.is_dir() else 0.0
-
-
-def _tree(root: Path) -> dict[str, int]:
-    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()}
 
 
 class Proof:
@@ -229,6 +140,7 @@ class Proof:
         self.entry: Path | None = None
         self.manifest: dict[str, Any] = {}
         self.lock = threading.Lock()
+        self.children = Children()
 
     def left(self, cap: float) -> float:
         return min(cap, float(self.args.deadline_s) - (time.monotonic() - self.t0))
@@ -244,24 +156,18 @@ class Proof:
         return env
 
     def run(self, name: str, argv: list[str], env: dict[str, str], cap: float) -> dict[str, Any]:
-        """One child, its log under ``--out`` (tail), rc (None: timed out) and seconds."""
+        """One child in its own process group (``Children``: killed with its engine core
+        and compile workers at its limit), its log's tail under ``--out``, rc (None:
+        timed out) and seconds."""
         limit = self.left(cap)
         if limit < 10:
             return {"rc": None, "wall_s": 0.0, "text": "", "skipped": "deadline"}
-        t = time.monotonic()
-        try:
-            done = subprocess.run(
-                argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=limit
-            )
-            rc, text = done.returncode, done.stdout + done.stderr
-        except subprocess.TimeoutExpired as exc:
-            parts = [exc.stdout, exc.stderr]
-            rc = None
-            text = "".join(
-                p.decode(errors="replace") if isinstance(p, bytes) else p or "" for p in parts
-            )
+        log = self.work / "logs" / f"{name}.log"
+        ended = self.children.run(argv, log, env, limit)
+        text = log.read_text(errors="replace")
         (self.out / f"{name}.log").write_text(text[-LOG_TAIL:])
-        return {"rc": rc, "wall_s": round(time.monotonic() - t, 1), "text": text}
+        rc = None if ended.timed_out else ended.rc
+        return {"rc": rc, "wall_s": round(ended.wall_s, 1), "text": text}
 
     def add(self, row: dict[str, Any]) -> None:
         row.pop("text", None)
@@ -300,7 +206,7 @@ class Proof:
         self.entry = found[0].parent
         self.manifest = json.loads(found[0].read_text())
         shutil.copy(found[0], self.out / "manifest.json")
-        files = _tree(self.entry / "cache")
+        files = tree(self.entry / "cache")
         extra = self.manifest.get("extra") or {}
         return {
             "entry": self.entry.name,
@@ -385,9 +291,9 @@ class Proof:
             "report_line": next((ln for ln in plugin if "first launches" in ln), None),
             "driver_cache_line": next((ln for ln in plugin if "driver cache" in ln), None),
             "error": None if result.get("status") == "ok" else logs.last_error_line(got["text"]),
-            "copy_files": len(_tree(copy_to)) if copy_to and copy_to.is_dir() else 0,
-            "copy_mib": _mib(copy_to) if copy_to else 0.0,
-            "home_driver_cache_mib": _mib(self.work / f"home-{name}" / ".nv"),
+            "copy_files": len(tree(copy_to)) if copy_to and copy_to.is_dir() else 0,
+            "copy_mib": mib(copy_to) if copy_to else 0.0,
+            "home_driver_cache_mib": mib(self.work / f"home-{name}" / ".nv"),
         }
 
     def probe(self, name: str, path: Path, late: bool, read_only: Path | None = None) -> None:
@@ -409,22 +315,22 @@ class Proof:
             unshare = ["unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh"]
             argv = [*unshare, str(read_only), str(path), *argv]
             path.mkdir(parents=True, exist_ok=True)
-        before = _tree(path) if read_only is None else None
+        before = tree(path) if read_only is None else None
         got = self.run(name, argv, self.env(f"home-{name}"), a.probe_timeout)
-        out = _probe_out(got)
+        out = probe_out(got)
         row = {
             "step": name,
             "rc": got["rc"],
             "wall_s": got["wall_s"],
-            "launch": _label(pick),
-            "build_s": self.manifest["extra"]["launch_s"][_label(pick)],
-            "probe_s": (out.get("seconds") or {}).get(_label(pick)),
+            "launch": label(pick),
+            "build_s": self.manifest["extra"]["launch_s"][label(pick)],
+            "probe_s": (out.get("seconds") or {}).get(label(pick)),
             "writable": out.get("writable"),
             "errors": out.get("errors"),
             "tail": None if got["rc"] == 0 else got["text"].strip()[-300:],
         }
         if before is not None:
-            row["files_added_or_changed"] = _changed(path, before)
+            row["files_added_or_changed"] = changed_files(path, before)
         self.add(row)
 
     def reuse(self) -> bool:
@@ -456,10 +362,10 @@ class Proof:
         path = _fresh_copy(self.entry / "cache", self.work / "variants-copy")
         todo = variant_launches(g.head_size, g.q_heads, g.kv_heads)
         probe = {"path": str(path), "late": False, "launches": todo, "scale": g.head_size**-0.5}
-        before = _tree(path)
+        before = tree(path)
         argv = [sys.executable, "-c", LAUNCH_PROBE, json.dumps(probe)]
         got = self.run("variants", argv, self.env("home-variants"), 3 * self.args.probe_timeout)
-        out = _probe_out(got)
+        out = probe_out(got)
         self.add(
             {
                 "step": "variants",
@@ -467,12 +373,21 @@ class Proof:
                 "wall_s": got["wall_s"],
                 "seconds": out.get("seconds"),
                 "errors": out.get("errors"),
-                "files_added_or_changed": _changed(path, before),
+                "files_added_or_changed": changed_files(path, before),
                 "tail": None if got["rc"] == 0 else got["text"].strip()[-300:],
             }
         )
 
     def go(self) -> int:
+        """Every step; a SIGTERM (the device call's limit) kills the children's groups."""
+        self.children.stop_on_sigterm()
+        try:
+            return self._steps()
+        except BaseException:
+            self.children.kill_all()
+            raise
+
+    def _steps(self) -> int:
         self.fresh_machine()
         if self.entry is None:
             print("[driver-cache-proof] the build made no entry: nothing else to run", flush=True)
@@ -524,91 +439,8 @@ class Proof:
             shutil.rmtree(self.work, ignore_errors=True)
         if self.args.build_only:
             return rc or (0 if self.entry is not None else 1)
-        ok = [r for r in self.rows if _is_engine(r["step"])]
+        ok = [r for r in self.rows if is_engine(r["step"])]
         return rc or (0 if ok and all(r.get("status") == "ok" for r in ok) else 1)
-
-
-def verdict(
-    rows: list[dict[str, Any]], gap_s: float = 5.0, launches_ms: int = 1000
-) -> dict[str, Any]:
-    """Issue 22's target over each ``shipped[-X]`` / ``warm[-X]`` pair that started: the
-    shipped engine's first launches under ``launches_ms`` and its startup within ``gap_s``
-    of the warm engine's (the warm one runs second, over the copy the shipped one grew)."""
-    by = {r["step"]: r for r in rows if r.get("status") == "ok" and r.get("startup_s") is not None}
-    pairs = []
-    for name, row in by.items():
-        warm = by.get("warm" + name[len("shipped") :]) if name.startswith("shipped") else None
-        if warm is None:
-            continue
-        gap = round(row["startup_s"] - warm["startup_s"], 2)
-        ms = row.get("first_launches_ms")
-        pairs.append(
-            {
-                "pair": name,
-                "shipped_s": row["startup_s"],
-                "warm_s": warm["startup_s"],
-                "gap_s": gap,
-                "first_launches_ms": ms,
-                "met": gap <= gap_s and ms is not None and ms < launches_ms,
-            }
-        )
-    gaps = [x["gap_s"] for x in pairs]
-    return {
-        "pairs": pairs,
-        "mean_gap_s": round(sum(gaps) / len(gaps), 2) if gaps else None,
-        "met": bool(pairs) and all(x["met"] for x in pairs),
-    }
-
-
-def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
-    """One line per step: what it shows."""
-    out = []
-    for r in rows:
-        step = r["step"]
-        if step == "build":
-            done = (
-                f"reused {r['reused']}"
-                if r.get("reused")
-                else f"rc {r.get('rc')}, {r.get('wall_s')} s"
-            )
-            text = (
-                f"{done}; {r.get('files')} files, {r.get('du')} "
-                f"({r.get('mib')} MiB); launches {r.get('launch_s')}"
-                + (f"; engine {r['engine_s']}" if r.get("engine_s") else "")
-            )
-        elif _is_engine(step):
-            text = (
-                f"{r.get('preset', PRESET)}: {r.get('status')}, startup {r.get('startup_s')} s, "
-                f"first launches {r.get('first_launches')} in {r.get('first_launches_ms')} ms, "
-                f"driver cache in HOME {r.get('home_driver_cache_mib')} MiB; "
-                f"{r.get('error') or ''}"
-            )
-        elif step.startswith("decision"):
-            text = (
-                f"{len(r.get('warnings') or [])} WARNING, "
-                f"CUDA_CACHE_PATH={r.get('cuda_cache_path')}; "
-                f"{(r.get('warnings') or r.get('info') or [''])[0][:300]}"
-            )
-        elif step == "variants":
-            text = (
-                f"rc {r.get('rc')}: seconds {r.get('seconds')}, files added/changed "
-                f"{r.get('files_added_or_changed')}; {(r.get('errors') or [''])[0][:200]}"
-            )
-        elif step == "verify":
-            text = f"rc {r.get('rc')}: {' / '.join(r.get('lines') or [])[:300]}"
-        else:
-            text = (
-                f"{r.get('launch')}: {r.get('probe_s')} s (build {r.get('build_s')} s), "
-                f"cache dir writable {r.get('writable')}, rc {r.get('rc')}"
-                + (
-                    f", files added/changed {r['files_added_or_changed']}"
-                    if "files_added_or_changed" in r
-                    else ""
-                )
-                + (f"; {r['skipped']}" if r.get("skipped") else "")
-            )
-        out.append([step, text])
-    return out
 
 
 def cmd_driver_cache_proof(args: argparse.Namespace) -> int:
