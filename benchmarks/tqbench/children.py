@@ -87,16 +87,7 @@ class Children:
             if echo_argv:
                 logf.write(("$ " + " ".join(argv) + "\n").encode())
                 logf.flush()
-            proc = subprocess.Popen(
-                list(argv),
-                cwd=REPO_ROOT,
-                env=dict(env),
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            with self.lock:
-                self.procs[proc.pid] = proc
+            proc = self._start(argv, logf, env)
             try:
                 rc = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -115,14 +106,21 @@ class Children:
         return at once; :meth:`stop` (or :meth:`kill_all`) ends it with its group."""
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("wb") as logf:
-            proc = subprocess.Popen(
-                list(argv),
-                cwd=REPO_ROOT,
-                env=dict(env),
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            return self._start(argv, logf, env)
+
+    def _start(
+        self, argv: Sequence[str], logf: Any, env: Mapping[str, str]
+    ) -> subprocess.Popen[bytes]:
+        """``argv`` from the repository root in a new session (its own process group),
+        output to ``logf``, registered so that :meth:`kill_all` reaches it."""
+        proc = subprocess.Popen(
+            list(argv),
+            cwd=REPO_ROOT,
+            env=dict(env),
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         with self.lock:
             self.procs[proc.pid] = proc
         return proc
@@ -133,6 +131,24 @@ class Children:
         proc.wait()
         with self.lock:
             self.procs.pop(proc.pid, None)
+
+    def first_then_together(self, work: Sequence[Any], run: Any, jobs: int) -> None:
+        """``run(item)`` for the first item alone (on a fresh machine the CUDA driver
+        compiles FlashAttention's sm90 PTX in the first engine, 2-5 min on the H200, and
+        engines starting together would each pay it), then the rest ``jobs`` at a time;
+        any exception (a SIGTERM's SystemExit too) kills every child's group first."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if not work:
+            return
+        try:
+            run(work[0])
+            with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+                for fut in [pool.submit(run, item) for item in work[1:]]:
+                    fut.result()
+        except BaseException:
+            self.kill_all()
+            raise
 
     def kill_all(self) -> None:
         """Kill every running child's group; children asked for later are not started."""

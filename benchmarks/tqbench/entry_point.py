@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-__all__ = ["found", "write_stub"]
+__all__ = ["found", "stub_path", "write_stub"]
 
 
 def found() -> bool:
@@ -41,3 +41,9 @@ def write_stub(root: Path, plugin: bool = True, weight_scale: bool = False) -> P
         lines.append("tqbench_weight_scale = benchmarks.tqbench.dummy_scale:register")
     (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
     return root
+
+
+def stub_path(root: Path, wanted: bool) -> list[str]:
+    """The children's extra path entry: a stub under ``root`` when ``wanted``
+    (``--entry-point-stub``) and vLLM cannot find the installed entry point, else none."""
+    return [str(write_stub(root))] if wanted and not found() else []

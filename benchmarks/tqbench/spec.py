@@ -58,7 +58,6 @@ import shutil
 import sys
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -271,17 +270,7 @@ class SpecBench:
             flush=True,
         )
         try:
-            # The reference runs alone first: a fresh machine's CUDA driver compiles
-            # FlashAttention's sm90 PTX in the first engine (2-5 min on the H200), and N
-            # children starting together would each pay it.
-            first, *rest = self.configs
-            self.run_one(first)
-            with ThreadPoolExecutor(max_workers=max(1, self.args.jobs)) as pool:
-                for fut in [pool.submit(self.run_one, c) for c in rest]:
-                    fut.result()
-        except BaseException:
-            self.children.kill_all()
-            raise
+            self.children.first_then_together(self.configs, self.run_one, self.args.jobs)
         finally:
             if not self.args.work_dir:
                 shutil.rmtree(self.work_root, ignore_errors=True)

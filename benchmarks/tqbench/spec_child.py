@@ -39,12 +39,15 @@ __all__ = [
     "CHILD_FINAL",
     "GUARD_VAR",
     "SPEC_COUNTERS",
+    "begin_child",
     "child_argv",
     "child_env",
     "engine_kwargs",
     "generate_all",
     "read_result",
     "run_child",
+    "started",
+    "startup_fields",
     "write_models",
 ]
 
@@ -169,11 +172,10 @@ def _runner(llm: Any) -> str | None:
     return None
 
 
-def run_child(spec_path: Path) -> int:
-    """Start the engine, generate (compared, then timed per batch size), write the result."""
-    spec = json.loads(spec_path.read_text())
-    cfg, opts, work = SpecConfig(**spec["config"]), spec["options"], Path(spec["work"])
-    out = Path(spec["result"])
+def begin_child(out: Path) -> tuple[dict[str, Any], Save, Any]:
+    """A child's first steps: its result (``status`` importing) written to ``out`` at
+    once and by every ``save(**fields)`` after, and Triton's hooks recording every
+    compile from here on (``recorder.JitRecorder``, before vLLM is imported)."""
     res: dict[str, Any] = {"status": "importing", "entry_point_found": entry_point.found()}
 
     def save(**fields: Any) -> None:
@@ -183,13 +185,47 @@ def run_child(spec_path: Path) -> int:
     save()
     import triton
 
-    from benchmarks.tqbench.recorder import JitRecorder, startup_summary
+    from benchmarks.tqbench.recorder import JitRecorder
 
     rec = JitRecorder(triton.knobs)
     rec.install()
+    return res, save, rec
+
+
+def started(llm: Any, rec: Any, scale: float) -> Any:
+    """After ``LLM(...)``: the dummy weights times ``scale`` (in place: captured CUDA
+    graphs read the same tensors), Triton's hook outermost again (vLLM's JIT monitor
+    wrapped it at the end of startup), the recorder's phase ``after_startup``; returns
+    the engine's ``VllmConfig``."""
+    if scale != 1.0:
+        llm.apply_model(lambda model: [p.data.mul_(scale) for p in model.parameters()])
+    rec.ensure_outermost()
+    rec.set_phase("after_startup", "")
+    return llm.llm_engine.vllm_config
+
+
+def startup_fields(vcfg: Any, t0: float) -> dict[str, Any]:
+    """What every child records of its started engine: seconds since ``t0``, the GPU,
+    vLLM's resolved CUDA-graph mode and async scheduling."""
+    return {
+        "startup_s": round(time.perf_counter() - t0, 3),
+        "gpu": engine.gpu_name(),
+        "cudagraph_mode": str(vcfg.compilation_config.cudagraph_mode),
+        "async_scheduling": getattr(vcfg.scheduler_config, "async_scheduling", None),
+    }
+
+
+def run_child(spec_path: Path) -> int:
+    """Start the engine, generate (compared, then timed per batch size), write the result."""
+    spec = json.loads(spec_path.read_text())
+    cfg, opts, work = SpecConfig(**spec["config"]), spec["options"], Path(spec["work"])
+    res, save, rec = begin_child(Path(spec["result"]))
     import torch
+    import triton
     import vllm
     from vllm import LLM, SamplingParams
+
+    from benchmarks.tqbench.recorder import JitRecorder, startup_summary
 
     has_mode = engine.jit_monitor_support(vllm.__version__)[1]
     model_dir, head_dir = write_models(cfg, opts, work)
@@ -215,22 +251,13 @@ def run_child(spec_path: Path) -> int:
             gpu=engine.gpu_name(),
         )
         return 1
-    scale = float(opts["weight_scale"])
-    if scale != 1.0:
-        # In place: the captured CUDA graphs read the same tensors.
-        llm.apply_model(lambda model: [p.data.mul_(scale) for p in model.parameters()])
-    rec.ensure_outermost()
-    rec.set_phase("after_startup", "")
+    vcfg = started(llm, rec, float(opts["weight_scale"]))
     logs.marker("startup done")
-    vcfg = llm.llm_engine.vllm_config
     report = work / "tq-warmup-report.json"
     save(
         status="generating",
-        startup_s=round(time.perf_counter() - t0, 3),
-        gpu=engine.gpu_name(),
-        cudagraph_mode=str(vcfg.compilation_config.cudagraph_mode),
+        **startup_fields(vcfg, t0),
         speculative_config=str(vcfg.speculative_config),
-        async_scheduling=getattr(vcfg.scheduler_config, "async_scheduling", None),
         runner=_runner(llm),
         block_size=vcfg.cache_config.block_size,
         plugin_report=json.loads(report.read_text()) if report.is_file() else None,

@@ -29,7 +29,6 @@ import os
 import shutil
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -100,17 +99,13 @@ class TokensBench:
     """Runs the children (references first), judges, writes ``result.json``/``SUMMARY.md``."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
+        self.args, self.engines = args, plan(args)
         self.run_id = dt.datetime.now().strftime("%Y%m%dT%H%M%S")
-        self.deadline = Deadline(args.deadline_s)
-        self.children = Children()
-        self.engines = plan(args)
+        self.deadline, self.children = Deadline(args.deadline_s), Children()
         self.work_root = Path(args.work_dir or tempfile.mkdtemp(prefix="tq-tokens-")).resolve()
         self.out = Path(args.out or DEFAULT_OUT_DIR / f"tokens-{args.case}-{self.run_id}")
         self.rows: dict[str, dict[str, Any]] = {}
-        self.stub: list[str] = []
-        if not entry_point.found() and args.entry_point_stub:
-            self.stub = [str(entry_point.write_stub(self.work_root / "entry-point"))]
+        self.stub = entry_point.stub_path(self.work_root / "entry-point", args.entry_point_stub)
         keep = ("preset", "max_tokens", "logprobs", "max_num_seqs", "kv_cache_gib")
         self.options: dict[str, Any] = {k: getattr(args, k) for k in keep}
         self.options.update(
@@ -184,15 +179,9 @@ class TokensBench:
         # FlashAttention's sm90 PTX in it (about 130 s on the H200) into the
         # --driver-cache-from directory, which every later engine gets a copy of.
         refs = [e for e in self.engines if e[0].reference]
-        first, *rest = refs + [e for e in self.engines if not e[0].reference]
+        ordered = refs + [e for e in self.engines if not e[0].reference]
         try:
-            self.run_one(*first)
-            with ThreadPoolExecutor(max_workers=max(1, self.args.jobs)) as pool:
-                for fut in [pool.submit(self.run_one, *e) for e in rest]:
-                    fut.result()
-        except BaseException:
-            self.children.kill_all()
-            raise
+            self.children.first_then_together(ordered, lambda e: self.run_one(*e), self.args.jobs)
         finally:
             if not self.args.work_dir:
                 shutil.rmtree(self.work_root, ignore_errors=True)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.tqbench import engine, entry_point, records, spec_child
+from benchmarks.tqbench import engine, spec_child
 from benchmarks.tqbench.spec_configs import FULL, SpecConfig
 from benchmarks.tqbench.tokens_workload import EngineRow, Request, Step
 from benchmarks.tqbench.verdicts import chosen_logprobs
@@ -166,22 +166,11 @@ def run_child(spec_path: Path) -> int:
     steps = [
         Step(**{**s, "requests": [Request(**r) for r in s["requests"]]}) for s in spec["steps"]
     ]
-    out = Path(spec["result"])
-    res: dict[str, Any] = {"status": "importing", "entry_point_found": entry_point.found()}
-
-    def save(**fields: Any) -> None:
-        res.update(fields)
-        records.write_json_atomic(out, res)
-
-    save()
-    import triton
-
-    from benchmarks.tqbench.recorder import JitRecorder, startup_summary
-
-    rec = JitRecorder(triton.knobs)
-    rec.install()
+    res, save, rec = spec_child.begin_child(Path(spec["result"]))
     import vllm
     from vllm import LLM, SamplingParams
+
+    from benchmarks.tqbench.recorder import JitRecorder, startup_summary
 
     monitor = opts["jit_monitor_mode"] if engine.jit_monitor_support(vllm.__version__)[1] else None
     kwargs = engine_kwargs(row, opts, work, monitor)
@@ -193,19 +182,11 @@ def run_child(spec_path: Path) -> int:
         traceback.print_exc()
         save(status="startup-failed", error=f"{type(e).__name__}: {e}"[-4000:])
         return 1
-    scale = float(opts["weight_scale"])
-    if scale != 1.0:  # in place: captured CUDA graphs read the same tensors
-        llm.apply_model(lambda model: [p.data.mul_(scale) for p in model.parameters()])
-    rec.ensure_outermost()
-    rec.set_phase("after_startup", "")
-    vcfg = llm.llm_engine.vllm_config
+    vcfg = spec_child.started(llm, rec, float(opts["weight_scale"]))
     report = work / "tq-warmup-report.json"
     save(
         status="serving",
-        startup_s=round(time.perf_counter() - t0, 3),
-        gpu=engine.gpu_name(),
-        cudagraph_mode=str(vcfg.compilation_config.cudagraph_mode),
-        async_scheduling=getattr(vcfg.scheduler_config, "async_scheduling", None),
+        **spec_child.startup_fields(vcfg, t0),
         prefix_caching=vcfg.cache_config.enable_prefix_caching,
         block_size=vcfg.cache_config.block_size,
         budget=vcfg.scheduler_config.max_num_batched_tokens,

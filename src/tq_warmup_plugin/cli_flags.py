@@ -101,6 +101,20 @@ def command(sub: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
     return parser
 
 
+# (flag, least value, default, help) of the whole-number geometry flags.
+_WHOLE_FLAGS: tuple[tuple[str, int, int | None, str], ...] = (
+    ("--head-size", 1, None, "attention head size (default: model's)"),
+    ("--num-heads", 1, None, "query heads (whole model)"),
+    ("--num-kv-heads", 1, None, "KV heads (whole model)"),
+    ("--tensor-parallel-size", 1, 1, "vLLM's --tensor-parallel-size (-tp): heads per rank"),
+    ("--block-size", 1, 16, "vLLM's --block-size; the effective TurboQuant block is derived"),
+    ("--max-num-seqs", 1, 256, "vLLM's --max-num-seqs"),
+    ("--max-model-len", 1, None, "vLLM's --max-model-len (default: model's)"),
+    ("--max-num-batched-tokens", 1, 8192, "vLLM's --max-num-batched-tokens (the chunk budget)"),
+    ("--kv-splits", 1, 32, "attention_config.tq_max_kv_splits_for_cuda_graph"),
+)
+
+
 def geometry_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
@@ -119,38 +133,9 @@ def geometry_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-cache-dtype", choices=sorted(PRESETS), help="vLLM's --kv-cache-dtype (a preset)"
     )
-    p.add_argument("--head-size", type=whole(1), help="attention head size (default: model's)")
-    p.add_argument("--num-heads", type=whole(1), help="query heads (whole model)")
-    p.add_argument("--num-kv-heads", type=whole(1), help="KV heads (whole model)")
-    p.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=whole(1),
-        default=1,
-        help="vLLM's -tp: heads per rank",
-    )
-    p.add_argument(
-        "--block-size",
-        type=whole(1),
-        default=16,
-        help="vLLM's --block-size; the effective TurboQuant block is derived",
-    )
-    p.add_argument("--max-num-seqs", type=whole(1), default=256, help="vLLM's --max-num-seqs")
-    p.add_argument(
-        "--max-model-len", type=whole(1), help="vLLM's --max-model-len (default: model's)"
-    )
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=whole(1),
-        default=8192,
-        help="vLLM's --max-num-batched-tokens (the chunked-prefill budget)",
-    )
-    p.add_argument(
-        "--kv-splits",
-        type=whole(1),
-        default=32,
-        help="attention_config.tq_max_kv_splits_for_cuda_graph",
-    )
+    for flag, least, default, text in _WHOLE_FLAGS:
+        names = (flag, "-tp") if flag == "--tensor-parallel-size" else (flag,)
+        p.add_argument(*names, type=whole(least), default=default, help=text)
     p.add_argument(
         "--attention-chunk-size",
         type=whole(0),
