@@ -277,3 +277,20 @@ def test_verify_refuses_what_is_not_a_directory_and_fails_one_without_manifest(
     assert rc == 1 and lines == [
         f"tq-warmup: no tq-warmup manifest in {tmp_path} (not built by tq-warmup precompile)"
     ]
+
+
+@pytest.mark.parametrize("name", ["x\ntq-warmup: forged: 0 problems", "\ud800", "bad\x1b[2Jname"])
+def test_verify_escapes_what_the_layers_author_wrote(
+    shipped_dir: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """A listed file name holding a newline cannot forge a verify line, nor a lone
+    surrogate (valid JSON) or an escape sequence raise or reach the terminal raw."""
+    (path,) = manifest.manifest_files(shipped_dir)
+    data = json.loads(path.read_text())
+    data["files"][K1][name] = {"sha256": "0" * 64, "size": 1}
+    path.write_text(json.dumps(data))
+    rc, lines, _ = verify(capsys, "--cache-dir", str(shipped_dir))
+    assert rc == 1
+    assert len(lines) == 2 and lines[1].endswith("1 problem; not checked (not known here): arch")
+    assert all(line.isprintable() for line in lines)
+    assert ascii(name)[1:-1] in lines[0] and not lines[0].startswith("tq-warmup:")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pluggy
 
-from . import compat, launches, manifest, planning, warmup
+from . import compat, launches, manifest, planning, safe_io, warmup
 from .cli_flags import Parser, arch, command, geometry_flags, report_conflicts, whole
 from .cli_inputs import CliError, geometries, geometries_from_report
 from .geometry import Geometry
@@ -256,6 +256,11 @@ def driver_cache(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
 
 
+def _say(line: str) -> None:
+    """One line of ``verify``'s report: what a layer's author controls is escaped."""
+    print(safe_io.printable(line))
+
+
 def verify(args: argparse.Namespace) -> int:
     """Check every manifest in ``--cache-dir``: its files, and its stack against what is
     installed here (what the layered cache checks at startup, offline), the driver
@@ -268,13 +273,13 @@ def verify(args: argparse.Namespace) -> int:
 
     stale = stale_stages(root)
     for stage in stale:
-        print(f"{stage.name}: left by a precompile that did not finish (the next one removes it)")
+        _say(f"{stage.name}: left by a precompile that did not finish (the next one removes it)")
     driver_problems = dc.print_verify(root)
     paths = manifest.manifest_files(root)
     if not paths:
         if driver_problems is not None:
             return 1 if driver_problems or stale else 0
-        print(f"tq-warmup: no tq-warmup manifest in {root} (not built by tq-warmup precompile)")
+        _say(f"tq-warmup: no tq-warmup manifest in {root} (not built by tq-warmup precompile)")
         return 1
     here = manifest.installed_stack(arch=args.arch)
     problems, found = len(stale), {}
@@ -282,13 +287,13 @@ def verify(args: argparse.Namespace) -> int:
         try:
             found[path.name] = manifest.read(path)
         except manifest.ManifestError as exc:
-            print(f"{path.name}: not a usable manifest: {exc}")
+            _say(f"{path.name}: not a usable manifest: {exc}")
             problems += 1
     other = manifest.for_other_arch(found, here)
     for name, shipped in found.items():
         stack = [] if name in other else manifest.stack_problems(shipped, here)
         for problem in stack + manifest.file_problems(shipped, root):
-            print(f"{name}: {problem}")
+            _say(f"{name}: {problem}")
             problems += 1
     kernels = sum(len(m.files) for m in found.values())
     files = sum(len(f) for m in found.values() for f in m.files.values())
@@ -301,7 +306,7 @@ def verify(args: argparse.Namespace) -> int:
         summary += f"; {len(other)} for another arch than sm{args.arch}"
     if unchecked:
         summary += f"; not checked (not known here): {', '.join(unchecked)}"
-    print(summary)
+    _say(summary)
     return 1 if problems or driver_problems else 0
 
 

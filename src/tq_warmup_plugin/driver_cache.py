@@ -490,7 +490,7 @@ def print_verify(root: Path) -> int | None:
     if checked is None:
         return None
     summary, problems = checked
-    for line in problems:
-        print(line)
-    print(summary)
+    for line in problems:  # names and fields the layer's author wrote: escaped
+        print(safe_io.printable(line))
+    print(safe_io.printable(summary))
     return len(problems)

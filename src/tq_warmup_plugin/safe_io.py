@@ -39,6 +39,7 @@ __all__ = [
     "UnsafeFile",
     "open_dir",
     "open_regular",
+    "printable",
     "read_bytes",
     "read_json",
     "regular_files",
@@ -222,3 +223,13 @@ def regular_files(dir_fd: int) -> dict[str, int]:
                 if entry.is_file(follow_symlinks=False):
                     found[entry.name] = entry.stat(follow_symlinks=False).st_size
         return found
+
+
+def printable(text: str) -> str:
+    """``text`` safe to print as one line: every character that is not printable (a
+    newline, a control character, a lone surrogate from JSON or from a file name that is
+    not UTF-8) as its Python escape. A layer's author controls its file names and
+    manifest fields; printed as they are, a name holding a newline could forge a line
+    of ``tq-warmup verify``, and a surrogate raised UnicodeEncodeError."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
