@@ -293,7 +293,8 @@ def verify(args: argparse.Namespace) -> int:
     for name, shipped in found.items():
         stack = [] if name in other else manifest.stack_problems(shipped, here)
         for problem in stack + manifest.file_problems(shipped, root):
-            _say(f"{name}: {problem}")
+            asked = isinstance(problem, manifest.Problem) and problem.what == "arch"
+            _say(f"{name}: {problem.line('asked for') if asked else problem}")
             problems += 1
     kernels = sum(len(m.files) for m in found.values())
     files = sum(len(f) for m in found.values() for f in m.files.values())

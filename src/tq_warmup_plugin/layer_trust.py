@@ -10,12 +10,13 @@ as hostile (a hostile image builder, a shared volume, a full disk: issue 20).
   manifests, each a regular file of at most 64 MiB and 64 levels (``safe_io``).
 * **What is served is what was hashed**: on a key's first lookup its listed files are
   read once (bounded, ``O_NOFOLLOW``), hashed, and written to a private directory of
-  this process (``mkdtemp`` in ``/dev/shm``, else ``TMPDIR``: mode 0700, removed at
-  exit); Triton is handed paths there, never into the layer. Chosen over refusing
-  layer files that others can write: Triton opens the returned path later, by name,
-  so a check of the layer's modes or owner at hash time cannot bind the bytes Triton
-  reads then (a file, or a whole key directory, swapped after the first lookup was
-  served; issue 20), and the owner (root, in an image) can still write; a copy binds
+  this process (``mkdtemp`` in ``/dev/shm``, else, or once a write there fails,
+  ``TMPDIR``: mode 0700, removed at exit, and what a killed process of this user left
+  there is removed by the next one); Triton is handed paths there, never into the
+  layer. Chosen over refusing layer files that others can write: Triton opens the
+  returned path later, by name, so a check of the layer's modes or owner at hash time
+  cannot bind the bytes Triton reads then (a file, or a whole key directory, swapped
+  after the first lookup was served; issue 20), and the owner (root, in an image) can still write; a copy binds
   them by construction. It costs one write of the kernel's files (0.02-0.5 MiB) per
   key and process (``python -m benchmarks.tqbench layer-check-cost``).
 * Files a manifest does not list are never served: only the listed ones are copied.
@@ -42,7 +43,7 @@ from typing import Any
 from . import manifest
 from .settings import load as load_settings
 
-__all__ = ["layer_trust", "private_root", "warn_once"]
+__all__ = ["OWNER", "PREFIX", "SHM", "layer_trust", "private_root", "sweep", "warn_once"]
 
 logger = logging.getLogger("vllm.tq_warmup_plugin")
 
@@ -61,6 +62,14 @@ def warn_once(problem: str, path: str, message: str, *args: object) -> None:
 
 _private_roots: dict[int, str] = {}  # pid -> this process's copies of served files
 
+SHM = "/dev/shm"
+"""Where the copies go first: memory (a key's copy took 0.7 ms against 2-3.8 ms on this
+CPU machine's disk ``/tmp``, 18 keys, 4.2 MiB); ``tempfile``'s directory when it fails."""
+PREFIX = "tq-warmup-layer-"
+OWNER = ".owner"
+"""A private directory's marker: ``<pid namespace inode> <pid>`` of the process it is for."""
+MAX_SWEPT = 256  # directories looked at per sweep: a startup never walks a huge /dev/shm
+
 
 def private_root() -> str | None:
     """This process's directory of served copies, if it made one."""
@@ -68,22 +77,109 @@ def private_root() -> str | None:
         return _private_roots.get(os.getpid())
 
 
+def _pid_namespace() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "?"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process, or not ours to ask: alive
+        return True
+    return True
+
+
+def _stale(entry: os.DirEntry[str], namespace: str) -> bool:
+    """Whether ``entry`` is a private directory of this user's that a dead process of
+    this PID namespace left (a SIGKILL, or SIGTERM with Python's default handler, skips
+    the atexit removal). Never a symlink, another user's, or another namespace's."""
+    if not entry.name.startswith(PREFIX) or not entry.is_dir(follow_symlinks=False):
+        return False
+    if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+        return False
+    try:
+        fd = os.open(os.path.join(entry.path, OWNER), os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as fh:
+            owner = fh.read(64).decode("ascii", "replace").split()
+    except OSError:
+        return False  # an older release's, or not a finished one: left alone
+    if len(owner) != 2 or owner[0] != namespace or not owner[1].isdigit():
+        return False
+    pid = int(owner[1])
+    return pid != os.getpid() and not _alive(pid)
+
+
+def sweep(parent: str) -> list[str]:
+    """Remove what dead processes of this user and PID namespace left in ``parent``
+    (at most ``MAX_SWEPT`` entries looked at); the paths removed."""
+    namespace, removed = _pid_namespace(), []
+    try:
+        with os.scandir(parent) as entries:
+            for n, entry in enumerate(entries):
+                if n >= MAX_SWEPT:
+                    break
+                if _stale(entry, namespace):
+                    shutil.rmtree(entry.path, ignore_errors=True)  # never follows a link
+                    removed.append(entry.path)
+    except OSError:
+        pass
+    return removed
+
+
+def _new_root(base: str | None) -> str:
+    """A fresh private directory (``mkdtemp``: 0700) in ``base`` (None: ``TMPDIR``),
+    marked with its owner; OSError when ``base`` cannot hold it (a full ``/dev/shm``)."""
+    made = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=base)
+    try:
+        fd = os.open(os.path.join(made, OWNER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(f"{_pid_namespace()} {os.getpid()}\n")
+    except OSError:
+        shutil.rmtree(made, ignore_errors=True)
+        raise
+    return made
+
+
 def _make_private_root() -> str:
-    """This process's directory of served copies (``mkdtemp``: 0700), made on first
-    need, removed at exit by the process that made it (a forked child makes its own).
-    In ``/dev/shm`` where it can be: memory, where a key's copy took 0.7 ms against
-    2-3.8 ms on this CPU machine's disk ``/tmp`` (18 keys, 4.2 MiB); else in
-    ``tempfile``'s directory (``TMPDIR``)."""
+    """This process's directory of served copies, made on first need, removed at exit
+    by the process that made it (a forked child makes its own); first what dead
+    processes left beside it is swept away. In ``SHM`` where it can be, else ``TMPDIR``."""
     pid = os.getpid()
     with _lock:
         if pid not in _private_roots:
             try:
-                made = tempfile.mkdtemp(prefix="tq-warmup-layer-", dir="/dev/shm")
+                made = _new_root(SHM)
             except OSError:
-                made = tempfile.mkdtemp(prefix="tq-warmup-layer-")
+                made = _new_root(None)
+            sweep(os.path.dirname(made))
             _private_roots[pid] = made
             atexit.register(_remove, pid, made)
         return _private_roots[pid]
+
+
+def _to_tmpdir(failed: str, exc: OSError) -> str:
+    """After a write into ``SHM`` failed (full): this process's copies go to ``TMPDIR``
+    from now on, said in one WARNING."""
+    pid = os.getpid()
+    with _lock:
+        if _private_roots.get(pid) == failed:
+            shutil.rmtree(failed, ignore_errors=True)
+            _private_roots[pid] = made = _new_root(None)
+            atexit.register(_remove, pid, made)
+    warn_once(
+        "shm",
+        SHM,
+        "tq-warmup: cannot write served kernel copies in %s (%s): using %s instead",
+        SHM,
+        exc.strerror or exc,
+        tempfile.gettempdir(),
+    )
+    return _private_roots[pid]
 
 
 def _remove(pid: int, path: str) -> None:
@@ -91,17 +187,34 @@ def _remove(pid: int, path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _copy(root: str, key: str, data: dict[str, bytes]) -> str:
-    """Write the hashed bytes of one key directory into this process's private
-    directory; the directory Triton is handed for it."""
-    target = os.path.join(_make_private_root(), manifest.digest(root)[:16], key)
+def _write(target: str, data: dict[str, bytes]) -> None:
     partial = f"{target}.{threading.get_ident()}"
     os.makedirs(partial, mode=0o700)
-    for name, content in data.items():
-        fd = os.open(os.path.join(partial, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(content)
-    os.rename(partial, target)
+    try:
+        for name, content in data.items():
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+            fd = os.open(os.path.join(partial, name), flags, 0o600)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(content)
+        os.rename(partial, target)
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def _copy(root: str, key: str, data: dict[str, bytes]) -> str:
+    """Write the hashed bytes of one key directory into this process's private
+    directory; the directory Triton is handed for it. A write that fails in ``SHM``
+    (full) moves the private directory to ``TMPDIR`` and is made again there."""
+    private = _make_private_root()
+    target = os.path.join(private, manifest.digest(root)[:16], key)
+    try:
+        _write(target, data)
+    except OSError as exc:
+        if not private.startswith(os.path.join(SHM, "")):
+            raise
+        target = os.path.join(_to_tmpdir(private, exc), manifest.digest(root)[:16], key)
+        _write(target, data)
     return target
 
 

@@ -102,8 +102,11 @@ class Problem(NamedTuple):
     """What is here."""
 
     def __str__(self) -> str:
-        # The arch is the one asked for (``verify --arch``, the running GPU), not read here.
-        here = "asked for" if self.what == "arch" else "found"
+        return self.line()
+
+    def line(self, here: str = "found") -> str:
+        """The mismatch as one line; ``here``: how this side was learnt (``verify --arch``
+        is asked for, not found)."""
         return f"{self.what}: the manifest says {self.expected}, {here} {self.found}"
 
 

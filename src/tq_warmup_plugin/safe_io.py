@@ -232,4 +232,3 @@ def printable(text: str) -> str:
     manifest fields; printed as they are, a name holding a newline could forge a line
     of ``tq-warmup verify``, and a surrogate raised UnicodeEncodeError."""
     return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
-

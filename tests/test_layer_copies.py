@@ -1,0 +1,118 @@
+"""This process's copies of served Triton kernels (``layer_trust``): what a dead process
+left is removed by the next one, and only that (never a link, another user's, another PID
+namespace's, a live process's); a full ``/dev/shm`` sends the copies to ``TMPDIR``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tq_warmup_plugin import layer_trust
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def left(base: Path, pid: int, namespace: str | None = None, name: str = "") -> Path:
+    """A private directory as a process ``pid`` leaves it when it is killed."""
+    d = base / f"{layer_trust.PREFIX}{pid}-{name or 'x'}"
+    (d / "abc" / "key").mkdir(parents=True)
+    (d / "abc" / "key" / "k.cubin").write_bytes(b"\0" * 10)
+    ns = namespace if namespace is not None else layer_trust._pid_namespace()
+    (d / layer_trust.OWNER).write_text(f"{ns} {pid}\n")
+    return d
+
+
+def test_a_dead_processs_copies_are_removed_and_nothing_else(tmp_path: Path) -> None:
+    dead = dead_pid()
+    stale = left(tmp_path, dead)
+    live = left(tmp_path, os.getppid(), name="live")
+    other_ns = left(tmp_path, dead, namespace="4026531836999", name="ns")
+    old = tmp_path / f"{layer_trust.PREFIX}abcdef"  # an older release's: no marker
+    old.mkdir()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_text("keep")
+    link = tmp_path / f"{layer_trust.PREFIX}{dead}-link"
+    link.symlink_to(victim)
+    inner = left(tmp_path, dead, name="inner")
+    (inner / "abc" / "out").symlink_to(victim)  # a link inside: removed, never followed
+    removed = layer_trust.sweep(str(tmp_path))
+    assert sorted(removed) == sorted([str(stale), str(inner)])
+    assert not stale.exists() and not inner.exists()
+    assert live.is_dir() and other_ns.is_dir() and old.is_dir() and link.is_symlink()
+    assert (victim / "precious").read_text() == "keep"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+def test_another_users_copies_are_left_alone(tmp_path: Path) -> None:
+    theirs = left(tmp_path, dead_pid())
+    for p in [theirs, *theirs.rglob("*")]:
+        os.chown(p, 65534, 65534, follow_symlinks=False)
+    assert layer_trust.sweep(str(tmp_path)) == [] and theirs.is_dir()
+
+
+def test_the_sweep_runs_when_a_process_makes_its_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(layer_trust, "SHM", str(tmp_path))
+    monkeypatch.setattr(layer_trust, "_private_roots", {})
+    stale = left(tmp_path, dead_pid())
+    made = layer_trust._make_private_root()
+    assert Path(made).parent == tmp_path and not stale.exists()
+    owner = (Path(made) / layer_trust.OWNER).read_text().split()
+    assert owner == [layer_trust._pid_namespace(), str(os.getpid())]
+    assert (Path(made).stat().st_mode & 0o777) == 0o700
+    shutil.rmtree(made)
+
+
+FULL_SHM = """
+import json, logging, os, sys
+from tq_warmup_plugin import layer_trust
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
+layer_trust.SHM = sys.argv[1]
+got = layer_trust._copy("/layer", "KEY", {"k.cubin": b"x" * 300_000, "k.json": b"{}"})
+print("RESULT " + json.dumps({"path": got, "bytes": os.path.getsize(os.path.join(got, "k.cubin"))}))
+"""
+
+
+def _tmpfs_available() -> bool:
+    probe = "d=$(mktemp -d) && mount -t tmpfs -o size=64k tmpfs $d && umount $d"
+    try:
+        return (
+            subprocess.run(["unshare", "-m", "sh", "-c", probe], capture_output=True).returncode
+            == 0
+        )
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _tmpfs_available(), reason="no private mount namespace with tmpfs here")
+def test_a_full_dev_shm_sends_the_copies_to_tmpdir(tmp_path: Path) -> None:
+    """A real full file system (a 64 KiB tmpfs in a private mount namespace): the
+    private directory is made there, the copy's write fails, the copy is made in TMPDIR."""
+    shm, tmp = tmp_path / "shm", tmp_path / "tmp"
+    shm.mkdir()
+    tmp.mkdir()
+    src = str(Path(__file__).parents[1] / "src")
+    script = f'mount -t tmpfs -o size=64k tmpfs \'{shm}\' && exec "$0" "$@"'
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": src}
+    done = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script, sys.executable, "-c", FULL_SHM, str(shm)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    import json
+
+    result = json.loads(next(x for x in lines if x.startswith("RESULT "))[7:])
+    assert result["path"].startswith(str(tmp)) and result["bytes"] == 300_000
+    assert any(f"cannot write served kernel copies in {shm}" in x for x in lines)
