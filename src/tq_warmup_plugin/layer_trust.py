@@ -16,9 +16,9 @@ as hostile (a hostile image builder, a shared volume, a full disk: issue 20).
   layer. Chosen over refusing layer files that others can write: Triton opens the
   returned path later, by name, so a check of the layer's modes or owner at hash time
   cannot bind the bytes Triton reads then (a file, or a whole key directory, swapped
-  after the first lookup was served; issue 20), and the owner (root, in an image) can still write; a copy binds
-  them by construction. It costs one write of the kernel's files (0.02-0.5 MiB) per
-  key and process (``python -m benchmarks.tqbench layer-check-cost``).
+  after the first lookup was served; issue 20), and the owner (root, in an image) can
+  still write; a copy binds them by construction. It costs one write of the kernel's
+  files (0.02-0.5 MiB) per key and process (``python -m benchmarks.tqbench layer-check-cost``).
 * Files a manifest does not list are never served: only the listed ones are copied.
 * **Any failure reading a manifest costs only that manifest**: one WARNING naming the
   layer and the manifest, remembered for the process; nothing raises into Triton.
