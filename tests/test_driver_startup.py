@@ -4,8 +4,10 @@ matches, copies once, keeps what the user set, and says a mismatch in one WARNIN
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,28 +23,37 @@ from tq_warmup_plugin.settings import Settings, parse
 NODE = Node("570.86.15", ("NVIDIA H200",), len(FA2))
 
 
+PRIVATE = Path("/tmp/t/tq-warmup-driver-0")
+
+
 def decide(
-    tmp_path: Path, env: dict[str, str], node: Node = NODE, writable: bool = False, **kw: object
+    tmp_path: Path,
+    env: dict[str, str],
+    node: Node = NODE,
+    private: Path | str = PRIVATE,
+    **kw: object,
 ) -> driver_startup.Decision:
     root = tmp_path / dc.DRIVER_DIR
     entry = make_entry(root)
     settings = Settings(driver_cache=str(root), **kw)  # type: ignore[arg-type]
     found = [(entry, dc.read(entry))]
-    return driver_startup.decide(settings, env, node, found, lambda p: writable, "/tmp/t")
+    return driver_startup.decide(settings, env, node, found, private)
 
 
-def test_a_matching_entry_is_used_in_place_when_writable_else_copied(tmp_path: Path) -> None:
+def copy_name(entry: Path) -> str:
+    return f"{entry.name}-{dc.content_digest(dc.read(entry))[:12]}"
+
+
+def test_a_matching_entry_is_always_copied_into_the_private_directory(tmp_path: Path) -> None:
+    """Never the entry in place (issue 30): a checked copy, named by what it holds."""
     entry = tmp_path / dc.DRIVER_DIR / "NVIDIA_H200-570.86.15-fa2-x"
-    used = decide(tmp_path, {}, writable=True)
-    assert (used.action, used.path) == ("use", str(entry / "cache"))
-    copied = decide(tmp_path / "b", {})
-    assert (copied.action, copied.path) == ("copy", f"/tmp/t/{entry.name}")
-    to = decide(tmp_path / "c", {}, writable=True, driver_cache_copy_to="/var/cache/nv")
-    assert (to.action, to.path) == ("copy", f"/var/cache/nv/{entry.name}")
-    assert to.line.endswith(
-        f"CUDA_CACHE_PATH=/var/cache/nv/{entry.name}, a copy of {entry.name} "
-        "(2 files, 0.0 MiB; NVIDIA H200, driver 570.86.15)"
+    copied = decide(tmp_path, {})
+    assert (copied.action, copied.path) == ("copy", str(PRIVATE / copy_name(entry)))
+    assert copied.line.endswith(
+        f"a checked copy of {entry.name} (2 files, 0.0 MiB; NVIDIA H200, driver 570.86.15)"
     )
+    refused = decide(tmp_path / "b", {}, private="/x is writable by others")
+    assert refused.action == "warn" and "not used, /x is writable by others" in refused.line
 
 
 def test_another_driver_is_one_warning_and_nothing_set(tmp_path: Path) -> None:
@@ -74,11 +85,11 @@ def test_an_unreadable_entry_is_a_reason_and_the_next_is_tried(tmp_path: Path) -
     good = make_entry(root, key="b")
     settings = Settings(driver_cache=str(root))
     found = [(root / "a", "manifest: not JSON"), (good, dc.read(good))]
-    chosen = driver_startup.decide(settings, {}, NODE, found, lambda p: True, "/t")
-    assert (chosen.action, chosen.entry) == ("use", good)
-    alone = driver_startup.decide(settings, {}, NODE, found[:1], lambda p: True, "/t")
+    chosen = driver_startup.decide(settings, {}, NODE, found, PRIVATE)
+    assert (chosen.action, chosen.entry) == ("copy", good)
+    alone = driver_startup.decide(settings, {}, NODE, found[:1], PRIVATE)
     assert "a: manifest: not JSON" in alone.line
-    none = driver_startup.decide(settings, {}, NODE, [], lambda p: True, "/t")
+    none = driver_startup.decide(settings, {}, NODE, [], PRIVATE)
     assert none.action == "info" and "no entry (built by tq-warmup driver-cache)" in none.line
 
 
@@ -95,7 +106,7 @@ def layer(tmp_path: Path) -> Iterator[tuple[Path, Path, Path]]:
         path.chmod(path.stat().st_mode | 0o200)
 
 
-def test_apply_copies_once_and_sets_the_environment(
+def test_apply_copies_verifies_a_reused_copy_and_sets_the_environment(
     tmp_path: Path, layer: tuple[Path, Path, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     root, proc, fa2 = layer
@@ -103,21 +114,137 @@ def test_apply_copies_once_and_sets_the_environment(
     env: dict[str, str] = {}
     with caplog.at_level(logging.INFO, "vllm.tq_warmup_plugin"):
         decision = driver_startup.apply(settings, env, proc, fa2)
-    target = tmp_path / "nv" / "NVIDIA_H200-570.86.15-fa2-x"
+    private = tmp_path / "nv" / f"{driver_startup.PRIVATE_PREFIX}{os.getuid()}"
+    target = private / copy_name(next(root.iterdir()))
     assert env == {"CUDA_CACHE_PATH": str(target), "CUDA_CACHE_MAXSIZE": str(4 << 30)}
+    assert (private.stat().st_mode & 0o777) == 0o700 and Path(env["CUDA_CACHE_PATH"]).is_absolute()
     assert (target / "ab/cd/1234").read_bytes() == b"sass" * 100
     assert [r.levelno for r in caplog.records] == [logging.INFO]
-    assert caplog.records[0].getMessage() == decision.line
-    (target / "index").write_bytes(b"written by the driver")
+    assert caplog.records[0].getMessage() == decision.line and "; copied in " in decision.line
     caplog.clear()
     child = dict(env)  # a process vLLM starts: inherits the variable, changes nothing
     assert driver_startup.apply(settings, child, proc, fa2).action == "keep"
     assert child == env and caplog.records == []
     fresh: dict[str, str] = {"CUDA_CACHE_MAXSIZE": "1000"}  # another process, same pod
-    driver_startup.apply(settings, fresh, proc, fa2)
-    assert (target / "index").read_bytes() == b"written by the driver"  # not copied again
+    with caplog.at_level(logging.INFO, "vllm.tq_warmup_plugin"):
+        driver_startup.apply(settings, fresh, proc, fa2)
+    assert "; reused in " in caplog.records[-1].getMessage()  # re-hashed, kept
     assert fresh["CUDA_CACHE_MAXSIZE"] == "1000"
-    assert not [p for p in (tmp_path / "nv").iterdir() if p.name.startswith(".")]
+    # Anything planted in the copy (or the driver's later writes) is thrown away.
+    (target / "planted").write_bytes(b"not from the build")
+    (target / "ab/cd/1234").write_bytes(b"changed")
+    driver_startup.apply(settings, {}, proc, fa2)
+    assert not (target / "planted").exists()
+    assert (target / "ab/cd/1234").read_bytes() == b"sass" * 100
+    assert not [p for p in private.iterdir() if p.name.startswith(".")]
+
+
+def test_a_copy_name_that_is_a_link_is_replaced_not_followed(
+    tmp_path: Path, layer: tuple[Path, Path, Path]
+) -> None:
+    root, proc, fa2 = layer
+    settings = Settings(driver_cache=str(root), driver_cache_copy_to=str(tmp_path / "nv"))
+    private = tmp_path / "nv" / f"{driver_startup.PRIVATE_PREFIX}{os.getuid()}"
+    private.mkdir(parents=True, mode=0o700)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (private / copy_name(next(root.iterdir()))).symlink_to(victim)
+    env: dict[str, str] = {}
+    driver_startup.apply(settings, env, proc, fa2)
+    target = Path(env["CUDA_CACHE_PATH"])
+    assert not target.is_symlink() and (target / "ab/cd/1234").is_file()
+    assert list(victim.iterdir()) == []
+
+
+@pytest.mark.parametrize("case", ["others-world-writable", "private-is-a-link", "private-open"])
+def test_a_copy_directory_others_could_write_is_refused_in_one_warning(
+    tmp_path: Path, layer: tuple[Path, Path, Path], caplog: pytest.LogCaptureFixture, case: str
+) -> None:
+    """Refused: the copy goes to the private temporary directory instead, said once."""
+    root, proc, fa2 = layer
+    base = tmp_path / "nv"
+    base.mkdir()
+    private = base / f"{driver_startup.PRIVATE_PREFIX}{os.getuid()}"
+    if case == "others-world-writable":
+        if os.geteuid() != 0:
+            pytest.skip("chown to another user needs root")
+        base.chmod(0o777)  # another user's, no sticky bit: they could rename the copy away
+        os.chown(base, 65534, 65534)
+    elif case == "private-is-a-link":
+        (tmp_path / "elsewhere").mkdir()
+        private.symlink_to(tmp_path / "elsewhere")
+    else:
+        private.mkdir(mode=0o700)
+        private.chmod(0o777)
+    settings = Settings(driver_cache=str(root), driver_cache_copy_to=str(base))
+    env: dict[str, str] = {}
+    with caplog.at_level(logging.INFO, "vllm.tq_warmup_plugin"):
+        driver_startup.apply(settings, env, proc, fa2)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "TQ_WARMUP_DRIVER_CACHE_COPY_TO not used" in warnings[0]
+    assert not env.get("CUDA_CACHE_PATH", "").startswith(str(base))
+    if case == "private-is-a-link":
+        assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+def test_a_world_writable_directory_of_ours_gets_the_sticky_bit(
+    tmp_path: Path, layer: tuple[Path, Path, Path]
+) -> None:
+    """A Kubernetes emptyDir is 0777 and root's: used, with the sticky bit set, so that no
+    other user can rename the private directory away."""
+    root, proc, fa2 = layer
+    base = tmp_path / "nv"
+    base.mkdir()
+    base.chmod(0o777)
+    env: dict[str, str] = {}
+    settings = Settings(driver_cache=str(root), driver_cache_copy_to=str(base))
+    driver_startup.apply(settings, env, proc, fa2)
+    assert base.stat().st_mode & 0o7777 == 0o1777
+    assert env["CUDA_CACHE_PATH"].startswith(str(base))
+
+
+def test_a_sticky_shared_directory_holds_a_private_one(tmp_path: Path) -> None:
+    base = tmp_path / "shared"
+    base.mkdir()
+    base.chmod(0o1777)  # like /tmp
+    private = driver_startup.private_dir(str(base))
+    assert isinstance(private, Path) and (private.stat().st_mode & 0o777) == 0o700
+    relative = os.path.relpath(base)
+    assert driver_startup.private_dir(relative) == private  # always absolute
+
+
+def test_an_entry_whose_cache_holds_a_linked_directory_is_not_copied(
+    tmp_path: Path, layer: tuple[Path, Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """startup and verify agree: a symlinked sub-directory of ENTRY/cache is a problem."""
+    root, proc, fa2 = layer
+    cache = next(root.iterdir()) / dc.CACHE_DIR
+    cache.chmod(0o700)
+    outside = tmp_path / "outside"
+    (outside / "cd").mkdir(parents=True)
+    (outside / "cd" / "1234").write_bytes(b"sass" * 100)
+    moved = tmp_path / "moved-ab"
+    (cache / "ab").rename(moved)
+    (cache / "ab").symlink_to(outside)
+    settings = Settings(driver_cache=str(root), driver_cache_copy_to=str(tmp_path / "nv"))
+    env: dict[str, str] = {}
+    with caplog.at_level(logging.INFO, "vllm.tq_warmup_plugin"):
+        driver_startup.apply(settings, env, proc, fa2)
+    assert env == {}
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING and "not a plain file" in record.getMessage()
+    (cache / "ab").unlink()
+    moved.rename(cache / "ab")
+
+
+def test_an_entry_over_the_drivers_cache_limit_is_a_reason(tmp_path: Path) -> None:
+    root = tmp_path / dc.DRIVER_DIR
+    entry = make_entry(root)
+    shipped = dc.read(entry)
+    big = dataclasses.replace(shipped, files={"huge": ("0" * 64, 5 << 30)})
+    settings = Settings(driver_cache=str(root))
+    got = driver_startup.decide(settings, {}, NODE, [(entry, big)], PRIVATE)
+    assert got.action == "warn" and "5.00 GiB, over the driver's 4 GiB cache" in got.line
 
 
 def test_apply_refuses_a_tampered_entry_in_one_warning(

@@ -50,6 +50,7 @@ __all__ = [
     "DriverManifest",
     "EntryError",
     "Node",
+    "content_digest",
     "copy_entry",
     "entries",
     "entry_key",
@@ -63,6 +64,7 @@ __all__ = [
     "read",
     "read_node",
     "stage",
+    "tree_problems",
     "verify_layer",
     "walk",
 ]
@@ -75,7 +77,9 @@ MANIFEST = "manifest.json"
 CACHE_DIR = "cache"
 """An entry's ``CUDA_CACHE_PATH`` content."""
 STAGE_PREFIX = ".tq-warmup-stage-"
-MAX_MANIFEST_BYTES = 8 << 20
+MAX_MANIFEST_BYTES = 1 << 20
+"""An entry's manifest: ~100 bytes a file, so 10,000 files; 64 of 8 MiB cost about 10 s
+in every vLLM process (issue 30), 64 of 1 MiB about 1 s."""
 MAX_FILES = 100_000
 MAX_DEPTH = 8
 MAX_ENTRIES = 64
@@ -369,39 +373,63 @@ def hash_file(path: str | Path, size: int, out: Any = None) -> str:
 def file_problems(entry: str | Path, shipped: DriverManifest) -> list[str]:
     """Each cache file of ``entry`` that is missing, differs, is not listed or is not a
     plain file: what the driver would load that the build did not write."""
-    top = Path(entry) / CACHE_DIR
+    return tree_problems(Path(entry) / CACHE_DIR, shipped, CACHE_DIR)
+
+
+def tree_problems(
+    top: str | Path, shipped: DriverManifest, label: str, hashed: bool = True
+) -> list[str]:
+    """``file_problems`` of any tree that should hold exactly ``shipped``'s files (an
+    entry's cache, or a copy made from it); ``hashed=False``: the shape only (every file
+    listed and plain, no link anywhere, none missing), for a copy that hashes as it goes."""
+    top = Path(top)
     problems: list[str] = []
     seen: set[str] = set()
     try:
         for name, item in walk(top):
             if item is None:
-                problems.append(f"{CACHE_DIR}/{name}: not a plain file (a symlink, or too deep)")
+                problems.append(f"{label}/{name}: not a plain file (a symlink, or too deep)")
             elif name not in shipped.files:
-                problems.append(f"{CACHE_DIR}/{name}: not in the manifest")
+                problems.append(f"{label}/{name}: not in the manifest")
             else:
                 seen.add(name)
     except OSError as exc:
-        return [f"{CACHE_DIR}: cannot be read ({exc.strerror or exc})"]
+        return [f"{label}: cannot be read ({exc.strerror or exc})"]
     for name in sorted(set(shipped.files) - seen):
-        problems.append(f"{CACHE_DIR}/{name}: listed by the manifest, no such file")
-    for name in sorted(seen):
+        problems.append(f"{label}/{name}: listed by the manifest, no such file")
+    for name in sorted(seen) if hashed else ():
         sha, size = shipped.files[name]
         try:
             found = hash_file(top / name, size)
         except (EntryError, OSError) as exc:
-            problems.append(f"{CACHE_DIR}/{name}: {exc}")
+            problems.append(f"{label}/{name}: {exc}")
             continue
         if found != sha:
             problems.append(
-                f"{CACHE_DIR}/{name}: the manifest says sha256 {sha[:12]}, found {found[:12]}"
+                f"{label}/{name}: the manifest says sha256 {sha[:12]}, found {found[:12]}"
             )
     return problems
 
 
+def content_digest(shipped: DriverManifest) -> str:
+    """sha256 of the manifest's canonical form: every file's sha256 and size, the node
+    it was built for; a copy is named by it, so two entries' copies never share a name."""
+    import hashlib  # not at module level: register() with no matching entry hashes nothing
+
+    return hashlib.sha256(shipped.to_json().encode()).hexdigest()
+
+
 def copy_entry(entry: str | Path, shipped: DriverManifest, dest: str | Path) -> None:
     """Copy the files ``shipped`` lists (nothing else) from ``entry`` into ``dest`` (a new
-    directory), hashing each as it is read; ``EntryError`` on the first that differs."""
+    directory), hashing each as it is read; ``EntryError`` on the first that differs, and
+    first on a cache that is not exactly the listed plain files (a symlinked
+    sub-directory: ``open`` would follow it, and ``verify`` calls it a problem)."""
     src, out = Path(entry) / CACHE_DIR, Path(dest)
+    # Unlisted plain files are left behind (never copied); anything else stops the copy.
+    shape = [p for p in tree_problems(src, shipped, CACHE_DIR, hashed=False)
+             if not p.endswith(": not in the manifest")]  # fmt: skip
+    if shape:
+        raise EntryError(shape[0] + (f" (and {len(shape) - 1} more)" if len(shape) > 1 else ""))
     out.mkdir(parents=True, exist_ok=True)
     for name, (sha, size) in sorted(shipped.files.items()):
         target = out / name

@@ -11,33 +11,47 @@ is found without importing vLLM and compared by size (the build and ``tq-warmup 
 compare its sha256; a same-size other build would only miss, as the driver keys its
 entries).
 
-Where an entry of ``TQ_WARMUP_DRIVER_CACHE`` matches: ``CUDA_CACHE_PATH`` is the entry's
-cache itself when it is writable, else a copy (the driver serves no hit from a read-only
-one: the same launch over a read-only bind mount was no hit within 110 s on the H200), made
-once per directory (stage + rename, every file hashed as it is copied) into
-``TQ_WARMUP_DRIVER_CACHE_COPY_TO`` or the temporary directory; ``CUDA_CACHE_MAXSIZE`` is
-raised to 4 GiB unless set (the default 256 MiB may evict). A ``CUDA_CACHE_PATH`` already
-set is kept (one WARNING) unless ``TQ_WARMUP_DRIVER_CACHE_OVERRIDE`` is on; one that equals
-the choice was set by this process's parent and is silently kept. A mismatch is one WARNING
-and the driver JITs as before. Nothing here raises.
-"""
+Where an entry of ``TQ_WARMUP_DRIVER_CACHE`` matches, the driver only ever gets a copy this
+process checked, made from hashed bytes, in a directory only this user can write (issue 30):
+the entry's cache is never used in place (a file changed or added after the build would be
+served, and the driver would write into the shipped layer). The copy is
+``<base>/tq-warmup-driver-<uid>/<entry>-<content digest>``: ``base`` is
+``TQ_WARMUP_DRIVER_CACHE_COPY_TO`` (absolute) or the temporary directory; the private directory is made 0700, and used only
+when it is a real directory (no symlink), this user's and closed to others. A base of this
+user's that others may write without the sticky bit (a Kubernetes emptyDir is 0777) gets the
+sticky bit, one INFO line; another user's is refused. A copy already there is re-hashed
+against the manifest and replaced when anything differs (a planted or changed file, a link,
+a driver's later addition); a new one is staged beside it and renamed into place, every file
+hashed as it is read, after the entry's cache is checked to hold plain files and directories
+only, every listed one (a symlinked sub-directory is refused, as ``verify`` refuses it;
+an unlisted plain file is never copied). An entry bigger than the driver's cache limit
+(``CUDA_CACHE_MAXSIZE``, 4 GiB) is not copied (a reason in the WARNING, the next entry
+tried). The driver serves no hit from a read-only cache (the same launch over a read-only
+bind mount was no hit within 110 s on the H200), so a copy is needed anyway.
+``CUDA_CACHE_MAXSIZE`` is raised to 4 GiB unless set (the default 256 MiB may evict). A
+``CUDA_CACHE_PATH`` already set is kept (one WARNING) unless
+``TQ_WARMUP_DRIVER_CACHE_OVERRIDE`` is on; one that equals the choice was set by this
+process's parent and is silently kept. A mismatch is one WARNING and the driver JITs as
+before. Nothing here raises."""
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import logging
 import os
 import shutil
+import stat
 import sys
 import tempfile
-from collections.abc import Callable, MutableMapping, Sequence
+import time
+from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 from . import driver_cache
 from .settings import Settings
 
-__all__ = ["MAXSIZE", "TAIL", "Decision", "apply", "decide"]
+__all__ = ["MAXSIZE", "PRIVATE_PREFIX", "TAIL", "Decision", "apply", "decide", "private_dir"]
 
 logger = logging.getLogger("vllm.tq_warmup_plugin")
 
@@ -69,17 +83,19 @@ def _describe(node: driver_cache.Node) -> str:
     return f"driver {node.driver or 'not found'}, GPU {gpus}, FA2 library {node.fa2_size} bytes"
 
 
+PRIVATE_PREFIX = "tq-warmup-driver-"
+
+
 def decide(
     settings: Settings,
     env: MutableMapping[str, str],
     node: driver_cache.Node,
     found: Sequence[tuple[Path, driver_cache.DriverManifest | str]],
-    writable: Callable[[Path], bool],
-    temp_dir: str,
+    private: Path | str,
 ) -> Decision:
     """The choice, from what was read (pure): ``found`` is each entry with its manifest
-    or the one line saying why it is not usable; ``temp_dir`` holds the copy when
-    neither a copy directory is set nor the entry is writable."""
+    or the one line saying why it is not usable; ``private`` the private directory the
+    copy goes into, or the one line saying why there is none."""
     root = settings.driver_cache
     if root is None:
         return Decision("keep")
@@ -91,6 +107,8 @@ def decide(
     reasons = []
     for entry, shipped in found:
         problems = [shipped] if isinstance(shipped, str) else driver_cache.match(shipped, node)
+        if not problems and not isinstance(shipped, str) and shipped.size > int(MAXSIZE):
+            problems = [f"{shipped.size / 2**30:.2f} GiB, over the driver's 4 GiB cache"]
         if not problems:
             break
         reasons.append(f"{entry.name}: {'; '.join(problems)}")
@@ -100,13 +118,9 @@ def decide(
             f"{head}: no entry for this node ({_describe(node)}): {' | '.join(reasons)}: {tail}",
         )
     assert not isinstance(shipped, str)
-    cache = entry / driver_cache.CACHE_DIR
-    if settings.driver_cache_copy_to:
-        action, path = "copy", str(Path(settings.driver_cache_copy_to, entry.name))
-    elif writable(cache):
-        action, path = "use", str(cache)
-    else:
-        action, path = "copy", str(Path(temp_dir, entry.name))
+    if isinstance(private, str):
+        return Decision("warn", f"{head}: not used, {private}: {tail}")
+    path = str(private / f"{entry.name}-{driver_cache.content_digest(shipped)[:12]}")
     current = env.get("CUDA_CACHE_PATH")
     if current == path:
         return Decision("keep")
@@ -116,29 +130,70 @@ def decide(
             f"{head}: not used, CUDA_CACHE_PATH={current} is set "
             f"(TQ_WARMUP_DRIVER_CACHE_OVERRIDE=1 replaces it): {tail}",
         )
-    how = "a copy of " if action == "copy" else ""
     line = (
-        f"{head}: CUDA_CACHE_PATH={path}, {how}{entry.name} ({len(shipped.files)} files, "
-        f"{shipped.size / 2**20:.1f} MiB; {shipped.gpu}, driver {shipped.driver})"
+        f"{head}: CUDA_CACHE_PATH={path}, a checked copy of {entry.name} "
+        f"({len(shipped.files)} files, {shipped.size / 2**20:.1f} MiB; {shipped.gpu}, "
+        f"driver {shipped.driver})"
     )
-    return Decision(action, line, path, entry, shipped)
+    return Decision("copy", line, path, entry, shipped)
 
 
-def _copy(entry: Path, shipped: driver_cache.DriverManifest, path: Path) -> None:
-    """Make ``path`` a complete copy, once: a stage beside it, renamed into place; if
-    another process got there first, its copy is used."""
-    if path.is_dir():
-        return
+def private_dir(base: str, uid: int | None = None) -> Path | str:
+    """``base/tq-warmup-driver-<uid>``, made 0700 if absent: the directory the copies go
+    into, or why it cannot be (one line). ``base`` must be a directory others cannot
+    write, or one with the sticky bit (``/tmp``); the private one must be a real
+    directory, this user's, closed to others; nothing is followed through a link."""
+    uid = os.getuid() if uid is None else uid
+    where = os.path.abspath(base)
+    try:
+        if not os.path.lexists(where):  # made here: this user's, closed to others
+            os.makedirs(where, mode=0o700)
+        info = os.stat(where)
+    except OSError as exc:
+        return f"{where}: {exc.strerror or exc}"
+    if not stat.S_ISDIR(info.st_mode):
+        return f"{where} is not a directory"
+    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        if info.st_uid != uid:
+            return (
+                f"{where} is writable by others (mode {info.st_mode & 0o7777:o}) without the "
+                "sticky bit and is not this user's: another user could swap the copy"
+            )
+        # Ours (a Kubernetes emptyDir is root's, 0777): the sticky bit, as /tmp has, so
+        # that no other user can rename or remove what this user makes in it.
+        os.chmod(where, stat.S_IMODE(info.st_mode) | stat.S_ISVTX)
+        logger.info("tq-warmup: set the sticky bit on %s (others could write it)", where)
+    private = os.path.join(where, f"{PRIVATE_PREFIX}{uid}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(private, 0o700)
+    mine = os.lstat(private)
+    if stat.S_ISLNK(mine.st_mode) or not stat.S_ISDIR(mine.st_mode):
+        return f"{private} is not a directory (a symlink?)"
+    if mine.st_uid != uid or mine.st_mode & 0o077:
+        return (
+            f"{private} is not this user's private directory "
+            f"(owner {mine.st_uid}, mode {mine.st_mode & 0o7777:o})"
+        )
+    return Path(private)
+
+
+def _place(entry: Path, shipped: driver_cache.DriverManifest, path: Path) -> str:
+    """Make ``path`` a verified copy of the entry: one already there is kept only when
+    every file hashes to the manifest and nothing else is there; else a new one is
+    staged beside it (every file hashed as it is copied) and renamed into place.
+    Returns how: ``reused`` or ``copied``."""
+    if not path.is_symlink() and path.is_dir():
+        if not driver_cache.tree_problems(path, shipped, path.name):
+            return "reused"
+    elif os.path.lexists(path):
+        os.unlink(path)  # a link or a file planted at the copy's name
     staged = driver_cache.stage(path.parent)
     try:
         driver_cache.copy_entry(entry, shipped, staged)
-        try:
-            os.rename(staged, path)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
+        driver_cache.install(staged, path)
     finally:
         shutil.rmtree(staged, ignore_errors=True)
+    return "copied"
 
 
 def _cuda_started() -> bool:
@@ -181,14 +236,18 @@ def _apply(
         except (driver_cache.EntryError, OSError) as exc:
             found.append((entry, f"manifest: {exc}"))
     node = driver_cache.read_node(proc, fa2 if fa2 is not None else driver_cache.fa2_library())
-    decision = decide(
-        settings,
-        env,
-        node,
-        found,
-        lambda p: p.is_dir() and os.access(p, os.W_OK),
-        os.path.join(tempfile.gettempdir(), f"tq-warmup-driver-cache-{os.getuid()}"),
-    )
+    base = settings.driver_cache_copy_to or tempfile.gettempdir()
+    private = private_dir(base)
+    if isinstance(private, str) and settings.driver_cache_copy_to:
+        # A COPY_TO others can swap: the private temporary directory instead, said here.
+        logger.warning(
+            "%s: TQ_WARMUP_DRIVER_CACHE_COPY_TO not used (%s): copying to the temporary "
+            "directory instead",
+            _head(settings.driver_cache),
+            private,
+        )
+        private = private_dir(tempfile.gettempdir())
+    decision = decide(settings, env, node, found, private)
     if decision.action == "keep":
         return decision
     if decision.action == "info":
@@ -198,19 +257,17 @@ def _apply(
         logger.warning(decision.line)
         return decision
     assert decision.path and decision.entry and decision.manifest
-    if decision.action == "copy":
-        try:
-            _copy(decision.entry, decision.manifest, Path(decision.path))
-        except (driver_cache.EntryError, OSError) as exc:
-            where = decision.path
-            line = (
-                f"{_head(settings.driver_cache)}: not used, copy to {where} failed ({exc}): {TAIL}"
-            )
-            logger.warning(line)
-            return Decision("warn", line)
+    t = time.perf_counter()
+    try:
+        how = _place(decision.entry, decision.manifest, Path(decision.path))
+    except (driver_cache.EntryError, OSError) as exc:
+        where = decision.path
+        line = f"{_head(settings.driver_cache)}: not used, copy to {where} failed ({exc}): {TAIL}"
+        logger.warning(line)
+        return Decision("warn", line)
     env["CUDA_CACHE_PATH"] = decision.path
     env.setdefault("CUDA_CACHE_MAXSIZE", MAXSIZE)
-    line = decision.line
+    line = f"{decision.line}; {how} in {time.perf_counter() - t:.2f} s"
     if _cuda_started():
         line += "; CUDA is already initialised here: it applies to the processes this one starts"
     logger.info(line)

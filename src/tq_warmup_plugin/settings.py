@@ -70,8 +70,8 @@ class Settings(NamedTuple):
         (``tq-warmup driver-cache``'s ``LAYER/driver-cache``); where an entry matches
         this node, ``register()`` points ``CUDA_CACHE_PATH`` at it (``driver_startup``).
     driver_cache_copy_to: ``TQ_WARMUP_DRIVER_CACHE_COPY_TO``: a writable directory
-        the matching entry is copied into first (default: none, the entry itself when
-        it is writable, else a copy in the temporary directory).
+        the matching entry is copied into first, in a private ``tq-warmup-driver-<uid>``
+        directory (default: the temporary directory; never the entry itself).
     driver_cache_override: ``TQ_WARMUP_DRIVER_CACHE_OVERRIDE`` (default off): replace a
         ``CUDA_CACHE_PATH`` that is already set (else it is left alone, one WARNING).
     """
