@@ -16,8 +16,8 @@ process checked, made from hashed bytes, in a directory only this user can write
 the entry's cache is never used in place (a file changed or added after the build would be
 served, and the driver would write into the shipped layer). The copy is
 ``<base>/tq-warmup-driver-<uid>/<entry>-<content digest>``: ``base`` is
-``TQ_WARMUP_DRIVER_CACHE_COPY_TO`` (absolute) or the temporary directory; the private directory is made 0700, and used only
-when it is a real directory (no symlink), this user's and closed to others. A base of this
+``TQ_WARMUP_DRIVER_CACHE_COPY_TO`` (absolute) or the temporary directory; the private
+directory is made 0700, and used only when it is a real directory (no symlink), this user's and closed to others. A base of this
 user's that others may write without the sticky bit (a Kubernetes emptyDir is 0777) gets the
 sticky bit, one INFO line; another user's is refused. A copy already there is re-hashed
 against the manifest and replaced when anything differs (a planted or changed file, a link,
