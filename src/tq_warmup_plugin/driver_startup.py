@@ -19,8 +19,8 @@ served, and the driver would write into the shipped layer). The copy is
 ``TQ_WARMUP_DRIVER_CACHE_COPY_TO`` (absolute) or the temporary directory; the private
 directory is made 0700, and used only when it is a real directory (no symlink), this user's
 and closed to others. A base of this user's that others may write without the sticky bit (a
-Kubernetes emptyDir is 0777) gets the sticky bit, one INFO line; another user's is refused. A copy already there is re-hashed
-against the manifest and replaced when anything differs (a planted or changed file, a link,
+Kubernetes emptyDir is 0777) gets the sticky bit, one INFO line; another user's is refused.
+A copy already there is re-hashed against the manifest and replaced when anything differs (a planted or changed file, a link,
 a driver's later addition); a new one is staged beside it and renamed into place, every file
 hashed as it is read, after the entry's cache is checked to hold plain files and directories
 only, every listed one (a symlinked sub-directory is refused, as ``verify`` refuses it;
