@@ -11,28 +11,28 @@ is found without importing vLLM and compared by size (the build and ``tq-warmup 
 compare its sha256; a same-size other build would only miss, as the driver keys its
 entries).
 
-Where an entry of ``TQ_WARMUP_DRIVER_CACHE`` matches, the driver only ever gets a copy this
-process checked, made from hashed bytes, in a directory only this user can write (issue 30):
-the entry's cache is never used in place (a file changed or added after the build would be
-served, and the driver would write into the shipped layer). The copy is
+Where an entry of ``TQ_WARMUP_DRIVER_CACHE`` matches, the driver only ever gets a copy
+this process checked, made from hashed bytes, in a directory only this user can write
+(issue 30): the entry's cache is never used in place (a file changed or added after the
+build would be served, and the driver would write into the shipped layer). The copy is
 ``<base>/tq-warmup-driver-<uid>/<entry>-<content digest>``: ``base`` is
 ``TQ_WARMUP_DRIVER_CACHE_COPY_TO`` (absolute) or the temporary directory; the private
-directory is made 0700, and used only when it is a real directory (no symlink), this user's
-and closed to others. A base of this user's that others may write without the sticky bit (a
-Kubernetes emptyDir is 0777) gets the sticky bit, one INFO line; another user's is refused.
-A copy already there is re-hashed against the manifest and replaced when anything differs (a planted or changed file, a link,
-a driver's later addition); a new one is staged beside it and renamed into place, every file
-hashed as it is read, after the entry's cache is checked to hold plain files and directories
-only, every listed one (a symlinked sub-directory is refused, as ``verify`` refuses it;
-an unlisted plain file is never copied). An entry bigger than the driver's cache limit
-(``CUDA_CACHE_MAXSIZE``, 4 GiB) is not copied (a reason in the WARNING, the next entry
-tried). The driver serves no hit from a read-only cache (the same launch over a read-only
-bind mount was no hit within 110 s on the H200), so a copy is needed anyway.
-``CUDA_CACHE_MAXSIZE`` is raised to 4 GiB unless set (the default 256 MiB may evict). A
-``CUDA_CACHE_PATH`` already set is kept (one WARNING) unless
-``TQ_WARMUP_DRIVER_CACHE_OVERRIDE`` is on; one that equals the choice was set by this
-process's parent and is silently kept. A mismatch is one WARNING and the driver JITs as
-before. Nothing here raises."""
+directory is made 0700, and used only when it is a real directory (no symlink), this
+user's and closed to others. A base of this user's that others may write without the
+sticky bit (a Kubernetes emptyDir is 0777) gets the sticky bit, one INFO line; another
+user's is refused. A copy already there is re-hashed against the manifest and replaced
+when anything differs (a planted or changed file, a link, a driver's later addition); a
+new one is staged beside it and renamed into place, every file hashed as it is read, after
+the entry's cache is checked to hold plain files and directories only, every listed one (a
+symlinked sub-directory is refused, as ``verify`` refuses it; an unlisted plain file is
+never copied). An entry bigger than the driver's cache limit (``CUDA_CACHE_MAXSIZE``, 4
+GiB) is not copied (a reason in the WARNING, the next entry tried). The driver serves no
+hit from a read-only cache (the same launch over a read-only bind mount was no hit within
+110 s on the H200), so a copy is needed anyway. ``CUDA_CACHE_MAXSIZE`` is raised to 4 GiB
+unless set (the default 256 MiB may evict). A ``CUDA_CACHE_PATH`` already set is kept (one
+WARNING) unless ``TQ_WARMUP_DRIVER_CACHE_OVERRIDE`` is on; one that equals the choice was
+set by this process's parent and is silently kept. A mismatch is one WARNING and the
+driver JITs as before. Nothing here raises."""
 
 from __future__ import annotations
 
