@@ -310,3 +310,20 @@ def test_register_with_a_driver_cache_imports_no_heavy_module(
     assert {m.split(".")[0] for m in new} & {"torch", "triton", "vllm", "pluggy"} == set()
     assert "tq_warmup_plugin.driver_startup" in new and "hashlib" not in new
     assert path is None  # no node has the fake entry's driver: one WARNING, nothing set
+
+
+def test_a_pin_refuses_an_entry_it_does_not_name(
+    tmp_path: Path, layer: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tq_warmup_plugin import pins
+
+    root, proc, fa2 = layer
+    entry = next(root.iterdir())
+    settings = Settings(driver_cache=str(root), driver_cache_copy_to=str(tmp_path / "nv"))
+    monkeypatch.setenv(pins.PIN_ENV, "sha256:" + "0" * 64)
+    refused = driver_startup.apply(settings, {}, proc, fa2)
+    assert refused.action == "warn" and "is not pinned by TQ_WARMUP_CACHE_PIN" in refused.line
+    digest = pins.digest((entry / dc.MANIFEST).read_bytes())
+    monkeypatch.setenv(pins.PIN_ENV, f"sha256:{digest}")
+    env: dict[str, str] = {}
+    assert driver_startup.apply(settings, env, proc, fa2).action == "copy" and env

@@ -294,3 +294,42 @@ def test_verify_escapes_what_the_layers_author_wrote(
     assert len(lines) == 2 and lines[1].endswith("1 problem; not checked (not known here): arch")
     assert all(line.isprintable() for line in lines)
     assert ascii(name)[1:-1] in lines[0] and not lines[0].startswith("tq-warmup:")
+
+
+def test_a_pin_serves_only_the_manifests_it_names(
+    shipped_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``verify --print-pin`` prints the value; with it set the layer verifies, with
+    another digest its manifest is refused (the read every served lookup makes)."""
+    from tq_warmup_plugin import pins
+
+    rc, lines, _ = verify(capsys, "--cache-dir", str(shipped_dir), "--print-pin")
+    (path,) = manifest.manifest_files(shipped_dir)
+    value = f"{pins.PIN_ENV}=sha256:{pins.digest(path.read_bytes())}"
+    assert rc == 0 and lines[-1] == value
+    monkeypatch.setenv(pins.PIN_ENV, value.split("=", 1)[1])
+    assert verify(capsys, "--cache-dir", str(shipped_dir))[0] == 0
+    monkeypatch.setenv(pins.PIN_ENV, "sha256:" + "0" * 64)
+    rc, lines, _ = verify(capsys, "--cache-dir", str(shipped_dir))
+    assert rc == 1 and "is not pinned by TQ_WARMUP_CACHE_PIN" in lines[0]
+    with pytest.raises(manifest.ManifestError, match="not pinned"):
+        manifest.read(path, frozenset({"0" * 64}))
+    assert manifest.read(path, None).files  # unpinned: served on its files alone
+
+
+@pytest.mark.parametrize(
+    ("text", "pinned", "problems"),
+    [
+        (None, None, 0),
+        ("", None, 0),
+        ("sha256:" + "a" * 64, {"a" * 64}, 0),
+        (" SHA256:" + "A" * 64 + " , sha256:" + "b" * 64, {"a" * 64, "b" * 64}, 0),
+        ("md5:abc", set(), 1),  # pins nothing: every manifest refused
+        ("sha256:" + "a" * 63, set(), 1),
+    ],
+)
+def test_pin_values(text: str | None, pinned: set[str] | None, problems: int) -> None:
+    from tq_warmup_plugin import pins
+
+    found, lines = pins.parse(text)
+    assert (found if found is None else set(found)) == pinned and len(lines) == problems

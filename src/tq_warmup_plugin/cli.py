@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pluggy
 
-from . import compat, launches, manifest, planning, safe_io, warmup
+from . import compat, launches, manifest, pins, planning, safe_io, warmup
 from .cli_flags import Parser, arch, command, geometry_flags, report_conflicts, whole
 from .cli_inputs import CliError, geometries, geometries_from_report
 from .geometry import Geometry
@@ -218,6 +218,7 @@ def precompile(args: argparse.Namespace) -> int:
         f"vLLM import; vLLM {installed['vllm']}, Triton {installed['triton']}; "
         f"manifest {manifest_file.name})"
     )
+    print(pins.line([pins.digest(manifest_file.read_bytes())]))  # TQ_WARMUP_CACHE_PIN
     for line in report.errors:
         print(f"  failed: {line}", file=sys.stderr)
     return 1 if report.errors else 0
@@ -256,6 +257,15 @@ def driver_cache(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
 
 
+def _manifest_digests(root: Path, triton: list[Path]) -> list[str]:
+    """The sha256 of every manifest file ``verify`` read: the Triton layer's, and each
+    driver-cache entry's ``manifest.json`` (``TQ_WARMUP_CACHE_PIN``'s items)."""
+    from . import driver_cache as dc
+
+    files = [*triton, *(e / dc.MANIFEST for e in dc.entries(root / dc.DRIVER_DIR))]
+    return [pins.digest(safe_io.read_bytes(str(p), safe_io.MAX_JSON_BYTES)) for p in files]
+
+
 def _say(line: str) -> None:
     """One line of ``verify``'s report: what a layer's author controls is escaped."""
     print(safe_io.printable(line))
@@ -283,9 +293,10 @@ def verify(args: argparse.Namespace) -> int:
         return 1
     here = manifest.installed_stack(arch=args.arch)
     problems, found = len(stale), {}
+    pinned = pins.current()
     for path in paths:
         try:
-            found[path.name] = manifest.read(path)
+            found[path.name] = manifest.read(path, pinned)
         except manifest.ManifestError as exc:
             _say(f"{path.name}: not a usable manifest: {exc}")
             problems += 1
@@ -308,6 +319,8 @@ def verify(args: argparse.Namespace) -> int:
     if unchecked:
         summary += f"; not checked (not known here): {', '.join(unchecked)}"
     _say(summary)
+    if args.print_pin:
+        _say(pins.line(_manifest_digests(root, [root / n for n in found])))
     return 1 if problems or driver_problems else 0
 
 
@@ -348,6 +361,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         sub, "verify", help="check a precompiled cache dir's files and stack (exit 1 on a problem)"
     )
     p_verify.add_argument("--cache-dir", required=True, help="a layer tq-warmup precompile built")
+    p_verify.add_argument(
+        "--print-pin",
+        action="store_true",
+        help="also print the TQ_WARMUP_CACHE_PIN value that pins every manifest it read",
+    )
     p_verify.add_argument(
         "--arch", type=arch, help="the GPU it is for, e.g. 90 (default: arch is not checked)"
     )

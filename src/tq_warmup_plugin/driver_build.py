@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from . import driver_cache
+from . import driver_cache, pins
 from .driver_startup import MAXSIZE
 from .launches import Launch
 
@@ -240,6 +240,8 @@ def build(
         + f"{len(shipped.files)} files, {shipped.size / 2**20:.1f} MiB; "
         f"{time.perf_counter() - start:.1f} s in all"
     )
+    # The value a pod spec pins this entry with (``TQ_WARMUP_CACHE_PIN``).
+    print(pins.line([pins.digest(shipped.to_json().encode())]))
     return 0
 
 

@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from . import safe_io
+from .pins import current as pin_current
+from .pins import refusal as pin_refusal
 
 __all__ = [
     "CACHE_DIR",
@@ -217,9 +219,14 @@ def parse(text: bytes | str) -> DriverManifest:
     )
 
 
-def read(entry: str | Path) -> DriverManifest:
-    """The manifest of one entry directory (bounded, a regular file only)."""
-    return parse(_read_bounded(Path(entry) / MANIFEST, MAX_MANIFEST_BYTES))
+def read(entry: str | Path, pins: frozenset[str] | None = None) -> DriverManifest:
+    """The manifest of one entry directory (bounded, a regular file only); with ``pins``
+    (``TQ_WARMUP_CACHE_PIN``) the bytes read must be pinned, else ``EntryError``."""
+    data = _read_bounded(Path(entry) / MANIFEST, MAX_MANIFEST_BYTES)
+    refused = pin_refusal(pins, data)
+    if refused:
+        raise EntryError(refused)
+    return parse(data)
 
 
 def entries(root: str | Path) -> list[Path]:
@@ -485,9 +492,10 @@ def verify_layer(layer: str | Path, node: Node) -> tuple[str, list[str]] | None:
     usable: dict[str, list[str]] = {}  # each readable entry's match problems on ``node``
     found = entries(root)
     files = 0
+    pinned = pin_current()
     for entry in found:
         try:
-            shipped = read(entry)
+            shipped = read(entry, pinned)
         except EntryError as exc:
             problems.append(f"{DRIVER_DIR}/{entry.name}: not a usable manifest: {exc}")
             continue

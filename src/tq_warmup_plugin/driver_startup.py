@@ -48,7 +48,7 @@ from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from . import driver_cache
+from . import driver_cache, pins
 from .settings import Settings
 
 __all__ = ["MAXSIZE", "PRIVATE_PREFIX", "TAIL", "Decision", "apply", "decide", "private_dir"]
@@ -230,9 +230,10 @@ def _apply(
     if settings.driver_cache is None:
         return Decision("keep")
     found: list[tuple[Path, driver_cache.DriverManifest | str]] = []
+    pinned = pins.current()  # TQ_WARMUP_CACHE_PIN: only the entries it names
     for entry in driver_cache.entries(settings.driver_cache):
         try:
-            found.append((entry, driver_cache.read(entry)))
+            found.append((entry, driver_cache.read(entry, pinned)))
         except (driver_cache.EntryError, OSError) as exc:
             found.append((entry, f"manifest: {exc}"))
     node = driver_cache.read_node(proc, fa2 if fa2 is not None else driver_cache.fa2_library())

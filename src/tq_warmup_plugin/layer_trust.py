@@ -40,7 +40,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import manifest
+from . import manifest, pins
 from .settings import load as load_settings
 
 __all__ = ["OWNER", "PREFIX", "SHM", "layer_trust", "private_root", "sweep", "warn_once"]
@@ -353,9 +353,10 @@ def _read_layer(root: str, active: Any) -> _Trust:
         )
         return _Trust(root, {})
     found: dict[str, manifest.Manifest] = {}
+    pinned = pins.current()  # TQ_WARMUP_CACHE_PIN: only the manifests it names
     for path in files:
         try:
-            found[path.name] = manifest.read(path)
+            found[path.name] = manifest.read(path, pinned)
         except Exception as exc:  # ManifestError; anything else costs this manifest too
             logger.warning(
                 "tq-warmup: Triton cache layer %s: %s is not a usable manifest (%s); "

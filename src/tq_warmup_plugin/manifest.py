@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from . import compat, safe_io
+from .pins import refusal as pin_refusal
 
 __all__ = [
     "PREFIX",
@@ -245,12 +246,17 @@ def manifest_files(root: str | Path) -> list[Path]:
     return [Path(root, n) for n in sorted(names) if n.endswith(".json")]
 
 
-def read(path: Path) -> Manifest:
+def read(path: Path, pins: frozenset[str] | None = None) -> Manifest:
     """The manifest at ``path``: any failure, whatever raised it (a FIFO, a symlink to
     ``/dev/zero``, a ``RecursionError`` of deep JSON, a wrong type anywhere), is one
-    ``ManifestError``: it costs that manifest only."""
+    ``ManifestError``: it costs that manifest only. With ``pins`` (``TQ_WARMUP_CACHE_PIN``)
+    the bytes read must be pinned, else ``ManifestError`` says so."""
     try:
-        return from_json(safe_io.read_json(str(path)))
+        data = safe_io.read_bytes(str(path), safe_io.MAX_JSON_BYTES)
+        refused = pin_refusal(pins, data)
+        if refused:
+            raise ManifestError(refused)
+        return from_json(safe_io.parse_json(data))
     except ManifestError:
         raise
     except safe_io.UnsafeFile as exc:

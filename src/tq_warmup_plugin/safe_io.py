@@ -39,6 +39,7 @@ __all__ = [
     "UnsafeFile",
     "open_dir",
     "open_regular",
+    "parse_json",
     "printable",
     "read_bytes",
     "read_json",
@@ -200,7 +201,12 @@ def read_json(
     """The JSON value in regular file ``path``: UTF-8, at most ``limit`` bytes and
     ``MAX_JSON_DEPTH`` levels (Python's parser raises ``RecursionError`` near 1000
     levels, or sooner on a deep stack such as a compile thread's)."""
-    data = read_bytes(path, limit, dir_fd=dir_fd, follow=follow)
+    return parse_json(read_bytes(path, limit, dir_fd=dir_fd, follow=follow))
+
+
+def parse_json(data: bytes) -> Any:
+    """``read_json``'s parse of bytes already read (UTF-8, ``MAX_JSON_DEPTH`` levels):
+    for a caller that must check the very bytes it parses (a pinned manifest's digest)."""
     with _guarded():
         try:
             value = json.loads(data.decode("utf-8"))
