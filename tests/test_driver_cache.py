@@ -12,7 +12,7 @@ from pathlib import Path
 import fakes
 import pytest
 
-from tq_warmup_plugin import cli, launches
+from tq_warmup_plugin import cli, driver_verify, launches
 from tq_warmup_plugin import driver_cache as dc
 from tq_warmup_plugin.driver_cache import DriverManifest, EntryError, Node
 
@@ -202,20 +202,20 @@ def test_entries_skip_stages_symlinks_and_files(tmp_path: Path) -> None:
 
 
 def test_verify_layer_checks_files_and_the_node(tmp_path: Path) -> None:
-    assert dc.verify_layer(tmp_path, Node()) is None
+    assert driver_verify.verify_layer(tmp_path, Node()) is None
     root = tmp_path / dc.DRIVER_DIR
     make_entry(root)
     make_entry(root, key="h100", gpu="NVIDIA H100 80GB HBM3")
     here = Node("570.86.15", ("NVIDIA H200",), len(FA2))
-    assert dc.verify_layer(tmp_path, here) == (
+    assert driver_verify.verify_layer(tmp_path, here) == (
         f"tq-warmup: {root}: 2 driver cache entries, 4 files: 0 problems; "
         "1 for another GPU or driver",
         [],
     )
-    summary, problems = dc.verify_layer(tmp_path, Node()) or ("", [])
+    summary, problems = driver_verify.verify_layer(tmp_path, Node()) or ("", [])
     assert problems == [] and summary.endswith("not checked (not known here): driver, gpu")
     newer = Node("580.95.05", ("NVIDIA H200",), len(FA2))
-    _, problems = dc.verify_layer(tmp_path, newer) or ("", [])
+    _, problems = driver_verify.verify_layer(tmp_path, newer) or ("", [])
     assert problems == [
         "driver-cache/NVIDIA_H200-570.86.15-fa2-x: driver: the manifest says 570.86.15, "
         "found 580.95.05",
@@ -223,7 +223,7 @@ def test_verify_layer_checks_files_and_the_node(tmp_path: Path) -> None:
         "driver-cache/h100: gpu: the manifest says NVIDIA H100 80GB HBM3, found NVIDIA H200",
     ]
     (root / "h100" / dc.MANIFEST).write_text("{")
-    _, problems = dc.verify_layer(tmp_path, here) or ("", [])
+    _, problems = driver_verify.verify_layer(tmp_path, here) or ("", [])
     assert problems[0].startswith("driver-cache/h100: not a usable manifest: not JSON")
 
 

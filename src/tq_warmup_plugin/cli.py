@@ -278,13 +278,13 @@ def verify(args: argparse.Namespace) -> int:
     root = Path(args.cache_dir)
     if not root.is_dir():
         raise CliError(f"--cache-dir {args.cache_dir}: not a directory")
-    from . import driver_cache as dc
+    from . import driver_verify
     from .precompile import stale_stages
 
     stale = stale_stages(root)
     for stage in stale:
         _say(f"{stage.name}: left by a precompile that did not finish (the next one removes it)")
-    driver_problems = dc.print_verify(root)
+    driver_problems = driver_verify.print_verify(root)
     paths = manifest.manifest_files(root)
     if not paths:
         if driver_problems is not None:
