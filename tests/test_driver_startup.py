@@ -44,6 +44,22 @@ def copy_name(entry: Path) -> str:
     return f"{entry.name}-{dc.content_digest(dc.read(entry))[:12]}"
 
 
+def refused_once(
+    root: Path, copy_to: Path, layer: tuple[Path, Path, Path], caplog: pytest.LogCaptureFixture
+) -> str:
+    """``apply`` over ``root`` copying to ``copy_to``: nothing set, exactly one WARNING,
+    whose text is returned."""
+    _, proc, fa2 = layer
+    settings = Settings(driver_cache=str(root), driver_cache_copy_to=str(copy_to))
+    env: dict[str, str] = {}
+    with caplog.at_level(logging.INFO, "vllm.tq_warmup_plugin"):
+        driver_startup.apply(settings, env, proc, fa2)
+    assert env == {}
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    return record.getMessage()
+
+
 def test_a_matching_entry_is_always_copied_into_the_private_directory(tmp_path: Path) -> None:
     """Never the entry in place (issue 30): a checked copy, named by what it holds."""
     entry = tmp_path / dc.DRIVER_DIR / "NVIDIA_H200-570.86.15-fa2-x"
@@ -217,7 +233,7 @@ def test_an_entry_whose_cache_holds_a_linked_directory_is_not_copied(
     tmp_path: Path, layer: tuple[Path, Path, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     """startup and verify agree: a symlinked sub-directory of ENTRY/cache is a problem."""
-    root, proc, fa2 = layer
+    root = layer[0]
     cache = next(root.iterdir()) / dc.CACHE_DIR
     cache.chmod(0o700)
     outside = tmp_path / "outside"
@@ -226,13 +242,8 @@ def test_an_entry_whose_cache_holds_a_linked_directory_is_not_copied(
     moved = tmp_path / "moved-ab"
     (cache / "ab").rename(moved)
     (cache / "ab").symlink_to(outside)
-    settings = Settings(driver_cache=str(root), driver_cache_copy_to=str(tmp_path / "nv"))
-    env: dict[str, str] = {}
-    with caplog.at_level(logging.INFO, "vllm.tq_warmup_plugin"):
-        driver_startup.apply(settings, env, proc, fa2)
-    assert env == {}
-    (record,) = caplog.records
-    assert record.levelno == logging.WARNING and "not a plain file" in record.getMessage()
+    warning = refused_once(root, tmp_path / "nv", layer, caplog)
+    assert "not a plain file" in warning
     (cache / "ab").unlink()
     moved.rename(cache / "ab")
 
@@ -250,18 +261,12 @@ def test_an_entry_over_the_drivers_cache_limit_is_a_reason(tmp_path: Path) -> No
 def test_apply_refuses_a_tampered_entry_in_one_warning(
     tmp_path: Path, layer: tuple[Path, Path, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
-    root, proc, fa2 = layer
+    root = layer[0]
     index = next(root.glob("*/cache/index"))
     index.chmod(0o600)
     index.write_bytes(b"IDX")
-    settings = Settings(driver_cache=str(root), driver_cache_copy_to=str(tmp_path / "nv"))
-    env: dict[str, str] = {}
-    with caplog.at_level(logging.INFO, "vllm.tq_warmup_plugin"):
-        driver_startup.apply(settings, env, proc, fa2)
-    assert env == {}
-    (record,) = caplog.records
-    assert record.levelno == logging.WARNING and "copy to" in record.getMessage()
-    assert "cache/index: sha256" in record.getMessage()
+    warning = refused_once(root, tmp_path / "nv", layer, caplog)
+    assert "copy to" in warning and "cache/index: sha256" in warning
     assert not (tmp_path / "nv" / index.parents[1].name).exists()
 
 
