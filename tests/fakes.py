@@ -285,3 +285,16 @@ def write_manifest(
     path = root / manifest.file_name(data)
     path.write_text(json.dumps(data))
     return path
+
+
+def tmpfs_in_private_namespace() -> bool:
+    """Whether this machine lets a test mount a small tmpfs in a private mount namespace
+    (``unshare -m``): a real full file system, the host's mounts untouched."""
+    probe = "d=$(mktemp -d) && mount -t tmpfs -o size=64k tmpfs $d && umount $d"
+    try:
+        return (
+            subprocess.run(["unshare", "-m", "sh", "-c", probe], capture_output=True).returncode
+            == 0
+        )
+    except OSError:
+        return False

@@ -37,7 +37,7 @@ def decide(
     entry = make_entry(root)
     settings = Settings(driver_cache=str(root), **kw)  # type: ignore[arg-type]
     found = [(entry, dc.read(entry))]
-    return driver_startup.decide(settings, env, node, found, private)
+    return driver_startup.decide(settings, env, node, found, lambda: private)
 
 
 def copy_name(entry: Path) -> str:
@@ -101,11 +101,11 @@ def test_an_unreadable_entry_is_a_reason_and_the_next_is_tried(tmp_path: Path) -
     good = make_entry(root, key="b")
     settings = Settings(driver_cache=str(root))
     found = [(root / "a", "manifest: not JSON"), (good, dc.read(good))]
-    chosen = driver_startup.decide(settings, {}, NODE, found, PRIVATE)
+    chosen = driver_startup.decide(settings, {}, NODE, found, lambda: PRIVATE)
     assert (chosen.action, chosen.entry) == ("copy", good)
-    alone = driver_startup.decide(settings, {}, NODE, found[:1], PRIVATE)
+    alone = driver_startup.decide(settings, {}, NODE, found[:1], lambda: PRIVATE)
     assert "a: manifest: not JSON" in alone.line
-    none = driver_startup.decide(settings, {}, NODE, [], PRIVATE)
+    none = driver_startup.decide(settings, {}, NODE, [], lambda: PRIVATE)
     assert none.action == "info" and "no entry (built by tq-warmup driver-cache)" in none.line
 
 
@@ -254,7 +254,7 @@ def test_an_entry_over_the_drivers_cache_limit_is_a_reason(tmp_path: Path) -> No
     shipped = dc.read(entry)
     big = dataclasses.replace(shipped, files={"huge": ("0" * 64, 5 << 30)})
     settings = Settings(driver_cache=str(root))
-    got = driver_startup.decide(settings, {}, NODE, [(entry, big)], PRIVATE)
+    got = driver_startup.decide(settings, {}, NODE, [(entry, big)], lambda: PRIVATE)
     assert got.action == "warn" and "5.00 GiB, over the driver's 4 GiB cache" in got.line
 
 
@@ -332,3 +332,16 @@ def test_a_pin_refuses_an_entry_it_does_not_name(
     monkeypatch.setenv(pins.PIN_ENV, f"sha256:{digest}")
     env: dict[str, str] = {}
     assert driver_startup.apply(settings, env, proc, fa2).action == "copy" and env
+
+
+def test_no_directory_is_made_or_changed_where_no_entry_matches(
+    tmp_path: Path, layer: tuple[Path, Path, Path]
+) -> None:
+    root, _, fa2 = layer
+    other_node = fake_proc(tmp_path / "other", gpus=("NVIDIA A100",))
+    base = tmp_path / "nv"
+    base.mkdir()
+    base.chmod(0o777)  # would get the sticky bit if a copy were made
+    settings = Settings(driver_cache=str(root), driver_cache_copy_to=str(base))
+    assert driver_startup.apply(settings, {}, other_node, fa2).action == "warn"
+    assert list(base.iterdir()) == [] and base.stat().st_mode & 0o7777 == 0o777

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fakes
 import pytest
 
 from tq_warmup_plugin import layer_trust
@@ -84,18 +85,9 @@ print("RESULT " + json.dumps({"path": got, "bytes": os.path.getsize(os.path.join
 """
 
 
-def _tmpfs_available() -> bool:
-    probe = "d=$(mktemp -d) && mount -t tmpfs -o size=64k tmpfs $d && umount $d"
-    try:
-        return (
-            subprocess.run(["unshare", "-m", "sh", "-c", probe], capture_output=True).returncode
-            == 0
-        )
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _tmpfs_available(), reason="no private mount namespace with tmpfs here")
+@pytest.mark.skipif(
+    not fakes.tmpfs_in_private_namespace(), reason="no private mount namespace with tmpfs here"
+)
 def test_a_full_dev_shm_sends_the_copies_to_tmpdir(tmp_path: Path) -> None:
     """A real full file system (a 64 KiB tmpfs in a private mount namespace): the
     private directory is made there, the copy's write fails, the copy is made in TMPDIR."""

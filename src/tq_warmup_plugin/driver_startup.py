@@ -44,7 +44,7 @@ import stat
 import sys
 import tempfile
 import time
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -91,11 +91,13 @@ def decide(
     env: MutableMapping[str, str],
     node: driver_cache.Node,
     found: Sequence[tuple[Path, driver_cache.DriverManifest | str]],
-    private: Path | str,
+    private: Callable[[], Path | str],
 ) -> Decision:
-    """The choice, from what was read (pure): ``found`` is each entry with its manifest
-    or the one line saying why it is not usable; ``private`` the private directory the
-    copy goes into, or the one line saying why there is none."""
+    """The choice, from what was read: ``found`` is each entry with its manifest or the
+    one line saying why it is not usable; ``private()`` gives the private directory the
+    copy goes into, or the one line saying why there is none. Pure but for
+    ``private``, which is called only once an entry matches: no directory is made, and
+    no mode changed, where nothing is copied."""
     root = settings.driver_cache
     if root is None:
         return Decision("keep")
@@ -118,9 +120,10 @@ def decide(
             f"{head}: no entry for this node ({_describe(node)}): {' | '.join(reasons)}: {tail}",
         )
     assert not isinstance(shipped, str)
-    if isinstance(private, str):
-        return Decision("warn", f"{head}: not used, {private}: {tail}")
-    path = str(private / f"{entry.name}-{driver_cache.content_digest(shipped)[:12]}")
+    directory = private()
+    if isinstance(directory, str):
+        return Decision("warn", f"{head}: not used, {directory}: {tail}")
+    path = str(directory / f"{entry.name}-{driver_cache.content_digest(shipped)[:12]}")
     current = env.get("CUDA_CACHE_PATH")
     if current == path:
         return Decision("keep")
@@ -175,6 +178,24 @@ def private_dir(base: str, uid: int | None = None) -> Path | str:
             f"(owner {mine.st_uid}, mode {mine.st_mode & 0o7777:o})"
         )
     return Path(private)
+
+
+def _private_for(settings: Settings) -> Path | str:
+    """The private directory under ``TQ_WARMUP_DRIVER_CACHE_COPY_TO``, or under the
+    temporary directory when that is unset or refused (a COPY_TO others can swap: said
+    in one WARNING)."""
+    if not settings.driver_cache_copy_to:
+        return private_dir(tempfile.gettempdir())
+    private = private_dir(settings.driver_cache_copy_to)
+    if isinstance(private, str):
+        logger.warning(
+            "%s: TQ_WARMUP_DRIVER_CACHE_COPY_TO not used (%s): copying to the temporary "
+            "directory instead",
+            _head(settings.driver_cache),
+            private,
+        )
+        return private_dir(tempfile.gettempdir())
+    return private
 
 
 def _place(entry: Path, shipped: driver_cache.DriverManifest, path: Path) -> str:
@@ -237,18 +258,7 @@ def _apply(
         except (driver_cache.EntryError, OSError) as exc:
             found.append((entry, f"manifest: {exc}"))
     node = driver_cache.read_node(proc, fa2 if fa2 is not None else driver_cache.fa2_library())
-    base = settings.driver_cache_copy_to or tempfile.gettempdir()
-    private = private_dir(base)
-    if isinstance(private, str) and settings.driver_cache_copy_to:
-        # A COPY_TO others can swap: the private temporary directory instead, said here.
-        logger.warning(
-            "%s: TQ_WARMUP_DRIVER_CACHE_COPY_TO not used (%s): copying to the temporary "
-            "directory instead",
-            _head(settings.driver_cache),
-            private,
-        )
-        private = private_dir(tempfile.gettempdir())
-    decision = decide(settings, env, node, found, private)
+    decision = decide(settings, env, node, found, lambda: _private_for(settings))
     if decision.action == "keep":
         return decision
     if decision.action == "info":

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import fakes
 import pytest
 from test_cli import H200_FLAGS
 
@@ -141,17 +142,6 @@ def test_concurrent_precompiles_into_one_directory_leave_it_whole(
         assert built + there == keys > 0, out_
 
 
-def _unshare_available() -> bool:
-    probe = "d=$(mktemp -d) && mount -t tmpfs -o size=64k tmpfs $d && umount $d"
-    try:
-        return (
-            subprocess.run(["unshare", "-m", "sh", "-c", probe], capture_output=True).returncode
-            == 0
-        )
-    except OSError:
-        return False
-
-
 # Run inside the private mount namespace, after the precompile: what a reader of the
 # full directory would find (the tmpfs is gone once the namespace exits).
 _LISTING = """
@@ -173,7 +163,7 @@ def test_a_full_disk_is_one_line_and_leaves_nothing_unlisted(size: str, tmp_path
     installed, the manifest was not (a traceback), and the layered cache then served
     them unverified; on 1 MiB and less, a traceback. Each size ends in a full disk
     somewhere in the build (which step depends on the release's kernel sizes)."""
-    if not _unshare_available():
+    if not fakes.tmpfs_in_private_namespace():
         pytest.skip("no private mount namespace here (unshare -m and mount tmpfs)")
     mnt = tmp_path / "tmpfs"
     mnt.mkdir()
