@@ -206,14 +206,14 @@ def _copy(root: str, key: str, data: dict[str, bytes]) -> str:
     """Write the hashed bytes of one key directory into this process's private
     directory; the directory Triton is handed for it. A write that fails in ``SHM``
     (full) moves the private directory to ``TMPDIR`` and is made again there."""
-    private = _make_private_root()
-    target = os.path.join(private, manifest.digest(root)[:16], key)
+    private, layer = _make_private_root(), manifest.digest(root)[:16]
+    target = os.path.join(private, layer, key)
     try:
         _write(target, data)
     except OSError as exc:
         if not private.startswith(os.path.join(SHM, "")):
             raise
-        target = os.path.join(_to_tmpdir(private, exc), manifest.digest(root)[:16], key)
+        target = os.path.join(_to_tmpdir(private, exc), layer, key)
         _write(target, data)
     return target
 
