@@ -374,3 +374,14 @@ def test_an_engine_that_cannot_start_is_one_line(tmp_path: Path) -> None:
     assert line.startswith("the engine process failed (exit ") and "\n" not in line
     assert not list(cache.parent.glob("engine*.json"))  # spec and result removed
     assert not list(cache.parent.glob("model*"))  # the file's copy was not in the stage
+
+
+def test_verify_names_the_entries_past_the_limit(tmp_path: Path) -> None:
+    root = tmp_path / dc.DRIVER_DIR
+    make_entry(root, key="ZZ_H200-570.86.15-fa2-x")
+    for i in range(dc.MAX_ENTRIES + 1):
+        make_entry(root, key=f"A100-{i:03d}-535.0.0-fa2-x", driver="535.0.0", gpu="NVIDIA A100")
+    here = Node("570.86.15", ("NVIDIA H200",), len(FA2))
+    summary, problems = driver_verify.verify_layer(tmp_path, here) or ("", [])
+    assert problems == [f"driver-cache: 2 entries past the first {dc.MAX_ENTRIES} not checked"]
+    assert f"{dc.MAX_ENTRIES} driver cache entries" in summary  # this node's among them

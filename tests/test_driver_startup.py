@@ -345,3 +345,47 @@ def test_no_directory_is_made_or_changed_where_no_entry_matches(
     settings = Settings(driver_cache=str(root), driver_cache_copy_to=str(base))
     assert driver_startup.apply(settings, {}, other_node, fa2).action == "warn"
     assert list(base.iterdir()) == [] and base.stat().st_mode & 0o7777 == 0o777
+
+
+def test_entries_past_the_limit_are_one_warning_and_this_nodes_entry_is_read_first(
+    tmp_path: Path, layer: tuple[Path, Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    _, proc, fa2 = layer
+    root = tmp_path / "many" / dc.DRIVER_DIR
+    for i in range(dc.MAX_ENTRIES + 6):  # another fleet's, named before ours
+        make_entry(root, key=f"A100-{i:03d}-535.0.0-fa2-x", driver="535.0.0", gpu="NVIDIA A100")
+    make_entry(root, key="ZZ_H200-570.86.15-fa2-x")  # last by name
+    settings = Settings(driver_cache=str(root), driver_cache_copy_to=str(tmp_path / "nv"))
+    env: dict[str, str] = {}
+    with caplog.at_level(logging.INFO, "vllm.tq_warmup_plugin"):
+        driver_startup.apply(settings, env, proc, fa2)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        f"tq-warmup: shipped CUDA driver cache {root}: 7 entries past the first "
+        f"{dc.MAX_ENTRIES} not read (this driver's first, then by name): ship one layer per fleet"
+    ]
+    assert "ZZ_H200-570.86.15-fa2-x" in env["CUDA_CACHE_PATH"]  # found all the same
+
+
+def test_reading_manifests_stops_at_the_time_budget_in_one_warning(
+    tmp_path: Path,
+    layer: tuple[Path, Path, Path],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, proc, fa2 = layer
+    root = tmp_path / "slow" / dc.DRIVER_DIR
+    make_entry(root, key="NVIDIA_H200-570.86.15-fa2-a")
+    for i in range(3):
+        make_entry(root, key=f"NVIDIA_H200-570.86.15-fa2-b{i}")
+    monkeypatch.setattr(driver_startup, "READ_BUDGET_S", 0.0)
+    env: dict[str, str] = {}
+    settings = Settings(driver_cache=str(root), driver_cache_copy_to=str(tmp_path / "nv"))
+    with caplog.at_level(logging.INFO, "vllm.tq_warmup_plugin"):
+        driver_startup.apply(settings, env, proc, fa2)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        f"tq-warmup: shipped CUDA driver cache {root}: reading manifests took over 0 s, "
+        "3 entries not read"
+    ]
+    assert env["CUDA_CACHE_PATH"].rsplit("/", 1)[1].startswith("NVIDIA_H200-570.86.15-fa2-a-")

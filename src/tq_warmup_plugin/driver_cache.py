@@ -59,6 +59,7 @@ __all__ = [
     "file_problems",
     "hash_file",
     "install",
+    "listing",
     "match",
     "parse",
     "read",
@@ -229,6 +230,13 @@ def read(entry: str | Path, pins: frozenset[str] | None = None) -> DriverManifes
 def entries(root: str | Path) -> list[Path]:
     """The entry directories of a driver-cache directory, in name order (no symlinks,
     no stage directories, at most ``MAX_ENTRIES``); none if it is not a directory."""
+    return listing(root)[0]
+
+
+def listing(root: str | Path, node: Node | None = None) -> tuple[list[Path], int]:
+    """``entries``, and how many past ``MAX_ENTRIES`` were left out. With ``node``, the
+    entries whose name holds its driver version come first (``entry_key``), so the
+    limit never leaves out this node's own entry before another fleet's."""
     try:
         with os.scandir(root) as it:
             found = [
@@ -237,8 +245,14 @@ def entries(root: str | Path) -> list[Path]:
                 if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
             ]
     except OSError:
-        return []
-    return sorted(found)[:MAX_ENTRIES]
+        return [], 0
+    mine = _driver_slug(node.driver) if node is not None and node.driver else None
+    found.sort(key=lambda p: (mine is None or f"-{mine}-" not in p.name, p.name))
+    return found[:MAX_ENTRIES], max(0, len(found) - MAX_ENTRIES)
+
+
+def _driver_slug(driver: str) -> str:
+    return re.sub(r"[^0-9.]", "_", driver)
 
 
 def walk(top: str | Path) -> Iterator[tuple[str, os.DirEntry[str] | None]]:
@@ -345,7 +359,7 @@ def match(shipped: DriverManifest, node: Node, strict: bool = True) -> list[str]
 def entry_key(driver: str, gpu: str, fa2_sha256: str) -> str:
     """An entry's directory name: ``NVIDIA_H200-580.95.05-fa2-869c73f37150``."""
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", gpu).strip("_") or "gpu"
-    return f"{slug}-{re.sub(r'[^0-9.]', '_', driver)}-fa2-{fa2_sha256[:12]}"
+    return f"{slug}-{_driver_slug(driver)}-fa2-{fa2_sha256[:12]}"
 
 
 def _hash_fd(fd: int, size: int, out: Any = None) -> str:

@@ -51,12 +51,24 @@ from typing import NamedTuple
 from . import driver_cache, pins
 from .settings import Settings
 
-__all__ = ["MAXSIZE", "PRIVATE_PREFIX", "TAIL", "Decision", "apply", "decide", "private_dir"]
+__all__ = [
+    "MAXSIZE",
+    "PRIVATE_PREFIX",
+    "READ_BUDGET_S",
+    "TAIL",
+    "Decision",
+    "apply",
+    "decide",
+    "private_dir",
+]
 
 logger = logging.getLogger("vllm.tq_warmup_plugin")
 
 # The most CUDA_CACHE_MAXSIZE accepts (CUDA programming guide, "JIT compilation": 4 GiB).
 MAXSIZE = str(4 << 30)
+READ_BUDGET_S = 2.0
+"""How long ``register()`` reads manifests before it stops, one WARNING: 64 manifests of
+8 MiB each cost about 10 s in every vLLM process (issue 30); 64 of 1 MiB (the cap) ~1 s."""
 
 
 class Decision(NamedTuple):
@@ -252,12 +264,26 @@ def _apply(
         return Decision("keep")
     found: list[tuple[Path, driver_cache.DriverManifest | str]] = []
     pinned = pins.current()  # TQ_WARMUP_CACHE_PIN: only the entries it names
-    for entry in driver_cache.entries(settings.driver_cache):
+    node = driver_cache.read_node(proc, fa2 if fa2 is not None else driver_cache.fa2_library())
+    listed, left_out = driver_cache.listing(settings.driver_cache, node)
+    if left_out:
+        logger.warning(
+            f"{_head(settings.driver_cache)}: {left_out} entries past the first "
+            f"{driver_cache.MAX_ENTRIES} not read (this driver's first, then by name): "
+            "ship one layer per fleet"
+        )
+    deadline = time.monotonic() + READ_BUDGET_S
+    for i, entry in enumerate(listed):
+        if i and time.monotonic() > deadline:
+            logger.warning(
+                f"{_head(settings.driver_cache)}: reading manifests took over "
+                f"{READ_BUDGET_S:.0f} s, {len(listed) - i} entries not read"
+            )
+            break
         try:
             found.append((entry, driver_cache.read(entry, pinned)))
         except (driver_cache.EntryError, OSError) as exc:
             found.append((entry, f"manifest: {exc}"))
-    node = driver_cache.read_node(proc, fa2 if fa2 is not None else driver_cache.fa2_library())
     decision = decide(settings, env, node, found, lambda: _private_for(settings))
     if decision.action == "keep":
         return decision

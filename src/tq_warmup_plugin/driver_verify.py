@@ -7,7 +7,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import driver_cache, safe_io
-from .driver_cache import DRIVER_DIR, EntryError, Node, entries, file_problems, match, read
+from .driver_cache import (
+    DRIVER_DIR,
+    MAX_ENTRIES,
+    EntryError,
+    Node,
+    file_problems,
+    listing,
+    match,
+    read,
+)
 from .pins import current as pin_current
 
 __all__ = ["print_verify", "verify_layer"]
@@ -23,7 +32,11 @@ def verify_layer(layer: str | Path, node: Node) -> tuple[str, list[str]] | None:
         return None
     problems: list[str] = []
     usable: dict[str, list[str]] = {}  # each readable entry's match problems on ``node``
-    found = entries(root)
+    found, left_out = listing(root, node)
+    if left_out:
+        problems.append(
+            f"{DRIVER_DIR}: {left_out} entries past the first {MAX_ENTRIES} not checked"
+        )
     files = 0
     pinned = pin_current()
     for entry in found:
