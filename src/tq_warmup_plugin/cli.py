@@ -15,10 +15,11 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from importlib import metadata
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from .planning import Planned
 from .report import Report
 from .settings import load, parse
 
-__all__ = ["CliError", "geometries_from_report", "main"]
+__all__ = ["CliError", "build_parser", "geometries_from_report", "main"]
 
 
 def _entry_point_visible() -> bool:
@@ -324,7 +325,9 @@ def verify(args: argparse.Namespace) -> int:
     return 1 if problems or driver_problems else 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line, every subcommand's flags (the docs' commands are checked
+    against it: ``tests/test_docs_commands.py``)."""
     parser = Parser(
         prog="tq-warmup",
         description="Warm vLLM's TurboQuant kernels: doctor checks this machine; inspect "
@@ -400,7 +403,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="the plan's launches alone, no engine (where vLLM's engine cannot start here)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     conflicts = report_conflicts(sys.argv[1:] if argv is None else argv)
     if conflicts:
         print(
@@ -419,11 +426,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         "driver-cache": driver_cache,
     }
     handler = handlers[args.command]
+    with _sigterm_interrupts():
+        try:
+            return handler(args)
+        except (CliError, planning.PlanError) as exc:
+            print(f"tq-warmup: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:  # SIGINT, or SIGTERM (below): the stacks have unwound
+            print(
+                f"tq-warmup: {args.command} interrupted: its stage is removed and nothing "
+                "it had not finished installing was installed",
+                file=sys.stderr,
+            )
+            return 130
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM (a kubelet, ``timeout``) unwinds like Ctrl-C, so ``precompile`` and
+    ``driver-cache`` remove their stages and roll back a half-done install instead of
+    dying with them in place. SIGKILL cannot be caught: its stage is left, and the next
+    ``precompile`` removes it and ``verify`` names it (``precompile.stale_stages``)."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
     try:
-        return handler(args)
-    except (CliError, planning.PlanError) as exc:
-        print(f"tq-warmup: {exc}", file=sys.stderr)
-        return 2
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

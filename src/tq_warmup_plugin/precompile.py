@@ -16,6 +16,7 @@ import fcntl
 import json
 import os
 import shutil
+import stat
 import tempfile
 import types
 import uuid
@@ -232,9 +233,33 @@ def _locked(cache_dir: Path) -> Iterator[None]:
     """Serialize the installs of concurrent precompiles into one directory (compiles
     run in parallel): each decides what to keep and hashes what it lists while no
     other replaces a key directory under it."""
-    with open(cache_dir / LOCK_FILE, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        yield  # closing the file releases the lock
+    fd = _open_lock(cache_dir / LOCK_FILE)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _open_lock(path: Path) -> int:
+    """The lock file, created if missing, never through a symlink and never anything but
+    a regular file: a planted link to another file (or to a FIFO) would otherwise have
+    ``precompile`` create or block on whatever it names (issue 30)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):
+            raise OSError(
+                exc.errno, f"{path.name} is a symlink: refused, no lock is taken through one"
+            ) from None
+        if exc.errno == errno.ENXIO:
+            raise OSError(exc.errno, f"{path.name} is not a regular file: refused") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"{path.name} is not a regular file: refused")
+    return fd
 
 
 def _stage_in_use(stage: Path) -> bool:
@@ -377,7 +402,8 @@ def install(
     The manifest comes last, and a failure before it is there (a full disk: the
     manifest or a group file cannot be written) moves every key directory this call
     moved in back out and puts back what it replaced, so no key directory of this
-    build is left without its manifest; ``InstallError`` says so in one line. A
+    build is left without its manifest; ``InstallError`` says so in one line. An
+    interrupt rolls back the same way and goes on up. A
     reader meanwhile sees key directories that no manifest lists yet, which are not
     served (``layer_trust``)."""
     with _locked(cache_dir):
@@ -407,8 +433,10 @@ def install(
             tmp.write_text(json.dumps(data, indent=2))
             os.replace(tmp, file)
             return file
-        except OSError as exc:
+        except BaseException as exc:  # an interrupt (SIGINT, SIGTERM: cli) rolls back too
             _roll_back(cache_dir, stage, moved, tmp)
+            if not isinstance(exc, OSError):
+                raise
             raise InstallError(
                 f"cannot install into {cache_dir}: {exc.strerror or exc}; rolled back, "
                 "nothing of this build was installed"
