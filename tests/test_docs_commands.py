@@ -1,0 +1,112 @@
+"""Every ``tq-warmup`` and ``python -m benchmarks.tqbench`` command the README and docs
+show parses with today's command line: a renamed or dropped flag, a missing required
+one or a wrong choice fails here. Commands a CPU can run as written (``--help``,
+``doctor``) also run. Placeholders (``...``, ``<...>``) are not commands; ``[--x]`` is
+checked with and without the option, ``a|b`` once per alternative."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import shlex
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from benchmarks.tqbench import cli as bench_cli
+from tq_warmup_plugin import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "benchmarks/results/README.md",
+]
+PROGRAMS = {"tq-warmup": cli.build_parser, "python -m benchmarks.tqbench": bench_cli.build_parser}
+
+
+def _fenced(text: str) -> Iterator[str]:
+    for block in re.findall(r"```(?:bash|sh)\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            for part in line.split("#", 1)[0].split("&&"):
+                yield part.strip()
+
+
+def _inline(text: str) -> Iterator[str]:
+    for span in re.findall(r"`([^`\n]+)`", text):
+        if " --" in span:  # a subcommand named alone is a reference, not a command
+            yield span.strip()
+
+
+def _variants(command: str) -> list[str]:
+    """``[--x 1]`` with and without it; ``a|b|c`` in one word, each alternative."""
+    optional = re.search(r"\[([^\]]+)\]", command)
+    if optional:
+        with_it = command.replace(optional.group(0), optional.group(1), 1)
+        without = command.replace(optional.group(0), "", 1)
+        return _variants(with_it) + _variants(without)
+    words = command.split()
+    for i, word in enumerate(words):
+        if "|" in word and not word.startswith("-"):
+            return [
+                c
+                for alt in word.split("|")
+                for c in _variants(" ".join([*words[:i], alt, *words[i + 1 :]]))
+            ]
+    return [command]
+
+
+def documented() -> list[tuple[str, str, list[str]]]:
+    """(doc, program, argv) of every documented command of ours."""
+    found: dict[tuple[str, str, tuple[str, ...]], None] = {}
+    for doc in DOCS:
+        text = doc.read_text(encoding="utf-8")
+        for command in [*_fenced(text), *_inline(text)]:
+            if "..." in command or "<" in command:
+                continue
+            for variant in _variants(command):
+                for program in PROGRAMS:
+                    if variant.startswith(program + " "):
+                        argv = shlex.split(variant[len(program) :])
+                        found[(str(doc.relative_to(ROOT)), program, tuple(argv))] = None
+    return [(doc, program, list(argv)) for doc, program, argv in found]
+
+
+COMMANDS = documented()
+
+
+def test_the_docs_show_commands_of_both_programs() -> None:
+    programs = {program for _, program, _ in COMMANDS}
+    assert programs == set(PROGRAMS) and len(COMMANDS) >= 10
+
+
+@pytest.mark.parametrize(("doc", "program", "argv"), COMMANDS, ids=lambda v: str(v)[:60])
+def test_a_documented_command_parses(doc: str, program: str, argv: list[str]) -> None:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            PROGRAMS[program]().parse_args(argv)
+        except SystemExit as exc:
+            assert exc.code == 0, f"{doc}: `{program} {' '.join(argv)}`: {err.getvalue().strip()}"
+
+
+def test_the_check_fails_on_a_drifted_command() -> None:
+    """The check bites: a flag the command line lacks, and a missing required one."""
+    for argv in (["verify", "--no-such-flag"], ["verify", "--cache-dir"]):
+        with contextlib.redirect_stderr(io.StringIO()), pytest.raises(SystemExit) as exc:
+            cli.build_parser().parse_args(argv)
+        assert exc.value.code == 2
+    with contextlib.redirect_stderr(io.StringIO()), pytest.raises(SystemExit) as exc:
+        bench_cli.build_parser().parse_args(["layer-check-cost"])  # --cache-dir is required
+    assert exc.value.code == 2
+
+
+def test_the_commands_a_cpu_runs_as_written_run(capsys: pytest.CaptureFixture[str]) -> None:
+    helps = [(p, a) for _, p, a in COMMANDS if a[-1:] == ["--help"]]
+    assert helps
+    for program, argv in helps:
+        with pytest.raises(SystemExit) as exc:
+            PROGRAMS[program]().parse_args(argv)
+        assert exc.value.code == 0 and "usage:" in capsys.readouterr().out
