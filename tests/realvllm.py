@@ -29,6 +29,35 @@ def activate_compile_only_driver() -> None:
     use_compile_only_target(90)
 
 
+VLLM_KERNEL_MODULES = (
+    "vllm.v1.worker.block_table",
+    "vllm.v1.sample.rejection_sampler",
+    "vllm.v1.sample.ops.topk_topp_triton",
+    "vllm.v1.worker.gpu.sample.logprob",
+)
+"""vLLM's own kernel modules the engine warmers reach (``engine_warmup``)."""
+
+
+def clear_vllm_kernel_caches() -> None:
+    """Forget every compiled kernel of ``VLLM_KERNEL_MODULES``: a test that compiled
+    them for real must not turn a later recorder's miss into a launch."""
+    import importlib
+
+    from triton.runtime.jit import JITFunction
+
+    for name in VLLM_KERNEL_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # a release without it
+            continue
+        for value in vars(module).values():
+            # A JITFunction itself, or the one a heuristics/autotune wrapper holds (a
+            # JITFunction's own ``fn`` is the Python function).
+            fn = value if isinstance(value, JITFunction) else getattr(value, "fn", None)
+            if isinstance(fn, JITFunction):
+                fn.device_caches.clear()
+
+
 @contextlib.contextmanager
 def recorded_keys() -> Iterator[set[tuple[str, str]]]:
     """Record ``(kernel, key)`` of every Triton cache miss, compiling nothing.
@@ -41,6 +70,7 @@ def recorded_keys() -> Iterator[set[tuple[str, str]]]:
 
     for name in compat.KERNEL_MODULES:
         compat.kernel_function(name).device_caches.clear()
+    clear_vllm_kernel_caches()
     seen: set[tuple[str, str]] = set()
 
     def hook(*, key: Any, fn: Any, **_: Any) -> bool:
@@ -343,6 +373,19 @@ def run_local(
     return built
 
 
+VOCAB = 1000
+
+
+class LogitsModel:
+    """The model stand-in of ``fake_worker``: ``compute_logits`` gives ``VOCAB`` logits
+    a row in the hidden states' dtype, as vLLM's ``LogitsProcessor`` does."""
+
+    def compute_logits(self, hidden: Any) -> Any:
+        import torch
+
+        return torch.randn(hidden.shape[0], VOCAB, dtype=hidden.dtype)
+
+
 def fake_worker(impls: dict[str, Any], feats: compat.Features, width: int) -> Any:
     """A worker/runner stand-in whose layers carry real impls and real KV tensors."""
     import torch
@@ -355,13 +398,22 @@ def fake_worker(impls: dict[str, Any], feats: compat.Features, width: int) -> An
     layers["boundary"] = SimpleNamespace(impl=make_flash_impl(8, 2, 128), kv_cache=None)
     group = SimpleNamespace(layer_names=[*layers], kv_cache_group_id=0)
     table = torch.zeros(MAX_NUM_SEQS, width, dtype=torch.int32)
+    model_config = SimpleNamespace(
+        runner_type="generate",
+        dtype=torch.bfloat16,
+        max_model_len=width * 16,
+        max_logprobs=20,
+        get_hidden_size=lambda: 64,
+    )
     runner = SimpleNamespace(
-        attn_groups=[[group]], block_tables=SimpleNamespace(input_block_tables=[table])
+        attn_groups=[[group]],
+        block_tables=SimpleNamespace(input_block_tables=[table]),
+        model=LogitsModel(),
+        model_config=model_config,
+        device=torch.device("cpu"),
     )
     config = SimpleNamespace(
-        model_config=SimpleNamespace(
-            runner_type="generate", dtype=torch.bfloat16, max_model_len=width * 16
-        ),
+        model_config=model_config,
         scheduler_config=SimpleNamespace(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=2048),
         compilation_config=SimpleNamespace(static_forward_context=layers),
     )

@@ -31,6 +31,7 @@ REGISTER_MODULES = {
     f"{NAME}.compat.live",
     f"{NAME}.compat.releases",
     f"{NAME}.compat.triton",
+    f"{NAME}.compat.vllm_kernels",
     f"{NAME}.compat.vllm_paths",
     f"{NAME}.guards",
     f"{NAME}.guards.draft_seq_lens",

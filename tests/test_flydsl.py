@@ -85,7 +85,9 @@ def test_beside_plain_layers_the_note_is_on_the_report_line(
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.30.0")
     monkeypatch.setattr(compat, "workspace_manager", lambda feats: None)
     monkeypatch.setattr(warmup, "CompileCounter", StubCounter)
-    report = warmup.run(mixed_worker(feats), Settings(), manager(RecordingWarmer(None)))
+    report = warmup.run(
+        mixed_worker(feats), Settings(vllm_kernels=False), manager(RecordingWarmer(None))
+    )
     assert report.status == "ok" and report.layers == 1 and report.notes == [NOTE]
     assert report.line().endswith(f"; {NOTE}")
 

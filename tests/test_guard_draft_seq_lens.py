@@ -237,7 +237,7 @@ def test_warmup_warns_once_on_turboquant_workers(
             scheduler_config=SimpleNamespace(async_scheduling=True),
         ),
     )
-    report = warmup.run(worker, Settings(launch=False, strict=True))
+    report = warmup.run(worker, Settings(vllm_kernels=False, launch=False, strict=True))
     assert not report.errors
     warnings = [msg for level, msg in log() if level == logging.WARNING]
     assert warnings == (
@@ -250,11 +250,11 @@ def test_warmup_warns_once_on_turboquant_workers(
         ]
     )
     found.geometries.clear()  # no TurboQuant layers: no warning
-    warmup.run(worker, Settings(launch=False))
+    warmup.run(worker, Settings(vllm_kernels=False, launch=False))
     assert [msg for level, msg in log() if level == logging.WARNING] == warnings
     # The batched path serves the layers (their rows' verify length): no async cause.
     found.geometries["layers.0.attn"] = dataclasses.replace(fakes.geometry(), verify_len=3)
-    warmup.run(worker, Settings(launch=False))
+    warmup.run(worker, Settings(vllm_kernels=False, launch=False))
     assert [msg for level, msg in log() if level == logging.WARNING] == warnings
 
 

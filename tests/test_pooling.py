@@ -102,7 +102,9 @@ def test_run_on_a_pooling_worker(
     monkeypatch.setattr(compat, "preallocate_prefill_buffers", lambda *a: 0)
     monkeypatch.setattr(warmup, "CompileCounter", fakes.StubCounter)
     report = warmup.run(
-        pooling_worker(chunked, cached), Settings(launch=False), fakes.manager(warmer)
+        pooling_worker(chunked, cached),
+        Settings(launch=False, vllm_kernels=False),
+        fakes.manager(warmer),
     )
     compiled = [key.kernel for key in warmer.seen]
     assert report.status == "ok" and report.errors == [], report.line()

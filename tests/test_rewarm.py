@@ -46,10 +46,12 @@ def test_second_warmup_makes_no_launch_twice(
     monkeypatch.setattr(launches, "_LAUNCHED", set())
     pm = fakes.manager(fakes.RecordingWarmer(None))
 
-    first = warmup.run(object(), Settings(), pm)
+    first = warmup.run(object(), Settings(vllm_kernels=False), pm)
     planned = len(launches.plan(found.geometries))
     assert first.launches == planned == len(made) and first.notes == []
-    second = warmup.run(object(), Settings(), pm)  # process_local_only, then warm_and_capture
+    second = warmup.run(
+        object(), Settings(vllm_kernels=False), pm
+    )  # process_local_only, then warm_and_capture
     assert second.launches == 0 and len(made) == planned
     assert second.notes == [f"{planned} first launches already made ({cause})"]
     assert cause in second.line() and second.errors == []

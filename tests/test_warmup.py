@@ -81,7 +81,7 @@ def test_prefill_buffers_are_made_for_every_layer_before_capture(
 ) -> None:
     found.device = device
     found.impls = {name: f"impl of {name}" for name in found.geometries}
-    warmup.run(object(), Settings(launch=False), manager(RecordingWarmer(None)))
+    warmup.run(object(), Settings(vllm_kernels=False, launch=False), manager(RecordingWarmer(None)))
     expected = [(f"impl of {n}", device, g.max_model_len) for n, g in GEOMETRIES.items()]
     assert PREALLOCATED.calls == (expected if device else [])
 
@@ -90,7 +90,7 @@ def test_prefill_buffers_are_made_for_every_layer_before_capture(
 def test_unsupported_release_is_declined(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: version)
     monkeypatch.setattr(warmup, "discover", None)  # must not be reached
-    report = warmup.run(object(), Settings())
+    report = warmup.run(object(), Settings(vllm_kernels=False))
     assert report.status == "unsupported" and report.vllm_version == (version or "")
     assert report.reason == compat.support_problem(compat.parse_version(version))
     assert report.line() == f"tq-warmup: unsupported: {report.reason}"
@@ -99,7 +99,7 @@ def test_unsupported_release_is_declined(monkeypatch: pytest.MonkeyPatch, versio
 
 def test_each_distinct_key_compiles_once_and_failures_are_counted(found: Discovery) -> None:
     warmer = RecordingWarmer()
-    report = warmup.run(object(), Settings(threads=1), manager(warmer))
+    report = warmup.run(object(), Settings(vllm_kernels=False, threads=1), manager(warmer))
     expected = warmup.Plan.of(turboquant_contributions(GEOMETRIES))
     failing = [k for k in expected.keys if k.kernel == FAILING]
     assert report.status == "ok" and report.layers == 3
@@ -148,7 +148,9 @@ def test_a_key_nobody_handles_is_an_error() -> None:
 
 def test_third_party_warmer_contributes_and_compiles_its_keys(found: Discovery) -> None:
     extra = ExtraWarmer()
-    report = warmup.run(object(), Settings(threads=2), manager(RecordingWarmer(None), extra))
+    report = warmup.run(
+        object(), Settings(vllm_kernels=False, threads=2), manager(RecordingWarmer(None), extra)
+    )
     tq_only = warmup.Plan.of(turboquant_contributions(GEOMETRIES))
     assert Counter(extra.compiled) == Counter([("extra", 128), ("extra", 64)])
     assert report.keys == {**tq_only.count_by_path(), "extra": 2}
@@ -158,18 +160,18 @@ def test_third_party_warmer_contributes_and_compiles_its_keys(found: Discovery) 
 
 def test_refused_layers_are_errors_not_failures(found: Discovery) -> None:
     found.refused["model.layers.3.attn"] = "ValueError: odd cache"
-    report = warmup.run(object(), Settings(), manager(RecordingWarmer(None)))
+    report = warmup.run(object(), Settings(vllm_kernels=False), manager(RecordingWarmer(None)))
     assert report.status == "ok" and report.failed == 0
     assert report.errors == ["layer model.layers.3.attn: ValueError: odd cache"]
 
 
 def test_no_turboquant_layers_is_skipped(found: Discovery) -> None:
     found.geometries.clear()
-    assert warmup.run(object(), Settings(), manager()).reason == (
+    assert warmup.run(object(), Settings(vllm_kernels=False), manager()).reason == (
         "no TurboQuant attention layers in this worker"
     )
     found.refused["l"] = "ValueError: bad"
-    report = warmup.run(object(), Settings(), manager())
+    report = warmup.run(object(), Settings(vllm_kernels=False), manager())
     assert report.status == "skipped"
     assert report.reason.endswith("(1 refused: layer l: ValueError: bad)")
 
@@ -257,7 +259,9 @@ def test_first_launches_only_on_cuda_and_when_enabled(
         return len(todo) - 1, 0.25, ["launch gemm float16 258x128: RuntimeError: x"]
 
     monkeypatch.setattr(launches, "launch_all", launch_all)
-    report = warmup.run(object(), Settings(launch=enabled), manager(RecordingWarmer(None)))
+    report = warmup.run(
+        object(), Settings(vllm_kernels=False, launch=enabled), manager(RecordingWarmer(None))
+    )
     assert bool(calls) is called
     if called:
         assert calls[0] == (launches.plan(found.geometries), found.impls, found.device)

@@ -102,7 +102,7 @@ def oom_run(monkeypatch: pytest.MonkeyPatch) -> OomManager:
 @pytest.mark.usefixtures("oom_run")
 def test_oom_is_one_warning_and_an_error(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="vllm.tq_warmup_plugin"):
-        report = warmup.run(worker(), Settings(launch=False))
+        report = warmup.run(worker(), Settings(launch=False, vllm_kernels=False))
     assert report.status == "ok" and report.workspace_bytes == 0
     assert report.errors == [report.errors[0]] and report.errors[0].startswith("workspace: ")
     assert report.failed == 1
@@ -113,5 +113,7 @@ def test_oom_is_one_warning_and_an_error(caplog: pytest.LogCaptureFixture) -> No
 @pytest.mark.usefixtures("oom_run")
 def test_strict_mode_fails_startup_on_oom(caplog: pytest.LogCaptureFixture) -> None:
     with pytest.raises(RuntimeError, match="workspace: out of memory"):
-        install.warm_worker(worker(), Settings(strict=True, launch=False))
-    install.warm_worker(worker(), Settings(launch=False))  # not strict: starts anyway
+        install.warm_worker(worker(), Settings(strict=True, launch=False, vllm_kernels=False))
+    install.warm_worker(
+        worker(), Settings(launch=False, vllm_kernels=False)
+    )  # not strict: starts anyway

@@ -17,12 +17,20 @@ from collections.abc import Hashable, Iterable, Mapping
 
 import pluggy
 
+from .engine import Declined, Engine, Job
 from .geometry import Geometry
 
 PROJECT = "tq_warmup"
 ENTRY_POINT_GROUP = "tq_warmup.warmers"
 
-__all__ = ["ENTRY_POINT_GROUP", "PROJECT", "hookimpl", "tq_warmup_compile", "tq_warmup_keys"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "PROJECT",
+    "hookimpl",
+    "tq_warmup_compile",
+    "tq_warmup_engine_jobs",
+    "tq_warmup_keys",
+]
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -43,3 +51,11 @@ def tq_warmup_keys(  # type: ignore[empty-body]
 def tq_warmup_compile(key: Hashable) -> bool | None:
     """Compile ``key`` without touching any live tensor. Return True when handled,
     None to leave the key to another warmer. Raise to report a failure."""
+
+
+@hookspec
+def tq_warmup_engine_jobs(engine: Engine) -> Iterable[Job | Declined]:  # type: ignore[empty-body]
+    """Return the jobs that warm vLLM's own kernels this engine reaches (slot mapping,
+    samplers, logprobs), or one ``Declined`` where the warmer's kernel is not reached
+    here or vLLM warms it itself. A job calls vLLM's own launcher code; the host runs it
+    with launches turned into compiles (``compat.compile_only_launches``)."""

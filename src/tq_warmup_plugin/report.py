@@ -45,6 +45,14 @@ class Report:
     launch_s: float = 0.0
     """Their time, apart from ``warmup_s``: a cost moved from the first requests, paid
     in every process (CUDA's module loading is per process; no disk cache helps)."""
+    vllm_jobs: dict[str, int] = field(default_factory=dict)
+    """Jobs of the engine warmers that warmed vLLM's own kernels, per family
+    (``engine_warmup``): slot mapping, rejection sampler, logprobs."""
+    vllm_launches: int = 0
+    """Triton launches those jobs turned into compiles and loads."""
+    vllm_s: float = 0.0
+    declined: list[str] = field(default_factory=list)
+    """Engine warmers with nothing to do here, and why."""
     errors: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     """What was left out or declined on purpose, and why (not problems)."""
@@ -73,6 +81,12 @@ class Report:
         )
         if self.launches:
             text += f"; {self.launches} first launches {self.launch_s * 1000:.0f} ms"
+        if self.vllm_jobs:
+            jobs = ", ".join(f"{family} {n}" for family, n in self.vllm_jobs.items())
+            text += (
+                f"; vLLM kernels: {jobs} ({self.vllm_launches} launches compiled, "
+                f"{self.vllm_s * 1000:.0f} ms)"
+            )
         for note in self.notes:
             text += f"; {note}"
         if self.errors:

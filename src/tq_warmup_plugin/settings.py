@@ -74,6 +74,10 @@ class Settings(NamedTuple):
         directory (default: the temporary directory; never the entry itself).
     driver_cache_override: ``TQ_WARMUP_DRIVER_CACHE_OVERRIDE`` (default off): replace a
         ``CUDA_CACHE_PATH`` that is already set (else it is left alone, one WARNING).
+    vllm_kernels: ``TQ_WARMUP_VLLM_KERNELS`` (default on): also warm vLLM's own kernels
+        that a TurboQuant server reaches and vLLM's warmup leaves out (slot mapping at
+        TurboQuant's block size, the rejection sampler's greedy and random batches,
+        logprobs; ``engine_warmup``).
     """
 
     enabled: bool = True
@@ -88,6 +92,7 @@ class Settings(NamedTuple):
     driver_cache: str | None = None
     driver_cache_copy_to: str | None = None
     driver_cache_override: bool = False
+    vllm_kernels: bool = True
 
 
 _FLAG_VALUES = "1, true, on, yes / 0, false, off, no (any case)"
@@ -178,6 +183,7 @@ def parse(env: Mapping[str, str] | None = None) -> tuple[Settings, list[str]]:
         driver_cache=_directory(env, "TQ_WARMUP_DRIVER_CACHE", problems),
         driver_cache_copy_to=_directory(env, "TQ_WARMUP_DRIVER_CACHE_COPY_TO", problems),
         driver_cache_override=_flag(env, "TQ_WARMUP_DRIVER_CACHE_OVERRIDE", False, problems),
+        vllm_kernels=_flag(env, "TQ_WARMUP_VLLM_KERNELS", True, problems),
     )
     return settings, problems
 

@@ -20,13 +20,20 @@ from typing import Any, Generic, TypeVar
 
 import pluggy
 
-from . import compat, hookspecs, launches, spec_problem, workspace
+from . import compat, engine_warmup, hookspecs, launches, spec_problem, workspace
 from .discovery import discover
 from .geometry import Geometry
 from .guards import draft_seq_lens, prefix_fast_path
 from .report import CompileCounter, Report, error_line
 from .settings import Settings
-from .warmers import triton_jit, turboquant
+from .warmers import (
+    triton_jit,
+    turboquant,
+    vllm_logprobs,
+    vllm_rejection,
+    vllm_slot_mapping,
+    vllm_top_k_top_p,
+)
 
 # A child of vLLM's "vllm" logger inherits its handlers and format.
 logger = logging.getLogger("vllm.tq_warmup_plugin")
@@ -50,6 +57,8 @@ def plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
     pm.add_hookspecs(hookspecs)
     pm.register(turboquant)
     pm.register(triton_jit)
+    for warmer in (vllm_slot_mapping, vllm_rejection, vllm_logprobs, vllm_top_k_top_p):
+        pm.register(warmer)
     if load_entry_points:
         pm.load_setuptools_entrypoints(hookspecs.ENTRY_POINT_GROUP)
     return pm
@@ -273,4 +282,32 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
         report.launches = done
         report.errors.extend(errors)
         report.failed += len(errors)
+    if settings.vllm_kernels:
+        _warm_vllm_kernels(report, worker, feats, pm, found.device, settings.threads)
     return report
+
+
+def _warm_vllm_kernels(
+    report: Report,
+    worker: Any,
+    feats: compat.Features,
+    pm: pluggy.PluginManager,
+    device: Any,
+    threads: int,
+) -> None:
+    """vLLM's own kernels this TurboQuant worker reaches (``engine_warmup``); loaded on
+    the GPU only where the layers live on one (the CLI and CPU tests compile only). A
+    plugin manager without engine warmers reads nothing of the runner."""
+    if not pm.hook.tq_warmup_engine_jobs.get_hookimpls():
+        return
+    engine, why = engine_warmup.engine_or_reason(worker, feats)
+    if engine is None:
+        report.errors.append(why)
+        return
+    done = engine_warmup.run(pm, engine, getattr(device, "type", None) == "cuda", threads)
+    report.vllm_jobs = done.jobs
+    report.vllm_launches = done.kernels
+    report.vllm_s = done.seconds
+    report.declined = done.declined
+    report.errors.extend(done.errors)
+    report.failed += len(done.errors)

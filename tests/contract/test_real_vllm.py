@@ -105,7 +105,8 @@ def test_end_to_end_warmup_builds_sm90_cubins(
         f"layers.{i}.attn": make_impl(p, 128, 8, 2, 32, 1024)
         for i, p in enumerate(["turboquant_4bit_nc", "turboquant_4bit_nc", "turboquant_k8v4"])
     }
-    report = run(fake_worker(impls, vllm_env, 64), Settings(threads=2))
+    # vLLM's own kernels: test_engine_warmers_build_sm90_cubins below.
+    report = run(fake_worker(impls, vllm_env, 64), Settings(threads=2, vllm_kernels=False))
     assert report.status == "ok", report.line()
     assert report.layers == 3 and report.failed == 0, report.line()
     # Two identical layers share keys: distinct keys come from two presets only.
@@ -119,8 +120,30 @@ def test_end_to_end_warmup_builds_sm90_cubins(
         "_tq_fused_store_mse",
         "_tq_fused_store_fp8",
     }
-    again = run(fake_worker(impls, vllm_env, 64), Settings())
+    again = run(fake_worker(impls, vllm_env, 64), Settings(vllm_kernels=False))
     assert again.compiled == 0 and again.loaded == 0  # all in Triton's in-memory cache
+
+
+def test_engine_warmers_build_sm90_cubins(
+    vllm_env: compat.Features, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole worker warmup of a V2 worker without speculation, vLLM's own kernels
+    included: its logprob and top-k/top-p kernels compile for sm90 into Triton's cache."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    try:
+        import vllm.v1.sample.ops.topk_topp_triton as topk_topp
+    except ImportError:
+        topk_topp = None  # 0.20-0.2x without the Triton top-k/top-p path
+    if topk_topp is not None:  # the CPU platform has no SM count; the H200's 132
+        monkeypatch.setattr(topk_topp, "num_compute_units", lambda index=None: 132, raising=False)
+    impls = {"layers.0.attn": make_impl("turboquant_4bit_nc", 128, 8, 2, 32, 1024)}
+    report = run(fake_worker(impls, vllm_env, 64), Settings(threads=2, launch=False))
+    assert report.errors == [] and report.failed == 0, report.line()
+    assert report.vllm_jobs["logprobs"] == 7
+    assert any(d.startswith("slot mapping: ") for d in report.declined)  # V2
+    cubins = {p.stem for p in tmp_path.rglob("*.cubin")}
+    assert {"_topk_log_softmax_kernel", "_ranks_kernel"} <= cubins
+    assert topk_topp is None or "_topk_topp_kernel" in cubins
 
 
 @pytest.mark.parametrize("reserve", [True, False])

@@ -112,6 +112,20 @@ class Features(NamedTuple):
     (upstream bug). 0.30+ pass the virtual lengths (``seq_lens_cpu_upper_bound=
     seq_lens_cpu``, 0.30:627, 0.33:683); 0.20 reads the virtual GPU ``seq_lens`` (:571):
     only a request's first virtual row continues a cached prefix."""
+    registry_warms_slot_mapping: bool
+    """0.29+: each V1 ``BlockTable`` registers its ``_compute_slot_mapping_kernel`` key
+    with vLLM's JIT warmup registry (``v1/worker/block_table.py`` 0.29:147, 0.33:106), and
+    the runner collects registrations (``gpu_model_runner.py`` 0.29:757). 0.20-0.28 warm
+    it for block sizes 3 and 16 at most (``v1_block_table_warmup.py``, 0.26)."""
+    v2_top_k_top_p_model_dtype: bool
+    """0.26: the V2 sampler hands ``apply_top_k_top_p`` the logits in the model's dtype
+    ("the input dtype is kept", ``v1/worker/gpu/sample/sampler.py`` 0.26:162) and the
+    Triton path takes bf16/fp16 (``topk_topp_triton.py`` 0.26:881); 0.20-0.25 and
+    0.27-0.33 copy them to float32 first (0.25:157, 0.27:159, 0.30:224) and assert it."""
+    registry_warms_rejection_sampler: bool
+    """0.30+: the rejection sampler registers its kernels, greedy and mixed batches both
+    (``v1/sample/rejection_sampler.py`` 0.30, 0.33:116-121); 0.29 does not. Before, vLLM
+    warms them only in the mixed batch of ``_dummy_sampler_run`` (0.26:6244)."""
 
 
 def features(version: Version) -> Features:
@@ -136,6 +150,9 @@ def features(version: Version) -> Features:
         prefix_fast_path_unsafe=OLDEST <= version <= (0, 33),
         prefill_host_copies=version >= (0, 21),
         local_prefill_real_lens=(0, 21) <= version <= (0, 29),
+        registry_warms_slot_mapping=version >= (0, 29),
+        v2_top_k_top_p_model_dtype=version == (0, 26),
+        registry_warms_rejection_sampler=version >= (0, 30),
     )
 
 

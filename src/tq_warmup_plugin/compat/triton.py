@@ -7,7 +7,10 @@ for, and the group file that names a compiled kernel's files in a cache director
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
@@ -15,6 +18,7 @@ __all__ = [
     "GROUP_PREFIX",
     "POINTER_RANGE_MAX",
     "SM_TARGETS",
+    "compile_only_launches",
     "fp8_e4b15",
     "pointer_in_range",
     "storage_bytes",
@@ -75,3 +79,39 @@ GROUP_PREFIX = "__grp__"
 # inside LLVM (``tq-warmup precompile --arch 0`` exits with 134), so the CLI refuses it
 # before compiling.
 SM_TARGETS = (75, 80, 86, 87, 89, 90, 100, 101, 103, 110, 120, 121)
+
+
+_LAUNCH_PATCH = threading.Lock()
+
+
+@contextlib.contextmanager
+def compile_only_launches(load: bool) -> Iterator[list[str]]:
+    """Inside, every ``kernel[grid](...)`` compiles (or finds) its binary and, with
+    ``load``, loads it on the current GPU, and launches nothing.
+
+    ``JITFunction.__getitem__`` returns ``lambda *a, **kw: self.run(grid=grid,
+    warmup=False, *a, **kw)`` and ``run(warmup=True)`` binds, specializes, looks up and
+    compiles exactly as the launch would, then returns the kernel instead of running it
+    (``runtime/jit.py`` Triton 3.6.0:370/695, 3.8.0:374). So vLLM's own launcher code,
+    given a few bytes of input, warms the very keys serving asks for, and no output
+    buffer of the live runner is written. Yields the names of the kernels it met. The
+    patch is on the class, so it is held under a lock and always undone.
+    """
+    from triton.runtime.jit import JITFunction
+
+    met: list[str] = []
+    with _LAUNCH_PATCH:
+        original = JITFunction.run
+
+        def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+            kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
+            met.append(str(getattr(self, "__name__", "?")))
+            if kernel is not None and load:
+                kernel._init_handles()
+            return kernel
+
+        JITFunction.run = run
+        try:
+            yield met
+        finally:
+            JITFunction.run = original

@@ -14,6 +14,7 @@ __all__ = [
     "ATTENTION_MODULE",
     "BACKEND_CLASS",
     "BACKEND_MODULE",
+    "BLOCK_TABLE_MODULE",
     "BUILDER_CLASS",
     "CALL_SITE_MODULES",
     "CHUNKED_LOCAL_CLASS",
@@ -27,15 +28,20 @@ __all__ = [
     "IMPL_CLASS",
     "KERNEL_MODULES",
     "LAUNCHER_DEFAULT_KV_SPLITS",
+    "LOGITS_PROCESSOR_MODULE",
     "MODEL_CONFIG_MODULE",
     "MODEL_REGISTRY_MODULE",
     "MODEL_UTILS_MODULE",
+    "SAMPLING_METADATA_MODULE",
+    "SPEC_METADATA_MODULE",
     "SPEC_UTILS_MODULE",
     "STAGE2_MODULE",
     "STORE_MODULE",
+    "TOPK_TOPP_MODULE",
     "TQ_CONFIG_MODULE",
     "TQ_DTYPE_PREFIX",
     "UBATCH_VIEWS_V1",
+    "V2_LOGPROB_MODULE",
     "WARMUP_MODULE",
     "WORKER_MODULE",
     "WORKSPACE_MODULE",
@@ -50,6 +56,13 @@ WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 ELASTIC_MODULE = "vllm.distributed.elastic_ep.elastic_execute"
 WORKSPACE_MODULE = "vllm.v1.worker.workspace"
 ATTENTION_MODULE = "vllm.v1.attention.backend"
+# vLLM's own kernels around TurboQuant's (engine_warmup), same modules in 0.20-0.33.
+BLOCK_TABLE_MODULE = "vllm.v1.worker.block_table"
+SPEC_METADATA_MODULE = "vllm.v1.spec_decode.metadata"
+SAMPLING_METADATA_MODULE = "vllm.v1.sample.metadata"
+LOGITS_PROCESSOR_MODULE = "vllm.v1.sample.logits_processor"
+V2_LOGPROB_MODULE = "vllm.v1.worker.gpu.sample.logprob"
+TOPK_TOPP_MODULE = "vllm.v1.sample.ops.topk_topp_sampler"
 FLASH_ATTN_MODULE = "vllm.v1.attention.backends.flash_attn"
 
 # Modules whose global ``kernel_warmup`` vLLM calls: the defining module, the

@@ -1,0 +1,166 @@
+"""Where vLLM keeps the launchers of its own kernels around TurboQuant's (0.20-0.33).
+
+``engine_warmup`` calls vLLM's own launcher functions (slot mapping, the rejection
+sampler, top-k/top-p, logprobs) on a few bytes; this module finds them and builds their inputs,
+each accessor naming the releases it serves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any
+
+from . import vllm_paths as paths
+from .releases import Features
+
+__all__ = [
+    "CompatError",
+    "engine_of",
+    "logits_of",
+    "sampling_metadata",
+    "slot_mapping_tables",
+    "spec_decode_metadata",
+    "top_k_top_p_function",
+    "topk_logprobs_function",
+]
+
+
+class CompatError(RuntimeError):
+    """A vLLM object has a shape this release table does not know: the job that met it
+    fails in one error line (``engine_warmup``)."""
+
+
+def engine_of(worker: Any, feats: Features) -> dict[str, Any]:
+    """The fields of a live worker's ``engine.Engine`` (0.20-0.33:
+    ``use_v2_model_runner``, ``model_runner``, ``vllm_config.speculative_config``,
+    ``model_config.max_logprobs`` and ``is_pooling_model`` under the same names)."""
+    config = worker.vllm_config
+    spec = getattr(config, "speculative_config", None)
+    method = getattr(spec, "method", None) if spec is not None else None
+    runner = worker.model_runner
+    return dict(
+        features=feats,
+        runner_v2=bool(getattr(worker, "use_v2_model_runner", False)),
+        pooling=bool(getattr(runner, "is_pooling_model", False)),
+        spec_method=None if method is None else str(method),
+        spec_tokens=int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec else 0,
+        # 0.26 gpu_model_runner._dummy_sampler_run:6252; the attributes are new in 0.25
+        # (before, draft probabilities were never passed: getattr's default).
+        draft_probs=spec is not None
+        and getattr(spec, "rejection_sample_method", "standard") == "standard"
+        and getattr(spec, "draft_sample_method", "greedy") == "probabilistic",
+        max_logprobs=int(getattr(config.model_config, "max_logprobs", 20)),
+        device=getattr(runner, "device", None),
+        runner=runner,
+    )
+
+
+def slot_mapping_tables(runner: Any) -> list[Any]:
+    """The V1 runner's ``BlockTable`` objects that map tokens to slots:
+    ``input_batch.block_table.block_tables`` (``MultiGroupBlockTable``, 0.20-0.33).
+    0.26+ mark mamba-like groups ``slot_mapping_mode == NONE``; they map nothing."""
+    tables = runner.input_batch.block_table.block_tables
+    return [t for t in tables if _mode(t) != "none"]
+
+
+def _mode(table: Any) -> object:
+    """``SlotMappingMode`` value (0.26+ ``"token_to_kv_slot"`` / ``"none"``), None before."""
+    mode = getattr(table, "slot_mapping_mode", None)
+    return getattr(mode, "value", mode)
+
+
+def spec_decode_metadata(draft_token_ids: list[list[int]], device: Any) -> Any:
+    """vLLM's own ``SpecDecodeMetadata.make_dummy`` (0.20-0.33)."""
+    cls = importlib.import_module(paths.SPEC_METADATA_MODULE).SpecDecodeMetadata
+    return cls.make_dummy(draft_token_ids, device)
+
+
+# The fields a sampling batch's mode is told by; every other field of vLLM's
+# ``SamplingMetadata`` (0.20-0.33) gets its "nothing requested" value below.
+_EMPTY_FIELDS: dict[str, Any] = {
+    "top_p": None,
+    "top_k": None,
+    "max_num_logprobs": None,
+    "logprob_token_ids": None,
+    "no_penalties": True,
+    "prompt_token_ids": None,
+    "allowed_token_ids_mask": None,
+    "bad_words_token_ids": {},
+}
+
+
+def sampling_metadata(
+    num_reqs: int, all_greedy: bool, all_random: bool, device: Any, logprobs: int | None = None
+) -> Any:
+    """A real ``SamplingMetadata`` of ``num_reqs`` requests in one sampling mode.
+
+    The rejection sampler's kernels read only the mode (``all_greedy``,
+    ``all_random``), ``temperature`` and ``generators`` (0.20-0.33); the sampler also
+    ``max_num_logprobs`` (``logprobs``). A field this
+    table does not know and that has no default raises ``CompatError``.
+    """
+    import torch
+
+    module = importlib.import_module(paths.SAMPLING_METADATA_MODULE)
+    cls = module.SamplingMetadata
+    # Greedy rows have temperature 0 (GREEDY_TEMPERATURE), random ones a positive one.
+    temps = [
+        0.0 if (all_greedy or (not all_random and i % 2 == 0)) else 0.7 for i in range(num_reqs)
+    ]
+    values: dict[str, Any] = dict(_EMPTY_FIELDS)
+    values.update(
+        temperature=None if all_greedy else torch.tensor(temps, device=device),
+        all_greedy=all_greedy,
+        all_random=all_random,
+        max_num_logprobs=logprobs,
+        generators={},
+        frequency_penalties=torch.zeros(num_reqs, device=device),
+        presence_penalties=torch.zeros(num_reqs, device=device),
+        repetition_penalties=torch.ones(num_reqs, device=device),
+        output_token_ids=[[] for _ in range(num_reqs)],
+        spec_token_ids=[[] for _ in range(num_reqs)],
+    )
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in values:
+            kwargs[f.name] = values[f.name]
+        elif f.name == "logitsprocs":
+            kwargs[f.name] = importlib.import_module(
+                paths.LOGITS_PROCESSOR_MODULE
+            ).LogitsProcessors()
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise CompatError(f"SamplingMetadata has an unknown field {f.name!r}")
+    return cls(**kwargs)
+
+
+def top_k_top_p_function() -> Any:
+    """``apply_top_k_top_p(logits, k, p)`` of ``v1/sample/ops/topk_topp_sampler.py``
+    (0.20-0.33), which both runners' samplers and the rejection sampler call; on a GPU
+    it takes ``_topk_topp_kernel`` from 8 rows (0.26:351)."""
+    return importlib.import_module(paths.TOPK_TOPP_MODULE).apply_top_k_top_p
+
+
+def topk_logprobs_function() -> Any:
+    """The V2 sampler's logprobs launcher, ``(logits, num_logprobs, sampled_token_ids)``
+    first: ``compute_topk_scores`` (0.26-0.33), ``compute_topk_logprobs`` (0.20-0.25)
+    in ``v1/worker/gpu/sample/logprob.py``."""
+    module = importlib.import_module(paths.V2_LOGPROB_MODULE)
+    for name in ("compute_topk_scores", "compute_topk_logprobs"):
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise CompatError("the V2 logprob module has no top-k logprobs function")
+
+
+def logits_of(runner: Any, rows: int) -> Any:
+    """``rows`` rows of logits as the live model computes them: its ``compute_logits``
+    on zero hidden states, so dtype, vocabulary and stride are serving's (0.20-0.33:
+    ``model.compute_logits(hidden_states)``, hidden size from ``model_config``)."""
+    import torch
+
+    model_config = runner.model_config
+    hidden = torch.zeros(
+        rows, model_config.get_hidden_size(), dtype=model_config.dtype, device=runner.device
+    )
+    with torch.inference_mode():
+        return runner.model.compute_logits(hidden)

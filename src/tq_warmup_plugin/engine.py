@@ -1,0 +1,70 @@
+"""What vLLM's own kernels specialize on in one worker, and the jobs that warm them.
+
+TurboQuant's kernels are keyed by the layers (``Geometry``). The kernels vLLM itself
+launches around them (slot mapping, the rejection sampler, top-k/top-p, logprobs) are
+keyed by the engine: which model runner, the block tables it built, speculative
+decoding, the vocabulary. A TurboQuant server on vLLM 0.26.0 with ngram died in JIT-monitor
+``error`` mode on ``_compute_slot_mapping_kernel`` where ``--kv-cache-dtype auto``
+served (H200): vLLM's warmup compiles that kernel for block sizes 3 and 16 only, and
+TurboQuant's bf16 block size there is 32, a ``KV_CACHE_BLOCK_SIZE`` constexpr.
+
+An ``Engine`` is read once from the live worker (``compat.engine_of``). Warmers turn
+it into ``Job``s (a callable that runs vLLM's own launcher on a few bytes, under
+``compat.compile_only_launches``: every launch compiles and loads, none runs) or
+into one-line ``Declined`` reasons. The host (``engine_warmup``) runs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .compat import Features
+
+__all__ = ["Declined", "Engine", "Job"]
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The engine-level inputs of vLLM's own kernel keys, as one worker has them."""
+
+    features: Features
+    runner_v2: bool
+    """``Worker.use_v2_model_runner``: V2 warms its input kernels with real steps."""
+    pooling: bool
+    """A pooling model samples nothing and maps no slots."""
+    spec_method: str | None
+    """``speculative_config.method`` (ngram, eagle, eagle3, mtp, draft_model), else None."""
+    spec_tokens: int
+    """``num_speculative_tokens``, 0 without speculative decoding."""
+    draft_probs: bool
+    """The rejection sampler gets the draft's probabilities: ``rejection_sample_method
+    == "standard"`` and ``draft_sample_method == "probabilistic"`` (0.26), as vLLM's
+    own ``_dummy_sampler_run`` decides it."""
+    max_logprobs: int
+    """``model_config.max_logprobs``: the most logprobs a request may ask for."""
+    device: Any = field(compare=False, default=None)
+    runner: Any = field(compare=False, default=None)
+    """The live model runner: its block tables and model are what serving launches with."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One warmup of vLLM's own kernels: ``run`` calls vLLM's launcher code."""
+
+    family: str
+    """A name for the report: ``slot mapping``, ``rejection sampler``, ``top-k/top-p``,
+    ``logprobs``."""
+    what: str
+    """The configuration it covers, for error lines; with ``family`` it names the job,
+    so equal jobs of two warmers run once (``engine_warmup.jobs_of``)."""
+    run: Callable[[], object] = field(compare=False)
+
+
+@dataclass(frozen=True)
+class Declined:
+    """A warmer with nothing to do here, and the one-line reason."""
+
+    family: str
+    why: str

@@ -1,0 +1,100 @@
+"""The host of the engine warmers: runs their jobs, counts what they compiled.
+
+TurboQuant's keys are compiled from pure ``KernelKey``s (``warmup``). vLLM's own
+kernels around them are warmed by calling vLLM's launcher code with launches turned
+into compiles and loads (``compat.compile_only_launches``), because their keys depend
+on objects the runner built (block tables, the model's logits) that vLLM warms for
+``--kv-cache-dtype auto`` and not for TurboQuant's block sizes and sampling modes
+(``engine``). A job that raises is one error line, as a failed key is: strict mode
+fails startup on it, any other mode starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+
+from . import compat
+from .engine import Declined, Engine, Job
+from .report import error_line
+
+__all__ = ["EngineResult", "engine_or_reason", "jobs_of", "run"]
+
+logger = logging.getLogger("vllm.tq_warmup_plugin")
+
+
+@dataclass
+class EngineResult:
+    """What the engine warmers did in one worker."""
+
+    jobs: dict[str, int] = field(default_factory=dict)
+    """Jobs run per family (``slot mapping 1``, ``rejection sampler 3``)."""
+    kernels: int = 0
+    """Triton launches met, each compiled, found in memory or loaded from disk."""
+    declined: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def jobs_of(pm: pluggy.PluginManager, engine: Engine) -> tuple[list[Job], list[Declined]]:
+    """Every warmer's contribution for this engine, jobs apart from declines; a job two
+    warmers contribute (equal family and ``what``) runs once."""
+    jobs: dict[tuple[str, str], Job] = {}
+    declined: list[Declined] = []
+    for batch in pm.hook.tq_warmup_engine_jobs(engine=engine):
+        for item in batch:
+            if isinstance(item, Declined):
+                declined.append(item)
+            else:
+                jobs.setdefault((item.family, item.what), item)
+    return list(jobs.values()), declined
+
+
+def run(pm: pluggy.PluginManager, engine: Engine, load: bool, threads: int = 1) -> EngineResult:
+    """Run every job with launches compiled (``load``: and loaded on the GPU) instead,
+    ``threads`` at a time: the compiles are Triton's, which the TurboQuant keys already
+    run concurrently (``warmup.compile_all``). Serially, the 17 launches of a V1 worker
+    with ngram took 10.3-11.9 s and a V2 worker's 26 took 35.6 s (H200, 0.26.0), most
+    of it ``_topk_topp_kernel``, whose every variant is a compile of the vocabulary's
+    loop (``VOCAB_SIZE`` is a constexpr)."""
+    start = time.perf_counter()
+    result = EngineResult()
+    try:
+        jobs, declined = jobs_of(pm, engine)
+    except Exception as exc:  # a warmer that cannot even plan costs only its own work
+        result.errors.append(f"engine warmers: {error_line(exc)}")
+        return result
+    for item in declined:
+        logger.info("tq-warmup: %s: not warmed: %s", item.family, item.why)
+        result.declined.append(f"{item.family}: {item.why}")
+
+    def one(job: Job) -> str | None:
+        try:
+            job.run()
+        except Exception as exc:
+            return f"{job.family} ({job.what}): {error_line(exc)}"
+        return None
+
+    with compat.compile_only_launches(load) as met, ThreadPoolExecutor(max(1, threads)) as pool:
+        outcomes = list(pool.map(one, jobs))
+    for job, error in zip(jobs, outcomes, strict=True):
+        if error is None:
+            result.jobs[job.family] = result.jobs.get(job.family, 0) + 1
+        else:
+            result.errors.append(error)
+    result.kernels = len(met)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def engine_or_reason(worker: Any, feats: compat.Features) -> tuple[Engine | None, str]:
+    """The worker's ``Engine``, or None and why it cannot be read (one line)."""
+    try:
+        return Engine(**compat.engine_of(worker, feats)), ""
+    except Exception as exc:
+        return None, f"engine warmers: cannot read the engine: {error_line(exc)}"

@@ -1,0 +1,253 @@
+"""Contract: the engine warmers compile the keys vLLM's own kernels launch when a
+TurboQuant server serves, and vLLM's own warmup does not (the cause they fix).
+
+Real vLLM code runs on CPU tensors (its ``BlockTable``, ``RejectionSampler``,
+``Sampler``, V2 logprob launcher) under a compile-only sm90 driver; Triton's
+``jit_cache_hook`` records each launch's cache key. Only the runner and the model
+around them are stand-ins (``fake_runner``): a model whose ``compute_logits`` returns
+a vocabulary of ``VOCAB`` logits.
+"""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from realvllm import activate_compile_only_driver, recorded_keys
+
+from tq_warmup_plugin import compat, engine_warmup
+from tq_warmup_plugin.engine import Engine
+from tq_warmup_plugin.warmers import vllm_rejection
+from tq_warmup_plugin.warmup import plugin_manager
+
+pytestmark = pytest.mark.real_vllm
+
+VOCAB = 1000  # not a multiple of 16, as many real vocabularies (Llama 3: 128256 is)
+TOKENS = 2048
+MAX_LEN = 4096
+
+
+@pytest.fixture(autouse=True)
+def _driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    activate_compile_only_driver()
+    # The CPU platform has no SM count; the H200's 132 stands in (grid size only).
+    try:
+        import vllm.v1.sample.ops.topk_topp_triton as topk_topp
+    except ImportError:  # a release without the Triton top-k/top-p path
+        return
+    monkeypatch.setattr(topk_topp, "num_compute_units", lambda index=None: 132, raising=False)
+
+
+def feats() -> compat.Features:
+    return compat.release_features(compat.installed_vllm_version())
+
+
+def block_table(block_size: int, max_len: int = MAX_LEN) -> Any:
+    """A V1 ``BlockTable`` as ``MultiGroupBlockTable`` builds one for a single
+    attention group (0.26+: rows padded to a multiple of 128 // block size)."""
+    import torch
+    from vllm.v1.worker.block_table import BlockTable
+
+    blocks = -(-max_len // block_size)
+    if feats().version >= (0, 26):
+        step = 128 // block_size
+        blocks = -(-blocks // step) * step
+    return BlockTable(
+        block_size=block_size,
+        max_num_reqs=8,
+        max_num_blocks_per_req=blocks,
+        max_num_batched_tokens=TOKENS,
+        pin_memory=False,
+        device=torch.device("cpu"),
+        kernel_block_size=block_size,
+        cp_kv_cache_interleave_size=1,
+    )
+
+
+class _Model:
+    def compute_logits(self, hidden: Any) -> Any:
+        import torch
+
+        return torch.randn(hidden.shape[0], VOCAB, dtype=hidden.dtype)
+
+
+def fake_runner(tables: list[Any], spec: bool = True) -> Any:
+    import torch
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    sampler = Sampler()
+    return SimpleNamespace(
+        input_batch=SimpleNamespace(block_table=SimpleNamespace(block_tables=tables)),
+        sampler=sampler,
+        rejection_sampler=RejectionSampler(sampler) if spec else None,
+        model=_Model(),
+        model_config=SimpleNamespace(get_hidden_size=lambda: 64, dtype=torch.bfloat16),
+        device=torch.device("cpu"),
+    )
+
+
+def engine(runner: Any, v2: bool = False, k: int = 3) -> Engine:
+    return Engine(
+        features=feats(),
+        runner_v2=v2,
+        pooling=False,
+        spec_method="ngram" if k else None,
+        spec_tokens=k,
+        draft_probs=False,
+        max_logprobs=20,
+        device=runner.device,
+        runner=runner,
+    )
+
+
+def warmed(eng: Engine, family: str) -> set[tuple[str, str]]:
+    """The keys the engine warmers of ``family`` compile for ``eng``."""
+    jobs, _ = engine_warmup.jobs_of(plugin_manager(load_entry_points=False), eng)
+    with recorded_keys() as seen:
+        for job in jobs:
+            if job.family == family:
+                with compat.compile_only_launches(load=False):
+                    job.run()
+    return seen
+
+
+def serve_slot_mapping(table: Any) -> set[tuple[str, str]]:
+    """What ``_prepare_inputs`` launches for steps of 1, 3 and 4 requests."""
+    import torch
+
+    with recorded_keys() as seen:
+        for lens in ([1], [5, 4, 28], [16, 16, 1, 7]):
+            starts = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+            positions = torch.arange(sum(lens), dtype=torch.int64)
+            table.compute_slot_mapping(len(lens), starts, positions)
+    return seen
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_slot_mapping_warmer_covers_serving(block_size: int) -> None:
+    if feats().registry_warms_slot_mapping:
+        eng = engine(fake_runner([]))
+        _, declined = engine_warmup.jobs_of(plugin_manager(load_entry_points=False), eng)
+        assert any(d.family == "slot mapping" and "registry" in d.why for d in declined)
+        return
+    table = block_table(block_size)
+    eng = engine(fake_runner([table]))
+    served = serve_slot_mapping(table)
+    ours = warmed(eng, "slot mapping")
+    assert served and served <= ours, served - ours
+
+
+def test_vllm_warmup_misses_turboquant_block_size() -> None:
+    """The cause: vLLM's own V1 warmup (0.26-0.28) compiles block sizes 3 and 16; a
+    table of TurboQuant's 32 serves another ``KV_CACHE_BLOCK_SIZE``, one of 16 does not."""
+    import torch
+
+    try:
+        from vllm.model_executor.warmup.v1_block_table_warmup import (
+            warm_v1_block_table_kernels,
+        )
+    except ImportError:
+        pytest.skip("this release has no V1 block-table warmup (0.20-0.25: none at all)")
+    if feats().registry_warms_slot_mapping:
+        pytest.skip("the registry warms every table (0.29+)")
+    with recorded_keys() as vllm_warmed:
+        warm_v1_block_table_kernels(torch.device("cpu"), TOKENS)
+    auto, turboquant = serve_slot_mapping(block_table(16)), serve_slot_mapping(block_table(32))
+    assert auto <= vllm_warmed
+    assert not turboquant <= vllm_warmed
+    assert any("32" in key for _, key in turboquant - vllm_warmed)
+
+
+MODES = vllm_rejection.MODES
+
+
+def serve_rejection(runner: Any, drafts: list[list[int]], modes: list[str]) -> set[Any]:
+    """A verify batch as serving has one: drafts of different lengths, each mode."""
+    import torch
+
+    tokens = sum(len(d) for d in drafts)
+    with recorded_keys() as seen:
+        for mode in modes:
+            logits = torch.randn(tokens + len(drafts), VOCAB, dtype=torch.bfloat16)
+            metadata = compat.spec_decode_metadata(drafts, runner.device)
+            sampling = compat.sampling_metadata(len(drafts), *MODES[mode], runner.device)
+            runner.rejection_sampler(metadata, None, logits, sampling)
+    return seen
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_rejection_warmer_covers_serving(k: int) -> None:
+    runner = fake_runner([])
+    eng = engine(runner, k=k)
+    if feats().registry_warms_rejection_sampler:
+        _, declined = engine_warmup.jobs_of(plugin_manager(load_entry_points=False), eng)
+        assert any(d.family == "rejection sampler" and "registry" in d.why for d in declined)
+        return
+    drafts = [[7] * k, [3], [5] * max(1, k - 1)]
+    served = serve_rejection(runner, drafts, list(MODES))
+    ours = warmed(eng, "rejection sampler")
+    assert served and served <= ours, served - ours
+    # vLLM's own warmup verifies one mixed batch of one-token drafts; greedy is new.
+    vllm_own = serve_rejection(runner, [[0]] * 3, ["mixed"])
+    greedy = serve_rejection(runner, drafts, ["greedy"])
+    assert not greedy <= vllm_own
+
+
+def serve_v2_logprobs(counts: list[int]) -> set[Any]:
+    import torch
+
+    launch = compat.topk_logprobs_function()
+    with recorded_keys() as seen:
+        for n in counts:
+            logits = torch.randn(3, VOCAB, dtype=torch.bfloat16)
+            launch(logits, n, torch.zeros(3, dtype=torch.int64))
+    return seen
+
+
+def test_v2_logprobs_warmer_covers_every_count() -> None:
+    runner = fake_runner([], spec=False)
+    served = serve_v2_logprobs(list(range(21)))
+    ours = warmed(engine(runner, v2=True, k=0), "logprobs")
+    assert served and served <= ours, served - ours
+    # Each power of two of 1 + n is its own key: a warmup without logprobs covers none.
+    assert not serve_v2_logprobs([5]) <= serve_v2_logprobs([0])
+
+
+def test_v1_logprobs_job_runs_the_real_sampler() -> None:
+    runner = fake_runner([], spec=False)
+    pm = plugin_manager(load_entry_points=False)
+    with recorded_keys() as seen:  # nothing compiles, so no later test finds it cached
+        result = engine_warmup.run(pm, engine(runner, k=0), False)
+    assert seen and result.kernels >= len(seen)
+    assert result.errors == []
+    assert result.jobs.get("logprobs") == 1
+    assert result.jobs.get("top-k/top-p") == 6  # 3 variants x 2 batch classes, float32
+
+
+def serve_top_k_top_p(rows: int, top_k: bool, top_p: bool) -> set[Any]:
+    """What a sampler asks of ``apply_top_k_top_p`` for one batch (V1: float32)."""
+    import torch
+
+    apply = compat.top_k_top_p_function()
+    with recorded_keys() as seen:
+        logits = torch.randn(rows, VOCAB, dtype=torch.float32)
+        k = torch.randint(1, 50, (rows,), dtype=torch.int32) if top_k else None
+        p = torch.rand(rows, dtype=torch.float32) if top_p else None
+        apply(logits, k, p)
+    return seen
+
+
+def test_top_k_top_p_warmer_covers_each_combination() -> None:
+    ours = warmed(engine(fake_runner([], spec=False), k=0), "top-k/top-p")
+    served: set[Any] = set()
+    for rows in (8, 16, 40, 64):
+        for top_k, top_p in ((True, False), (False, True), (True, True)):
+            served |= serve_top_k_top_p(rows, top_k, top_p)
+    if not served:
+        pytest.skip("this release's top-k/top-p has no Triton kernel")
+    assert served <= ours, served - ours
+    # vLLM's own sampler warmup sets both; top-p alone is another binary.
+    assert not serve_top_k_top_p(16, False, True) <= serve_top_k_top_p(16, True, True)

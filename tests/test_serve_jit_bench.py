@@ -1,0 +1,40 @@
+"""The ``serve-jit`` benchmark's pure parts: the HTTP mix and the JIT-line parser."""
+
+from __future__ import annotations
+
+from benchmarks.tqbench import serve_jit
+
+
+def test_mix_holds_every_kind_of_request_the_issue_names() -> None:
+    waves = serve_jit.mix(0, 1000)
+    bodies = [b for wave in waves for b in wave]
+    assert any(len(b["prompt"]) == 3000 for b in bodies)
+    assert max(len(w) for w in waves) == 16  # a burst
+    assert {b.get("logprobs") for b in bodies} >= {1, 5, 20}
+    assert any("prompt_logprobs" in b for b in bodies)
+    assert any(b.get("n") == 2 for b in bodies)
+    assert any("stop_token_ids" in b for b in bodies)
+    temps = {b["temperature"] for b in bodies}
+    assert 0 in temps and any(t > 0 for t in temps)
+    shared = [b["prompt"][:640] for b in bodies if len(b["prompt"]) > 640]
+    assert len(shared) != len({tuple(p) for p in shared})  # prefixes are shared
+    assert serve_jit.mix(0, 1000) == waves  # seeded
+
+
+def test_jit_lines_reads_warn_and_error_forms() -> None:
+    log = (
+        "WARNING x Triton kernel JIT compilation during inference: "
+        "_topk_log_softmax_kernel. This causes a latency spike\n"
+        "RuntimeError: Triton kernel JIT compilation during inference: "
+        "_compute_slot_mapping_kernel (detail). This causes\n"
+        "INFO nothing here\n"
+    )
+    assert serve_jit.jit_lines(log) == ["_topk_log_softmax_kernel", "_compute_slot_mapping_kernel"]
+    assert serve_jit.jit_lines("INFO served\n") == []
+
+
+def test_every_warmed_row_has_an_unwarmed_twin_or_is_a_reference() -> None:
+    rows = serve_jit.ROWS
+    for name, row in rows.items():
+        if row.kv == "tq" and row.warmers:
+            assert f"{name}-off" in rows and not rows[f"{name}-off"].warmers
