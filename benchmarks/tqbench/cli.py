@@ -41,6 +41,7 @@ COMMAND_MODULES = (
     "driver_cache_proof",
     "tokens",
     "serve_prefix",
+    "serve_jit",
 )
 
 

@@ -42,7 +42,7 @@ from benchmarks.tqbench.spec_child import write_models
 from benchmarks.tqbench.spec_configs import MODEL_SIZES, SpecConfig
 from benchmarks.tqbench.tokens_workload import PREFIX_LEN, prompts
 
-__all__ = ["add_parser", "bursts", "judge"]
+__all__ = ["Server", "add_parser", "bursts", "judge", "serve_argv", "serve_env", "server_options"]
 
 _JIT_LINE = re.compile(r"Triton kernel JIT compilation during inference: (\S+)")
 
@@ -96,6 +96,14 @@ class Server:
                 time.sleep(2)
         return False
 
+    def start(self, children: Children, argv: list[str], log: Path, env: dict[str, str],
+              limit: float) -> tuple[subprocess.Popen[bytes], float | None]:  # fmt: skip
+        """Spawn the server; its process and seconds to ``/health``, None if never."""
+        t = time.monotonic()
+        proc = children.spawn(argv, log, env)
+        ready = self.wait_ready(proc, limit)
+        return proc, round(time.monotonic() - t, 1) if ready else None
+
     def complete(self, model: str, prompt: Any, max_tokens: int) -> list[list[int]]:
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True}  # fmt: skip
@@ -136,28 +144,20 @@ def run_server(args: argparse.Namespace, guard: str, port: int, work: Path, out:
     model_dir, _ = write_models(SpecConfig("serve"), opts, work / guard)
     stub = entry_point.write_stub(work / "entry-point", plugin=not entry_point.found(),
                                   weight_scale=True)  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "TQ_WARMUP_PREFIX_GUARD"}
-    env.update(PYTHONUNBUFFERED="1", VLLM_SERVER_DEV_MODE="1", TQ_WARMUP="1",
-               TRITON_CACHE_DIR=str(work / guard / "triton"))  # fmt: skip
-    env[SCALE_ENV] = str(args.weight_scale)
-    env["PYTHONPATH"] = child_pythonpath([str(stub), str(REPO_ROOT / "src")], env)
+    env = serve_env(args, work / guard / "triton", stub)
+    env.pop("TQ_WARMUP_PREFIX_GUARD", None)
+    env["VLLM_SERVER_DEV_MODE"] = "1"
     if guard == "off":
         env["TQ_WARMUP_PREFIX_GUARD"] = "0"
-    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
-            "--port", str(port), "--load-format", "dummy", "--skip-tokenizer-init",
-            "--dtype", "bfloat16", "--kv-cache-dtype", args.preset, "--max-model-len",
-            str(args.max_model_len), "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30)),
-            "--seed", "0", "--jit-monitor-mode", "warn"]  # fmt: skip
+    argv = serve_argv(args, model_dir, port, args.preset, "warn")
     log = out / f"serve-guard-{guard}.log"
     srv = Server(port, args.request_timeout)
-    proc = children.spawn(argv, log, env)
     row: dict[str, Any] = {"guard": guard, "argv": argv}
-    t = time.monotonic()
+    proc, row["startup_s"] = srv.start(children, argv, log, env, args.startup_timeout)
     try:
-        if not srv.wait_ready(proc, args.startup_timeout):
+        if row["startup_s"] is None:
             row["status"] = "startup-failed"
             return row
-        row["startup_s"] = round(time.monotonic() - t, 1)
         mark = log.stat().st_size
         row.update(_workload(srv, str(model_dir), args), status="ok")
         after = log.read_bytes()[mark:].decode(errors="replace")
@@ -198,6 +198,41 @@ def cmd_serve_prefix(args: argparse.Namespace) -> int:
     return 0 if all(r.get("status") == "ok" for r in rows) else 1
 
 
+def server_options(raw: str, max_model_len: int, kv_gib: float, port: int) -> tuple[Option, ...]:
+    """The options every ``vllm serve`` benchmark takes (``serve-prefix``, ``serve-jit``)."""
+    return (
+        ("--weight-scale", 100.0, "dummy weights times this, in vLLM's loader (dummy_scale)"),
+        ("--seed", 0, "seed of the prompts"),
+        ("--max-model-len", max_model_len, "--max-model-len"),
+        ("--kv-cache-gib", kv_gib, "--kv-cache-memory-bytes, in GiB"),
+        ("--port", port, "the first server's port (the next one +1)"),
+        ("--startup-timeout", 400.0, "seconds for /health"),
+        ("--request-timeout", 120.0, "seconds per HTTP request"),
+        ("--out", "", f"output directory (default: benchmarks/results/raw/{raw})"),
+        ("--work-dir", "", "model configs and caches (default: a temporary directory)"),
+    )
+
+
+def serve_env(args: argparse.Namespace, triton_dir: Path, stub: Path) -> dict[str, str]:
+    """A server's environment: the plugin and the weight scaler on its path, its own
+    Triton cache (a fresh one shows every compile)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TQ_WARMUP="1", TRITON_CACHE_DIR=str(triton_dir))
+    env[SCALE_ENV] = str(args.weight_scale)
+    env["PYTHONPATH"] = child_pythonpath([str(stub), str(REPO_ROOT / "src")], env)
+    return env
+
+
+def serve_argv(
+    args: argparse.Namespace, model_dir: Path, port: int, kv: str, jit: str
+) -> list[str]:
+    """``vllm serve`` of a dummy-weight model with token ids in and out."""
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
+            "--port", str(port), "--load-format", "dummy", "--skip-tokenizer-init",
+            "--dtype", "bfloat16", "--kv-cache-dtype", kv, "--max-model-len",
+            str(args.max_model_len), "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30)),
+            "--seed", "0", "--jit-monitor-mode", jit]  # fmt: skip
+
+
 OPTIONS: tuple[Option, ...] = (
     (
         "--guards",
@@ -206,15 +241,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     ("--bursts", 3, "bursts of a long fresh prompt and eight hits"),
     ("--max-tokens", 32, "tokens generated per request"),
-    ("--weight-scale", 100.0, "dummy weights times this, in vLLM's loader (dummy_scale)"),
-    ("--seed", 0, "seed of the prompts"),
-    ("--max-model-len", 2048, "--max-model-len"),
-    ("--kv-cache-gib", 2.0, "--kv-cache-memory-bytes, in GiB"),
-    ("--port", 8011, "the first server's port (the next one +1)"),
-    ("--startup-timeout", 400.0, "seconds for /health"),
-    ("--request-timeout", 120.0, "seconds per HTTP request"),
-    ("--out", "", "output directory (default: benchmarks/results/raw/serve-prefix)"),
-    ("--work-dir", "", "model configs and caches (default: a temporary directory)"),
+    *server_options("serve-prefix", 2048, 2.0, 8011),
 )
 
 
