@@ -98,13 +98,57 @@ GATES = {
 def test_a_release_bump_rejudges_every_gate_that_would_end_under_it() -> None:
     """Moving ``NEWEST`` past a gate's last release turns that guard off for the new
     release; this fails, naming each such gate, until it is extended to the new release
-    (the bug is still there) or named in ``JUDGED_ENDINGS`` (fixed upstream)."""
+    (the bug is still there) or named in ``JUDGED_ENDINGS`` (fixed upstream), and until
+    the README's release table says the new range."""
     ending = compat.gates_ending_at_newest()
-    assert not ending, (
-        f"NEWEST is {compat.NEWEST[0]}.{compat.NEWEST[1]}: re-judge on it the gates that end "
-        f"with the release before: {', '.join(ending)} (extend each, or name it in "
-        "compat.JUDGED_ENDINGS with the release that fixed it)"
-    )
+    newest = f"{compat.NEWEST[0]}.{compat.NEWEST[1]}"
+    problems = []
+    if ending:
+        problems.append(
+            f"re-judge on it the gates that end with the release before: {', '.join(ending)} "
+            "(extend each, or name it in compat.JUDGED_ENDINGS with the release that fixed "
+            'it), then read the statements that say "all releases" again in its wheel '
+            '(grep -rn "all releases" src)'
+        )
+    if f"outside the supported releases {compat.SUPPORTED}`" not in README.read_text():
+        problems.append(f"give the README's release table a {newest} row and the range")
+    assert not problems, f"NEWEST is {newest}: " + "; ".join(problems)
+
+
+REPO = Path(__file__).resolve().parent.parent
+README = REPO / "README.md"
+TEXT_SUFFIXES = {".py", ".md", ".sh", ".toml", ".yaml", ".yml", ".awk", ".txt", ""}
+
+
+def _repo_texts() -> list[Path]:
+    """The repository's own text files: source, tests, benchmarks (not raw runs), docs,
+    deploy files and CI; nothing built or cached."""
+    roots = [REPO / d for d in ("src", "tests", "benchmarks", "docs", "deploy", ".ci")]
+    files = [README, REPO / "pyproject.toml"]
+    for root in roots:
+        files += [
+            p
+            for p in root.rglob("*")
+            if p.is_file()
+            and p.suffix in TEXT_SUFFIXES
+            and not {"__pycache__", "raw"} & set(p.relative_to(REPO).parts)
+            and not any(part.endswith(".egg-info") for part in p.parts)
+        ]
+    return files
+
+
+def test_the_supported_range_is_stated_in_compat_alone() -> None:
+    """A release bump is one edit (``NEWEST``): no other file states the supported range,
+    so none goes stale in silence. The README's is the warning it quotes, which the
+    release-bump test above checks against ``compat.SUPPORTED``."""
+    ranges = {compat.SUPPORTED, f"{compat.OLDEST[0]}.{compat.OLDEST[1]}.0-{compat.NEWEST[0]}."}
+    releases = REPO / "src" / "tq_warmup_plugin" / "compat" / "releases.py"
+    stating = [
+        str(p.relative_to(REPO))
+        for p in _repo_texts()
+        if p not in (releases, README) and any(r in p.read_text(errors="replace") for r in ranges)
+    ]
+    assert stating == [], f"state the range only in compat/releases.py: {stating}"
 
 
 def test_the_bump_check_sees_a_gate_that_ends_and_one_judged(

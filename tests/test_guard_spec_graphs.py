@@ -56,7 +56,7 @@ def test_capped_support(support: Support, speculative: bool, expected: Support) 
 
 def fake_backend() -> types.ModuleType:
     """A module shaped like ``turboquant_attn``: the builder inherits the base's
-    classmethod and sets only the class variable, as in 0.20-0.33."""
+    classmethod and sets only the class variable, as in all releases."""
 
     class Base:
         _cudagraph_support: ClassVar[Support] = Support.NEVER
@@ -185,7 +185,7 @@ def resolve(support: Any, query_len: int) -> str:
     config = CompilationConfig(
         mode=CompilationMode.VLLM_COMPILE, cudagraph_mode="FULL_AND_PIECEWISE"
     )
-    config.set_splitting_ops_for_v1(all2all_backend="naive")  # as VllmConfig does (0.20-0.33)
+    config.set_splitting_ops_for_v1(all2all_backend="naive")  # as VllmConfig does (all releases)
     mode = config.resolve_cudagraph_mode_and_sizes(
         min_cg_support=support,
         min_cg_attn_backend="TURBOQUANT",

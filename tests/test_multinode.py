@@ -59,7 +59,7 @@ if sys.argv[1] == "plugins":
 from vllm.ray.ray_env import get_env_vars_to_copy
 from vllm.v1.executor.ray_env_utils import get_driver_env_vars
 # What RayDistributedExecutor (0.20-0.32) and the data-parallel engine-core actors
-# (0.20-0.33) send: the chosen names that are set.
+# (all releases) send: the chosen names that are set.
 names = get_env_vars_to_copy(destination="test")
 print(json.dumps({
     "copied": {n: os.environ[n] for n in names if n in os.environ},

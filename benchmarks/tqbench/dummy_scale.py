@@ -3,7 +3,7 @@
 The in-process benchmarks scale the dummy weights after startup (``LLM.apply_model``)
 so that greedy tokens are decided; ``vllm serve`` runs its engine in a process the
 benchmark cannot reach, so there the scaling happens in vLLM's own loader:
-``DummyModelLoader.load_weights`` (0.20-0.33), then every parameter times
+``DummyModelLoader.load_weights`` (all releases), then every parameter times
 ``TQBENCH_WEIGHT_SCALE``. Unset (or 1): nothing is changed. Never installed with the
 plugin: only the benchmark's entry-point stub declares it (``entry_point.write_stub``).
 """

@@ -37,7 +37,7 @@ def engine_kwargs(
     enforce_eager: bool,
     monitor_mode: str | None = None,
 ) -> dict[str, Any]:
-    """The ``LLM(...)`` keywords of a dummy-weight engine (names as in vLLM 0.20-0.33
+    """The ``LLM(...)`` keywords of a dummy-weight engine (names as in all vLLM releases
     ``EngineArgs``): no tokenizer, bf16, a fixed KV cache of ``kv_cache_gib`` (0: vLLM
     sizes it from ``gpu_mem_util``), ``cudagraph_mode`` when asked (None: vLLM's default),
     and ``jit_monitor_mode`` only where vLLM has it (>= 0.25, see :func:`jit_monitor_support`)."""

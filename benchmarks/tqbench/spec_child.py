@@ -165,7 +165,7 @@ def _spec_counters(llm: Any) -> dict[str, int] | None:
 
 def _runner(llm: Any) -> str | None:
     """``"V2"`` or ``"V1"``: the model runner the worker uses (``Worker.use_v2_model_runner``,
-    0.20-0.33), which decides where the verify batch's lengths come from; None unknown."""
+    all releases), which decides where the verify batch's lengths come from; None unknown."""
     with contextlib.suppress(Exception):
         v2 = llm.collective_rpc(lambda worker: getattr(worker, "use_v2_model_runner", None))[0]
         return None if v2 is None else ("V2" if v2 else "V1")

@@ -88,7 +88,7 @@ def engine_spec(
     trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """What the engine child is given, but the model: ``LLM(...)`` keywords (names as in
-    0.20-0.33 ``EngineArgs``: dummy weights, no tokenizer) and the prompt lengths it
+    all releases ``EngineArgs``: dummy weights, no tokenizer) and the prompt lengths it
     serves: one token (FA2 runs a one-query call non-causal) and one chunk. One GPU: FA2
     has a module per head size, dtype, causality and split, not per head count, so it
     loads what each tensor-parallel rank of the model loads."""

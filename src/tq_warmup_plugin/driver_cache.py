@@ -316,7 +316,7 @@ def read_node(
 
 def fa2_library() -> Path | None:
     """vLLM's FA2 library, found without importing vLLM (``find_spec`` of a top-level
-    package imports nothing; 0.20-0.33 keep it at ``vllm/vllm_flash_attn/``)."""
+    package imports nothing; all releases keep it at ``vllm/vllm_flash_attn/``)."""
     try:
         spec = importlib.util.find_spec("vllm")
     except (ImportError, ValueError):  # ValueError: a stub in sys.modules without a spec

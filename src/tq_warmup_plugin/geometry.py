@@ -17,7 +17,7 @@ from .compat import Features
 
 __all__ = ["DTYPE_BYTES", "PRESETS", "Geometry", "Preset", "Reported", "preset", "read_report"]
 
-# (key_quant_bits, value_quant_bits, norm_correction), TQ_PRESETS in 0.20-0.33.
+# (key_quant_bits, value_quant_bits, norm_correction), TQ_PRESETS in all releases.
 PRESETS: dict[str, tuple[int, int, bool]] = {
     "turboquant_k8v4": (8, 4, False),
     "turboquant_4bit_nc": (4, 4, True),
@@ -162,7 +162,7 @@ class Geometry:
     def local_width(self) -> int:
         """Columns (and row stride) of the virtual-batch block table a chunked local
         attention layer's kernels get, 0 for other layers: ``attention_chunk_size //
-        block_size`` (``make_local_attention_virtual_batches``, 0.20-0.33; its block size
+        block_size`` (``make_local_attention_virtual_batches``, all releases; its block size
         is the builder's, the kernel block size: ``create_metadata_builders`` copies the
         spec with it). The table is a fresh contiguous int32 tensor of one row per
         virtual request, allocated for every step."""
@@ -234,7 +234,7 @@ class Geometry:
         if self.head_size <= 0 or self.block_size <= 0:
             raise ValueError(f"head size {self.head_size}, block size {self.block_size}")
         if self.attention_chunk < 0 or self.attention_chunk % self.block_size:
-            # make_local_attention_virtual_batches asserts the same (0.20-0.33).
+            # make_local_attention_virtual_batches asserts the same (all releases).
             raise ValueError(
                 f"attention chunk {self.attention_chunk} is not a multiple of the "
                 f"block size {self.block_size}"

@@ -7,7 +7,7 @@ guards, and puts everything back.
 each module we adjust is patched right after it is first imported (one meta-path
 hook), or at once if it already is: the ``kernel_warmup`` module, whose name every
 call-site module that already bound it gets rebound to (``gpu_worker`` imports it by
-name at module level, 0.20-0.33, elastic EP too, 0.27+), and TurboQuant's backend
+name at module level, all releases, elastic EP too, 0.27+), and TurboQuant's backend
 module for the speculative-decoding guard (``guards/``).
 """
 

@@ -7,7 +7,7 @@ divisible by 16, or needs 64 bits. A
 ``KernelKey`` records exactly that, nothing more, so two layers whose launches
 would hit the same binary produce equal keys and are warmed once.
 
-The functions here mirror what vLLM's launchers compute (0.20-0.33); the
+The functions here mirror what vLLM's launchers compute (all releases); the
 ``real_vllm`` contract tests run the real launchers and assert equality.
 """
 

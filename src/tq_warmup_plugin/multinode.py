@@ -16,7 +16,7 @@ import os
 from collections.abc import MutableMapping
 
 # The environment vLLM's Ray paths give processes on other nodes, read in the wheels of
-# 0.20-0.33 (the same function in every one):
+# all releases (the same function in every one):
 # ``vllm.ray.ray_env.get_env_vars_to_copy`` picks the head's variables that a remote
 # process gets: the names ``vllm.envs`` registers, those starting with a prefix of
 # ``DEFAULT_ENV_VAR_PREFIXES`` (VLLM_, LMCACHE_, NCCL_, UCX_, HF_, HUGGING_FACE_;
@@ -26,17 +26,17 @@ from collections.abc import MutableMapping
 # (``v1/executor/ray_executor.py``, 0.20-0.32: the default Ray executor in 0.20, chosen
 # by VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0 in 0.21-0.32, gone in 0.33) and the engine
 # cores that ``--data-parallel-backend ray`` starts as Ray actors (``v1/engine/utils.py``,
-# 0.20-0.33). ``RayExecutorV2`` (VLLM_USE_RAY_V2_EXECUTOR_BACKEND=1, the default from
+# all releases). ``RayExecutorV2`` (VLLM_USE_RAY_V2_EXECUTOR_BACKEND=1, the default from
 # 0.21; 0.33's only Ray executor) gives its workers the head's whole environment
 # instead, never replacing a value the worker's node has (``get_driver_env_vars``,
-# ``v1/executor/ray_env_utils.py``, 0.20-0.33).
+# ``v1/executor/ray_env_utils.py``, all releases).
 RAY_EXTRA_PREFIXES_VAR = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
 RAY_EXTRA_VARS_VAR = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
 
 
 def with_csv_items(value: str, items: tuple[str, ...]) -> str:
     """vLLM's comma-separated ``value`` with the ``items`` it lacks appended; the
-    user's own entries stay as they are (``_parse_csv`` in ``ray_env``, 0.20-0.33)."""
+    user's own entries stay as they are (``_parse_csv`` in ``ray_env``, all releases)."""
     present = {tok.strip() for tok in value.split(",") if tok.strip()}
     missing = [item for item in items if item not in present]
     if not missing:

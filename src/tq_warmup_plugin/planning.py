@@ -43,7 +43,7 @@ class UnsupportedModel(ValueError):
 
 
 def heads_per_rank(heads: int, kv_heads: int, tp: int) -> tuple[int, int]:
-    """Query and KV heads on one tensor-parallel rank, as vLLM splits them (0.20-0.33):
+    """Query and KV heads on one tensor-parallel rank, as vLLM splits them (all releases):
     ``ModelConfig.get_num_attention_heads`` is ``heads // tp`` after
     ``verify_with_parallel_config`` refused ``heads % tp``; ``get_num_kv_heads`` is
     ``max(1, kv_heads // tp)``, KV heads replicated when tp > kv_heads, which
@@ -68,7 +68,7 @@ def boundary_layers(feats: Features, num_layers: int, hybrid: bool) -> tuple[int
     """Layers TurboQuant leaves in the model dtype (``kv_cache_dtype_skip_layers``, set by
     ``EngineArgs.create_engine_config`` from ``TurboQuantConfig.get_boundary_skip_layers``).
 
-    Dense models: the first and last 2 layers, at most half of them (0.20-0.33).
+    Dense models: the first and last 2 layers, at most half of them (all releases).
     Hybrid models: none in 0.21-0.33 (every full-attention layer is TurboQuant); 0.20
     refuses TurboQuant for them (``NotImplementedError`` in ``arg_utils.py``).
     """
@@ -132,7 +132,7 @@ def block_table_width(feats: Features, max_model_len: int, block_size: int, v2: 
 
 
 # Models whose vLLM code sets the attention scale from a config field instead of
-# ``head_size**-0.5`` (model_executor/models, 0.20-0.33): gemma2/gemma3/rnj1
+# ``head_size**-0.5`` (model_executor/models, all releases): gemma2/gemma3/rnj1
 # ``config.query_pre_attn_scalar**-0.5``, granite/hyperclovax ``config.attention_multiplier``.
 _SCALE_FROM_QUERY_PRE_ATTN = frozenset({"gemma2", "gemma3", "gemma3_text", "rnj1"})
 _SCALE_FROM_MULTIPLIER = frozenset({"granite", "hyperclovax"})
@@ -163,7 +163,7 @@ class ModelShape(NamedTuple):
     scale: float | None
     """The model's attention scale where its vLLM code sets one (else None)."""
     attention_chunk: int | None = None
-    """``ModelConfig.attention_chunk_size`` (the text config's, 0.20-0.33): Llama 4 runs
+    """``ModelConfig.attention_chunk_size`` (the text config's, all releases): Llama 4 runs
     its RoPE layers as ``ChunkedLocalAttention`` with it; None without one."""
 
 
@@ -221,9 +221,9 @@ def _vllm_quiet() -> Iterator[None]:
 
 
 def _inspect_failure(line: str) -> str:
-    """vLLM's "Model architectures [...] failed to be inspected" (0.20-0.33) points at a
+    """vLLM's "Model architectures [...] failed to be inspected" (all releases) points at a
     log the CLI silenced: import the model's module here for the real reason (the
-    registry's ``_LazyRegisteredModel.module_name``, 0.20-0.33), e.g. a missing
+    registry's ``_LazyRegisteredModel.module_name``, all releases), e.g. a missing
     dependency of that model."""
     match = re.search(r"architectures \[(.*?)\] failed to be inspected", line)
     if match is None:
@@ -261,7 +261,7 @@ def model_shape(
     tokenizer, no weights, no GPU) and read the attention from it; raises
     UnsupportedModel with one line when vLLM would not run TurboQuant on it or cannot
     read it. ``ModelConfig(model=..., skip_tokenizer_init=True)`` and the methods read
-    here exist in 0.20-0.33; the model class is inspected once per architecture (vLLM
+    here exist in all releases; the model class is inspected once per architecture (vLLM
     caches it under ``~/.cache/vllm/modelinfos``). transformers parses the config
     (``AutoConfig``, or vLLM's own config classes, e.g. ChatGLM's)."""
     config = importlib.import_module(compat.MODEL_CONFIG_MODULE)

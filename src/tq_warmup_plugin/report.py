@@ -23,7 +23,7 @@ class Report:
 
     status: str = "ok"
     """``ok``; ``skipped`` (no TurboQuant layer: nothing to do); ``unsupported`` (a vLLM
-    release outside 0.20-0.33: declined); ``failed``."""
+    release outside ``compat.SUPPORTED``: declined); ``failed``."""
     reason: str = ""
     vllm_version: str = ""
     layers: int = 0

@@ -2,7 +2,7 @@
 
 Start to end: discover, plan, compile, reserve, launch, report. Runs inside vLLM's
 ``kernel_warmup``: the KV cache exists, graphs are not yet captured and the workspace
-is not yet locked, in every release 0.20-0.33. The CLI plans and compiles through the
+is not yet locked, in every supported release. The CLI plans and compiles through the
 same functions (``plugin_manager``, ``plan_keys``, ``compile_into``), so what
 ``inspect`` prints and ``precompile`` builds, and the error lines of a failed
 compile, are the worker's.

@@ -1,4 +1,4 @@
-"""Every difference between vLLM releases 0.20-0.33 that the plugin depends on.
+"""Every difference between the supported vLLM releases (``SUPPORTED``) that the plugin depends on.
 
 One package, split by concern; callers use ``compat.X`` for any of these names:
 

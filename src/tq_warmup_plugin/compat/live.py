@@ -1,6 +1,6 @@
 """Accessors on live vLLM objects: the only code that knows where a release keeps them.
 
-Each accessor names the releases it serves (0.20-0.33). Module and class names come
+Each accessor names the releases it serves ("all releases": every supported one). Module and class names come
 from ``vllm_paths`` and are read there at call time, so a test that stubs a path
 patches ``compat.vllm_paths``; callers outside ``compat`` use ``compat.X``, which is
 what tests patch for them.
@@ -48,20 +48,20 @@ __all__ = [
 
 
 def turboquant_impl_class() -> type:
-    """``TurboQuantAttentionImpl``; same module and name in 0.20-0.33."""
+    """``TurboQuantAttentionImpl``; same module and name in all releases."""
     cls: type = getattr(importlib.import_module(paths.BACKEND_MODULE), paths.IMPL_CLASS)
     return cls
 
 
 def speculative_decoding(vllm_config: Any) -> bool:
     """``VllmConfig.speculative_config`` is set (ngram, EAGLE, MTP, draft model) in
-    0.20-0.33; None without speculative decoding."""
+    all releases; None without speculative decoding."""
     return getattr(vllm_config, "speculative_config", None) is not None
 
 
 def speculative_setup(vllm_config: Any) -> tuple[str | None, bool]:
     """``(speculative_config.method or None, scheduler_config.async_scheduling)``; the
-    same names in 0.20-0.33 (``async_scheduling`` is resolved to a bool by
+    same names in all releases (``async_scheduling`` is resolved to a bool by
     ``VllmConfig.__post_init__`` before the workers start)."""
     spec = getattr(vllm_config, "speculative_config", None)
     method = getattr(spec, "method", None) if spec is not None else None
@@ -91,26 +91,26 @@ def spec_decode_threshold(vllm_config: Any) -> int:
 
 def single_token_decode_support() -> Any:
     """``AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE`` from
-    ``vllm.v1.attention.backend`` (0.20-0.33)."""
+    ``vllm.v1.attention.backend`` (all releases)."""
     return importlib.import_module(
         paths.ATTENTION_MODULE
     ).AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
 
 def kernel_function(name: str) -> Any:
-    """The ``JITFunction`` object of a TurboQuant kernel (``KERNEL_MODULES``, 0.20-0.33)."""
+    """The ``JITFunction`` object of a TurboQuant kernel (``KERNEL_MODULES``, all releases)."""
     return getattr(importlib.import_module(paths.KERNEL_MODULES[name]), name)
 
 
 def flash_attn_available() -> bool:
-    """``_HAS_FLASH_ATTN`` of the backend module (0.20-0.33): without it, prefill and
+    """``_HAS_FLASH_ATTN`` of the backend module (all releases): without it, prefill and
     long continuations use SDPA and there are no FlashAttention kernels to load."""
     return bool(importlib.import_module(paths.BACKEND_MODULE)._HAS_FLASH_ATTN)
 
 
 def flash_attn_varlen(impl: Any) -> Any:
     """The impl's own FlashAttention call, ``_flash_attn_varlen(q, k, v, cu_seqlens_q,
-    cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` in 0.20-0.33: it adds the impl's
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` in all releases: it adds the impl's
     ``fa_version``, scale and ``causal=True``, which select the kernel."""
     return impl._flash_attn_varlen
 
@@ -120,10 +120,10 @@ def plain_fa2_heads(impl: Any) -> tuple[int, int, int] | None:
     warm, else None.
 
     TurboQuant keeps its boundary layers in the model dtype on vLLM's
-    ``FlashAttentionImpl`` and forces FlashAttention 2 for every layer (0.20-0.33:
+    ``FlashAttentionImpl`` and forces FlashAttention 2 for every layer (all releases:
     ``attention_config.flash_attn_version = 2`` in ``EngineArgs``). Only the plain
     kernel family is warmed: ALiBi, a sliding window, a softcap or sinks select other
-    kernels. Attribute names are those of 0.20-0.33.
+    kernels. Attribute names are the same in all releases.
     """
     try:
         flash_attn = importlib.import_module(paths.FLASH_ATTN_MODULE)
@@ -151,7 +151,7 @@ def fa2_stand_in(scale: float) -> Any:
     """An impl that :func:`flash_attn_varlen` and :func:`flash_attn_paged` accept without
     an engine (``tq-warmup driver-cache``): TurboQuant's ``_flash_attn_varlen`` and the
     boundary layers' ``scale`` / ``vllm_flash_attn_version``, with FlashAttention 2 as
-    TurboQuant forces it (0.20-0.33). The kernel a call loads depends on dtype, head
+    TurboQuant forces it (all releases). The kernel a call loads depends on dtype, head
     size, causality and paging, not on the scale."""
 
     def flash_attn_varlen(
@@ -167,7 +167,7 @@ def fa2_stand_in(scale: float) -> Any:
 
 def flash_attn_paged_decode(impl: Any) -> Any:
     """A one-token decode over a paged cache, called as ``FlashAttentionImpl.forward``
-    calls it (0.20-0.33): the backend module's ``flash_attn_varlen_func`` with the
+    calls it (all releases): the backend module's ``flash_attn_varlen_func`` with the
     impl's scale and ``fa_version`` and ``num_splits`` left at 0, as outside CUDA graphs,
     so FlashAttention's own heuristic splits the keys the way a first long decode does.
     0.33 makes that call through ``_FA4_DENSE_ATTENTION_KERNEL``, which hands the same
@@ -228,8 +228,8 @@ def block_table(runner: Any, group: Any, group_id: int, use_v2: bool) -> Any:
 
     0.32-0.33 (V1): when the kernel block size differs from the manager's, rows come
     from the attention group's ``kernel_block_table`` ([ubatch, reqs, width]).
-    V2 (0.20-0.33): ``runner.block_tables.input_block_tables[gid]``.
-    V1 (0.20-0.33): ``runner.input_batch.block_table[gid].block_table.gpu``.
+    V2 (all releases): ``runner.block_tables.input_block_tables[gid]``.
+    V1 (all releases): ``runner.input_batch.block_table[gid].block_table.gpu``.
     """
     kernel_table = getattr(group, "kernel_block_table", None)  # only set in 0.32+
     if kernel_table is not None:
@@ -245,16 +245,16 @@ def prefix_reused(vllm_config: Any) -> bool:
     and one-token tails that TurboQuant runs as decodes.
 
     Generative models: always (decode). Pooling models finish after their prompt, so
-    only through chunked prefill or a prefix-cache hit. 0.20-0.33 set both defaults in
+    only through chunked prefill or a prefix-cache hit. All releases set both defaults in
     ``EngineArgs._set_default_chunked_prefill_and_prefix_caching_args`` from
     ``ModelConfig.is_chunked_prefill_supported`` / ``is_prefix_caching_supported``:
     off for encoder-only (bidirectional) models and for causal models with MEAN or
     CLS sequence pooling or STEP token pooling, on for the rest (LAST, ALL). The
     operator may override either (vLLM only warns), so the resolved
     ``scheduler_config.enable_chunked_prefill`` and ``cache_config.enable_prefix_caching``
-    (plain bools in 0.20-0.33) decide; anything unreadable counts as reused.
+    (plain bools in all releases) decide; anything unreadable counts as reused.
     Encoder-only models have no TurboQuant layers at all: TurboQuant supports only
-    ``AttentionType.DECODER`` (``supports_attn_type``, 0.20-0.33).
+    ``AttentionType.DECODER`` (``supports_attn_type``, all releases).
     """
     model = getattr(vllm_config, "model_config", None)
     if getattr(model, "runner_type", "generate") != "pooling":
@@ -267,14 +267,14 @@ def prefix_reused(vllm_config: Any) -> bool:
 
 
 def worker_uses_v2(worker: Any) -> bool:
-    """``Worker.use_v2_model_runner`` exists in 0.20-0.33."""
+    """``Worker.use_v2_model_runner`` exists in all releases."""
     return bool(worker.use_v2_model_runner)
 
 
 def ubatching(vllm_config: Any) -> bool:
     """Whether the worker splits batches into microbatches: ``--enable-dbo`` (dual-batch
     overlap) or ``--ubatch-size`` over 1, resolved as ``parallel_config.use_ubatching``,
-    a property of ``ParallelConfig`` in 0.20-0.33 (``config/parallel.py`` 0.20:492,
+    a property of ``ParallelConfig`` in all releases (``config/parallel.py`` 0.20:492,
     0.26:535, 0.33:645). Anything unreadable counts as off."""
     parallel = getattr(vllm_config, "parallel_config", None)
     return getattr(parallel, "use_ubatching", False) is True
@@ -286,7 +286,7 @@ def ubatch_sliced(feats: Features, ubatching: bool, runner_v2: bool) -> tuple[st
     an int32 ``seq_lens`` starts at ``4 * r`` bytes, token t of the int64 slot mapping at
     ``8 * t``, block-table row r at ``4 * r * width``). Nothing without microbatching.
 
-    V1 (0.20-0.33, ``_make_metadata_with_slice`` in ``v1/worker/ubatch_utils.py``):
+    V1 (all releases, ``_make_metadata_with_slice`` in ``v1/worker/ubatch_utils.py``):
     ``seq_lens[request_slice]`` (0.20-0.29:179, 0.30:282, 0.33:283; a clone only when
     the microbatch's last request continues in the next one), ``block_table_tensor
     [request_slice]`` and ``slot_mapping[token_slice]`` (0.20:230-231, 0.21-0.29:232-233,
@@ -393,7 +393,7 @@ def flydsl_layer(feats: Features, impl: Any) -> bool:
 
 def metadata_builder(group: Any) -> Any:
     """The first (ubatch 0) metadata builder of an attention group:
-    ``AttentionGroup.get_metadata_builder()`` (0.20-0.33, V1 and V2), None without."""
+    ``AttentionGroup.get_metadata_builder()`` (all releases, V1 and V2), None without."""
     getter = getattr(group, "get_metadata_builder", None)
     return getter() if callable(getter) else None
 
@@ -401,7 +401,7 @@ def metadata_builder(group: Any) -> Any:
 def local_attention_chunk(layer: Any) -> int | None:
     """``attention_chunk_size`` of a chunked local attention layer (Llama 4), else None.
 
-    0.20-0.33: ``ChunkedLocalAttention`` keeps ``self.attention_chunk_size`` and wraps
+    all releases: ``ChunkedLocalAttention`` keeps ``self.attention_chunk_size`` and wraps
     the backend only in a builder subclass, so its impl is the plain
     ``TurboQuantAttentionImpl``; but the builder's ``build`` (also behind
     ``build_for_cudagraph_capture``; it reports ``AttentionCGSupport.NEVER``) hands the

@@ -6,6 +6,12 @@ is pure except ``installed_vllm_version``, which reads the installed distributio
 metadata without importing vLLM. Source: the released wheels of 0.20.0-0.33.0, read
 file by file; the ``real_vllm`` contract tests pin each gate down against the real code
 of the releases CI installs.
+
+"All releases" in the package's comments and docstrings means every supported one
+(``SUPPORTED``), each statement read in every supported wheel; this file alone states
+the range. Moving ``NEWEST`` fails ``tests/test_compat.py``'s release-bump test, which
+names the gates to re-judge and asks for those statements to be read again in the new
+wheel (``grep -rn "all releases" src``).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ __all__ = [
     "triton_pointer_ranges",
 ]
 
-# Triton 3.6.0, 3.7.1 and 3.8.0 (the releases of vLLM 0.20-0.33): the HIP backend's
+# Triton 3.6.0, 3.7.1 and 3.8.0 (what the supported vLLM releases pin): the HIP backend's
 # ``get_tensor_specialization`` (``triton/backends/amd/compiler.py`` 3.6.0:182-186,
 # 3.7.1:187-191, 3.8.0:236-240) adds "S" to a pointer's key when ``knobs.amd.use_buffer_ops``
 # (``AMDGCN_USE_BUFFER_OPS``, default on: ``knobs.py`` 3.6.0/3.7.1:505, 3.8.0:517) and
@@ -66,7 +66,7 @@ def storage_bytes(tensor: Any) -> int:
 
 
 def fp8_e4b15(capability: tuple[int, int] | None) -> int:
-    """``FP8_E4B15`` constexpr: 1 on CUDA devices below SM 8.9, else 0 (0.20-0.33)."""
+    """``FP8_E4B15`` constexpr: 1 on CUDA devices below SM 8.9, else 0 (all releases)."""
     return 1 if capability is not None and capability < (8, 9) else 0
 
 

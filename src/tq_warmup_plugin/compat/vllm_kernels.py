@@ -1,4 +1,4 @@
-"""Where vLLM keeps the launchers of its own kernels around TurboQuant's (0.20-0.33).
+"""Where vLLM keeps the launchers of its own kernels around TurboQuant's (all releases).
 
 ``engine_warmup`` calls vLLM's own launcher functions (slot mapping, the rejection
 sampler, top-k/top-p, logprobs) on a few bytes; this module finds them and builds their inputs,
@@ -32,7 +32,7 @@ class CompatError(RuntimeError):
 
 
 def engine_of(worker: Any, feats: Features) -> dict[str, Any]:
-    """The fields of a live worker's ``engine.Engine`` (0.20-0.33:
+    """The fields of a live worker's ``engine.Engine`` (all releases:
     ``use_v2_model_runner``, ``model_runner``, ``vllm_config.speculative_config``,
     ``model_config.max_logprobs`` and ``is_pooling_model`` under the same names)."""
     config = worker.vllm_config
@@ -58,7 +58,7 @@ def engine_of(worker: Any, feats: Features) -> dict[str, Any]:
 
 def slot_mapping_tables(runner: Any) -> list[Any]:
     """The V1 runner's ``BlockTable`` objects that map tokens to slots:
-    ``input_batch.block_table.block_tables`` (``MultiGroupBlockTable``, 0.20-0.33).
+    ``input_batch.block_table.block_tables`` (``MultiGroupBlockTable``, all releases).
     0.26+ mark mamba-like groups ``slot_mapping_mode == NONE``; they map nothing."""
     tables = runner.input_batch.block_table.block_tables
     return [t for t in tables if _mode(t) != "none"]
@@ -71,13 +71,13 @@ def _mode(table: Any) -> object:
 
 
 def spec_decode_metadata(draft_token_ids: list[list[int]], device: Any) -> Any:
-    """vLLM's own ``SpecDecodeMetadata.make_dummy`` (0.20-0.33)."""
+    """vLLM's own ``SpecDecodeMetadata.make_dummy`` (all releases)."""
     cls = importlib.import_module(paths.SPEC_METADATA_MODULE).SpecDecodeMetadata
     return cls.make_dummy(draft_token_ids, device)
 
 
 # The fields a sampling batch's mode is told by; every other field of vLLM's
-# ``SamplingMetadata`` (0.20-0.33) gets its "nothing requested" value below.
+# ``SamplingMetadata`` (all releases) gets its "nothing requested" value below.
 _EMPTY_FIELDS: dict[str, Any] = {
     "top_p": None,
     "top_k": None,
@@ -96,7 +96,7 @@ def sampling_metadata(
     """A real ``SamplingMetadata`` of ``num_reqs`` requests in one sampling mode.
 
     The rejection sampler's kernels read only the mode (``all_greedy``,
-    ``all_random``), ``temperature`` and ``generators`` (0.20-0.33); the sampler also
+    ``all_random``), ``temperature`` and ``generators`` (all releases); the sampler also
     ``max_num_logprobs`` (``logprobs``). A field this
     table does not know and that has no default raises ``CompatError``.
     """
@@ -136,7 +136,7 @@ def sampling_metadata(
 
 def top_k_top_p_function() -> Any:
     """``apply_top_k_top_p(logits, k, p)`` of ``v1/sample/ops/topk_topp_sampler.py``
-    (0.20-0.33), which both runners' samplers and the rejection sampler call; on a GPU
+    (all releases), which both runners' samplers and the rejection sampler call; on a GPU
     it takes ``_topk_topp_kernel`` from 8 rows (0.26:351)."""
     return importlib.import_module(paths.TOPK_TOPP_MODULE).apply_top_k_top_p
 
@@ -154,7 +154,7 @@ def topk_logprobs_function() -> Any:
 
 def logits_of(runner: Any, rows: int) -> Any:
     """``rows`` rows of logits as the live model computes them: its ``compute_logits``
-    on zero hidden states, so dtype, vocabulary and stride are serving's (0.20-0.33:
+    on zero hidden states, so dtype, vocabulary and stride are serving's (all releases:
     ``model.compute_logits(hidden_states)``, hidden size from ``model_config``)."""
     import torch
 

@@ -1,4 +1,4 @@
-"""Every vLLM module, class and function name the plugin imports or patches (0.20-0.33).
+"""Every vLLM module, class and function name the plugin imports or patches (all releases).
 
 Each path is written once, here: the accessors import them with
 ``importlib.import_module(NAME)``, never ``from vllm... import``, so the same string is
@@ -56,7 +56,7 @@ WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 ELASTIC_MODULE = "vllm.distributed.elastic_ep.elastic_execute"
 WORKSPACE_MODULE = "vllm.v1.worker.workspace"
 ATTENTION_MODULE = "vllm.v1.attention.backend"
-# vLLM's own kernels around TurboQuant's (engine_warmup), same modules in 0.20-0.33.
+# vLLM's own kernels around TurboQuant's (engine_warmup), same modules in all releases.
 BLOCK_TABLE_MODULE = "vllm.v1.worker.block_table"
 SPEC_METADATA_MODULE = "vllm.v1.spec_decode.metadata"
 SAMPLING_METADATA_MODULE = "vllm.v1.sample.metadata"
@@ -66,11 +66,11 @@ TOPK_TOPP_MODULE = "vllm.v1.sample.ops.topk_topp_sampler"
 FLASH_ATTN_MODULE = "vllm.v1.attention.backends.flash_attn"
 
 # Modules whose global ``kernel_warmup`` vLLM calls: the defining module, the
-# worker, which binds the name at import (0.20-0.33), and elastic EP, which does
+# worker, which binds the name at import (all releases), and elastic EP, which does
 # too and passes ``process_local_only=True`` (0.27+). Absent modules are skipped.
 CALL_SITE_MODULES = (WARMUP_MODULE, WORKER_MODULE, ELASTIC_MODULE)
 
-# The module that defines each Triton kernel we warm (identical in 0.20-0.33).
+# The module that defines each Triton kernel we warm (identical in all releases).
 KERNEL_MODULES: dict[str, str] = {
     "_tq_decode_stage1": DECODE_MODULE,
     "_tq_full_dequant_kv": DECODE_MODULE,
@@ -79,32 +79,32 @@ KERNEL_MODULES: dict[str, str] = {
     "_tq_fused_store_fp8": STORE_MODULE,
 }
 
-# `_CONTINUATION_DECODE_THRESHOLD` in the backend, 128 in 0.20-0.33: continuation
+# `_CONTINUATION_DECODE_THRESHOLD` in the backend, 128 in all releases: continuation
 # chunks up to this many tokens reuse the decode kernels, longer ones dequantize.
 CONTINUATION_DECODE_THRESHOLD = 128
 # The launcher default for `max_num_kv_splits`; the continuation fast path never
-# passes its own value, so it always runs with this many splits (0.20-0.33).
+# passes its own value, so it always runs with this many splits (all releases).
 LAUNCHER_DEFAULT_KV_SPLITS = 32
 
 
 BACKEND_CLASS = "TurboQuantAttentionBackend"
-"""The backend class in ``BACKEND_MODULE`` (0.20-0.33)."""
+"""The backend class in ``BACKEND_MODULE`` (all releases)."""
 IMPL_CLASS = "TurboQuantAttentionImpl"
-"""The attention impl class in ``BACKEND_MODULE`` (0.20-0.33)."""
+"""The attention impl class in ``BACKEND_MODULE`` (all releases)."""
 BUILDER_CLASS = "TurboQuantMetadataBuilder"
-"""The metadata builder class in ``BACKEND_MODULE`` (0.20-0.33)."""
+"""The metadata builder class in ``BACKEND_MODULE`` (all releases)."""
 
 CHUNKED_LOCAL_MODULE = "vllm.model_executor.layers.attention.chunked_local_attention"
-"""Defines ``ChunkedLocalAttention`` in 0.20-0.33."""
+"""Defines ``ChunkedLocalAttention`` in all releases."""
 CHUNKED_LOCAL_CLASS = "ChunkedLocalAttention"
 MODEL_UTILS_MODULE = "vllm.model_executor.models.utils"
-"""Defines ``extract_layer_index`` in 0.20-0.33."""
+"""Defines ``extract_layer_index`` in all releases."""
 
 SPEC_UTILS_MODULE = "vllm.v1.spec_decode.utils"
-"""Defines ``extend_all_queries_by_N`` in 0.20-0.33."""
+"""Defines ``extend_all_queries_by_N`` in all releases."""
 EXTEND_QUERIES_FUNCTION = "extend_all_queries_by_N"
 DRAFT_CALL_SITE_MODULES = ("vllm.v1.spec_decode.llm_base_proposer",)
-"""Modules that import ``extend_all_queries_by_N`` by name (0.20-0.33: only this one)."""
+"""Modules that import ``extend_all_queries_by_N`` by name (all releases: only this one)."""
 
 # The attention metadata tensors a V1 microbatch gets as views (``compat.ubatch_sliced``).
 UBATCH_VIEWS_V1 = ("block_table", "seq_lens", "slot_mapping")
@@ -112,7 +112,7 @@ UBATCH_VIEWS_V1 = ("block_table", "seq_lens", "slot_mapping")
 MODEL_CONFIG_MODULE = "vllm.config"
 TQ_CONFIG_MODULE = "vllm.model_executor.layers.quantization.turboquant.config"
 TQ_DTYPE_PREFIX = "turboquant_"
-"""What every TurboQuant ``kv_cache_dtype`` starts with (0.20-0.33); vLLM selects
+"""What every TurboQuant ``kv_cache_dtype`` starts with (all releases); vLLM selects
 TurboQuant's backend, and adds its boundary layers to the skip list, on that prefix."""
 MODEL_REGISTRY_MODULE = "vllm.model_executor.models.registry"
-"""Defines ``ModelRegistry`` in 0.20-0.33."""
+"""Defines ``ModelRegistry`` in all releases."""

@@ -14,7 +14,7 @@ decode beside them changes nothing. Prefix caching is vLLM's default and a share
 prompt makes such steps common: upstream #46460 measured 47-75 of 52 C-Eval subjects
 hallucinated (Qwen3-8B, turboquant_4bit_nc, 512 sequences), gone with prefix caching
 off; PR #46461 (open) adds a host-side check. The same test is in every release
-0.20-0.33 (``compat.Features.prefix_fast_path_unsafe``).
+all releases (``compat.Features.prefix_fast_path_unsafe``).
 
 What: ``_prefill_attention`` keeps vLLM's fast path only for a batch whose every
 request is a first chunk (``seq_len == query_len``), decided on the host from the

@@ -1,6 +1,6 @@
 """The speculative-decoding guard: no FULL CUDA graph of a TurboQuant verify batch.
 
-Why: ``TurboQuantMetadataBuilder`` reports ``UNIFORM_BATCH`` (0.20-0.33), so with
+Why: ``TurboQuantMetadataBuilder`` reports ``UNIFORM_BATCH`` (all releases), so with
 speculative decoding vLLM captures FULL graphs of uniform 1+k-token verify batches.
 Capture runs TurboQuant's per-request prefill loop on dummy metadata whose sequence
 length equals the query length, and the graph keeps that branch, "attention over the
@@ -13,7 +13,7 @@ Upstream: #40831, #52475, #53180 (wrong tokens), #40807 (0.20); the fixes (#4374
 What: under speculative decoding the builder, and any subclass, reports at most
 ``UNIFORM_SINGLE_TOKEN_DECODE``. vLLM's own mode resolution then runs verify batches
 without a FULL graph (``resolve_cudagraph_mode_and_sizes``: FULL decode graphs with
-``uniform_decode_query_len > 1`` need ``UNIFORM_BATCH``, else PIECEWISE, 0.20-0.33).
+``uniform_decode_query_len > 1`` need ``UNIFORM_BATCH``, else PIECEWISE, all releases).
 Without speculative decoding vLLM's own value is returned unchanged. The builder's
 support level is read while the KV cache is initialised, before ``kernel_warmup``,
 so this is installed when the backend module is imported, not in the worker.
@@ -127,7 +127,7 @@ def _apply(backend: ModuleType) -> bool:
     if builder.__dict__.get(_GUARD_ATTR):
         return True
     _guard_class(builder)
-    if "__init_subclass__" not in builder.__dict__:  # none in 0.20-0.33
+    if "__init_subclass__" not in builder.__dict__:  # none in all releases
         builder.__init_subclass__ = classmethod(_init_subclass_guarded)  # type: ignore[method-assign, assignment]
     setattr(builder, _GUARD_ATTR, True)
     return True

@@ -1,7 +1,7 @@
 """vLLM's logprob kernels for every number of logprobs a request may ask for.
 
 The V2 sampler gathers logprobs with ``_topk_log_softmax_kernel`` (and ranks with
-``_ranks_kernel``, ``v1/worker/gpu/sample/logprob.py`` 0.20-0.33), whose
+``_ranks_kernel``, ``v1/worker/gpu/sample/logprob.py`` all releases), whose
 ``TOPK_BLOCK_SIZE`` constexpr is the next power of two of ``1 + logprobs`` and whose
 ``topk`` argument is keyed as 1, a multiple of 16 or other. V2's warmup steps ask for
 no logprobs, so the first request with ``logprobs`` compiled it (H200, 0.26.0). This
