@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import json
@@ -79,19 +80,23 @@ GATE_COLUMNS = (
     "registry_warms_slot_mapping",
     "v2_top_k_top_p_model_dtype",
     "registry_warms_rejection_sampler",
+    "hybrid_turboquant",
+    "tq_block_aligned",
+    "v1_block_table_rounded",
+    "v2_runner_default",
 )
 T, F = True, False
 GATES = {
-    (0, 20): (F, F, F, F, F, F, T, F, F, F, F, F, F, T, T, T, F, F, F, F, F),
-    (0, 21): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T, T, T, F, F, F),
-    (0, 23): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T, T, T, F, F, F),
-    (0, 24): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T, T, T, F, F, F),
-    (0, 25): (F, F, T, T, T, T, T, T, T, T, T, F, F, T, T, T, T, T, F, F, F),
-    (0, 26): (T, T, T, T, T, T, T, T, T, T, T, F, F, T, T, T, T, T, F, T, F),
-    (0, 28): (T, T, T, T, T, T, T, T, F, T, T, F, T, T, F, T, T, T, F, F, F),
-    (0, 29): (T, F, T, T, T, T, T, T, F, T, T, F, T, T, F, T, T, T, T, F, F),
-    (0, 30): (T, F, T, T, T, T, T, T, F, T, T, T, T, T, F, T, T, F, T, F, T),
-    (0, 33): (T, F, T, T, T, T, T, T, F, T, T, T, T, T, F, T, T, F, T, F, T),
+    (0, 20): (F, F, F, F, F, F, T, F, F, F, F, F, F, T, T, T, F, F, F, F, F, F, F, F, F),
+    (0, 21): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T, T, T, F, F, F, T, F, F, F),
+    (0, 23): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T, T, T, F, F, F, T, F, F, F),
+    (0, 24): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T, T, T, F, F, F, T, F, F, F),
+    (0, 25): (F, F, T, T, T, T, T, T, T, T, T, F, F, T, T, T, T, T, F, F, F, T, T, F, T),
+    (0, 26): (T, T, T, T, T, T, T, T, T, T, T, F, F, T, T, T, T, T, F, T, F, T, T, F, T),
+    (0, 28): (T, T, T, T, T, T, T, T, F, T, T, F, T, T, F, T, T, T, F, F, F, T, T, T, T),
+    (0, 29): (T, F, T, T, T, T, T, T, F, T, T, F, T, T, F, T, T, T, T, F, F, T, T, T, T),
+    (0, 30): (T, F, T, T, T, T, T, T, F, T, T, T, T, T, F, T, T, F, T, F, T, T, T, T, T),
+    (0, 33): (T, F, T, T, T, T, T, T, F, T, T, T, T, T, F, T, T, F, T, F, T, T, T, T, T),
 }
 
 
@@ -304,3 +309,35 @@ def test_block_table_width_for_1000_tokens(
     version: compat.Version, bs: int, v2: bool, width: int
 ) -> None:
     assert planning.block_table_width(compat.features(version), 1000, bs, v2) == width
+
+
+def _version_comparisons(source: str) -> list[int]:
+    """Lines that compare something to a release tuple such as ``(0, 25)``."""
+
+    def is_release(node: ast.expr) -> bool:
+        return (
+            isinstance(node, ast.Tuple)
+            and len(node.elts) == 2
+            and all(isinstance(e, ast.Constant) and isinstance(e.value, int) for e in node.elts)
+        )
+
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Compare)
+        and not all(isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops)
+        and any(is_release(side) for side in (node.left, *node.comparators))
+    ]
+
+
+def test_every_version_comparison_lives_in_the_release_table() -> None:
+    """A release's behaviour is decided in ``compat.features()`` alone: a comparison
+    with a release elsewhere is a gate the release-bump test cannot see."""
+    package = REPO / "src" / "tq_warmup_plugin"
+    found = {
+        str(p.relative_to(package)): lines
+        for p in package.rglob("*.py")
+        if p.parent.name != "compat" and (lines := _version_comparisons(p.read_text()))
+    }
+    assert found == {}, f"move these release comparisons into compat.Features: {found}"
+    assert _version_comparisons("ok = feats.version >= (0, 27)\n") == [1]  # it sees one

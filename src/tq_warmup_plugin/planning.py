@@ -69,11 +69,11 @@ def boundary_layers(feats: Features, num_layers: int, hybrid: bool) -> tuple[int
     ``EngineArgs.create_engine_config`` from ``TurboQuantConfig.get_boundary_skip_layers``).
 
     Dense models: the first and last 2 layers, at most half of them (all releases).
-    Hybrid models: none in 0.21-0.33 (every full-attention layer is TurboQuant); 0.20
-    refuses TurboQuant for them (``NotImplementedError`` in ``arg_utils.py``).
+    Hybrid models: none (every full-attention layer is TurboQuant) where
+    ``Features.hybrid_turboquant``; 0.20 refuses TurboQuant for them.
     """
     if hybrid:
-        if feats.version < (0, 21):
+        if not feats.hybrid_turboquant:
             raise UnsupportedModel(
                 "vLLM 0.20 refuses TurboQuant for hybrid (attention + Mamba) models"
             )
@@ -101,14 +101,14 @@ def effective_block_size(feats: Features, requested: int, model_dtype_bytes: int
     """The block size vLLM settles on for TurboQuant layers, for planning without a
     worker (a worker's real KV tensor says it directly).
 
-    0.25-0.33: TurboQuant leaves boundary layers in the model dtype, and
+    ``Features.tq_block_aligned`` (0.25+): TurboQuant leaves boundary layers in the model dtype, and
     ``Platform._align_heterogeneous_kv_block_size`` grows the block until a
     TurboQuant page, sized there as uint8 K+V per token, covers a 16-token page of
     those layers: ``align * ceil(16 * dtype_bytes / align)`` with
     ``align = max(16, requested)`` (32 for a bf16 model at the default 16; seen on
     the H200 with 0.26.0). 0.20-0.24 keep the requested size.
     """
-    if feats.version < (0, 25):
+    if not feats.tq_block_aligned:
         return requested
     align = max(16, requested)
     return align * -(-16 * model_dtype_bytes // align)
@@ -124,7 +124,7 @@ def block_table_width(feats: Features, max_model_len: int, block_size: int, v2: 
     blocks = -(-max_model_len // block_size)
     if v2 and block_size <= 128:
         align = 128 // block_size
-    elif not v2 and feats.version >= (0, 27):
+    elif not v2 and feats.v1_block_table_rounded:
         align = 128 // math.gcd(128, block_size)
     else:
         align = 1
@@ -435,7 +435,7 @@ def geometry_from_args(args: argparse.Namespace, model_dir: str | None) -> Plann
         scale = shape.scale if shape and shape.scale is not None else head_size**-0.5
     bs = effective_block_size(feats, args.block_size, DTYPE_BYTES[dtype])
     layout = preset(args.kv_cache_dtype, head_size)
-    runner = args.runner or ("v2" if feats.version >= (0, 25) else "v1")
+    runner = args.runner or ("v2" if feats.v2_runner_default else "v1")
     geometry = Geometry(
         cache_dtype=args.kv_cache_dtype,
         head_size=head_size,

@@ -1,9 +1,9 @@
 """Accessors on live vLLM objects: the only code that knows where a release keeps them.
 
-Each accessor names the releases it serves ("all releases": every supported one). Module and class names come
-from ``vllm_paths`` and are read there at call time, so a test that stubs a path
-patches ``compat.vllm_paths``; callers outside ``compat`` use ``compat.X``, which is
-what tests patch for them.
+Each accessor names the releases it serves ("all releases": every supported one).
+Module and class names come from ``vllm_paths`` and are read there at call time, so a
+test that stubs a path patches ``compat.vllm_paths``; callers outside ``compat`` use
+``compat.X``, which is what tests patch for them.
 """
 
 from __future__ import annotations

@@ -132,6 +132,19 @@ class Features(NamedTuple):
     """0.30+: the rejection sampler registers its kernels, greedy and mixed batches both
     (``v1/sample/rejection_sampler.py`` 0.30, 0.33:116-121); 0.29 does not. Before, vLLM
     warms them only in the mixed batch of ``_dummy_sampler_run`` (0.26:6244)."""
+    hybrid_turboquant: bool
+    """0.21+: TurboQuant serves hybrid (attention + Mamba) models, with no boundary
+    layers; 0.20 refuses them (``NotImplementedError`` in ``arg_utils.py``)."""
+    tq_block_aligned: bool
+    """0.25+: ``Platform._align_heterogeneous_kv_block_size`` grows TurboQuant's block
+    until its page covers a boundary layer's (``planning.effective_block_size``);
+    0.20-0.24 keep the requested size."""
+    v1_block_table_rounded: bool
+    """0.27+: the V1 block table's row is rounded up to a multiple of
+    ``128 / gcd(128, block_size)``; 0.20-0.26 do not round (``planning.block_table_width``)."""
+    v2_runner_default: bool
+    """0.25+: the V2 model runner is what a worker runs unless told otherwise; 0.20-0.24
+    run V1 (the ``--runner`` default of ``inspect`` and ``precompile``)."""
 
 
 def features(version: Version) -> Features:
@@ -159,6 +172,10 @@ def features(version: Version) -> Features:
         registry_warms_slot_mapping=version >= (0, 29),
         v2_top_k_top_p_model_dtype=version == (0, 26),
         registry_warms_rejection_sampler=version >= (0, 30),
+        hybrid_turboquant=version >= (0, 21),
+        tq_block_aligned=version >= (0, 25),
+        v1_block_table_rounded=version >= (0, 27),
+        v2_runner_default=version >= (0, 25),
     )
 
 
