@@ -341,3 +341,30 @@ def test_every_version_comparison_lives_in_the_release_table() -> None:
     }
     assert found == {}, f"move these release comparisons into compat.Features: {found}"
     assert _version_comparisons("ok = feats.version >= (0, 27)\n") == [1]  # it sees one
+
+
+@pytest.mark.parametrize(
+    ("version", "block", "width"),
+    [("0.24.0", 16, 57), ("0.26.0", 32, 32)],  # V1: ceil(900 / 16); V2: ceil(900 / 32) -> x4
+)
+def test_a_plan_request_from_flags_alone_reads_no_environment(
+    version: str, block: int, width: int
+) -> None:
+    """Planning is a function of its request: no argparse namespace, no environment
+    read or written (the CLI sets ``HF_HUB_OFFLINE`` at its edge)."""
+    before = dict(os.environ)
+    request = planning.PlanRequest(
+        kv_cache_dtype="turboquant_4bit_nc",
+        vllm_version=version,
+        head_size=128,
+        num_heads=32,
+        num_kv_heads=8,
+        tensor_parallel_size=2,
+        max_model_len=900,
+    )
+    planned = planning.plan_geometry(request, None)
+    assert dict(os.environ) == before
+    g = planned.geometry
+    assert (g.num_heads, g.num_kv_heads, g.block_size) == (16, 4, block)
+    assert g.block_table_width == width  # the release's default runner's table
+    assert planned.note == "from flags"

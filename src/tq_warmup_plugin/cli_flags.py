@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 
 from . import compat
 from .geometry import PRESETS
+from .planning import PlanRequest
 
 __all__ = [
     "Help",
@@ -102,17 +103,22 @@ def command(sub: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
 
 
 # (flag, least value, default, help) of the whole-number geometry flags.
-_WHOLE_FLAGS: tuple[tuple[str, int, int | None, str], ...] = (
-    ("--head-size", 1, None, "attention head size (default: model's)"),
-    ("--num-heads", 1, None, "query heads (whole model)"),
-    ("--num-kv-heads", 1, None, "KV heads (whole model)"),
-    ("--tensor-parallel-size", 1, 1, "vLLM's --tensor-parallel-size (-tp): heads per rank"),
-    ("--block-size", 1, 16, "vLLM's --block-size; the effective TurboQuant block is derived"),
-    ("--max-num-seqs", 1, 256, "vLLM's --max-num-seqs"),
-    ("--max-model-len", 1, None, "vLLM's --max-model-len (default: model's)"),
-    ("--max-num-batched-tokens", 1, 8192, "vLLM's --max-num-batched-tokens (the chunk budget)"),
-    ("--kv-splits", 1, 32, "attention_config.tq_max_kv_splits_for_cuda_graph"),
+_WHOLE_FLAGS: tuple[tuple[str, int, str], ...] = (
+    ("--head-size", 1, "attention head size (default: model's)"),
+    ("--num-heads", 1, "query heads (whole model)"),
+    ("--num-kv-heads", 1, "KV heads (whole model)"),
+    ("--tensor-parallel-size", 1, "vLLM's --tensor-parallel-size (-tp): heads per rank"),
+    ("--block-size", 1, "vLLM's --block-size; the effective TurboQuant block is derived"),
+    ("--max-num-seqs", 1, "vLLM's --max-num-seqs"),
+    ("--max-model-len", 1, "vLLM's --max-model-len (default: model's)"),
+    ("--max-num-batched-tokens", 1, "vLLM's --max-num-batched-tokens (the chunk budget)"),
+    ("--kv-splits", 1, "attention_config.tq_max_kv_splits_for_cuda_graph"),
 )
+"""Flag, least value, help; the default is ``planning.PlanRequest``'s."""
+
+
+def _plan_default(flag: str) -> object:
+    return getattr(PlanRequest(), flag.lstrip("-").replace("-", "_"))
 
 
 def geometry_flags(p: argparse.ArgumentParser) -> None:
@@ -133,9 +139,9 @@ def geometry_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-cache-dtype", choices=sorted(PRESETS), help="vLLM's --kv-cache-dtype (a preset)"
     )
-    for flag, least, default, text in _WHOLE_FLAGS:
+    for flag, least, text in _WHOLE_FLAGS:
         names = (flag, "-tp") if flag == "--tensor-parallel-size" else (flag,)
-        p.add_argument(*names, type=whole(least), default=default, help=text)
+        p.add_argument(*names, type=whole(least), default=_plan_default(flag), help=text)
     p.add_argument(
         "--attention-chunk-size",
         type=whole(0),
@@ -146,7 +152,12 @@ def geometry_flags(p: argparse.ArgumentParser) -> None:
         "--dtype", choices=["bfloat16", "float16"], help="model dtype (default: model's)"
     )
     p.add_argument("--scale", type=scale, help="attention scale if not the model's own")
-    p.add_argument("--arch", type=arch, default=90, help="target SM: 90, sm90 or 9.0 for H100/H200")
+    p.add_argument(
+        "--arch",
+        type=arch,
+        default=_plan_default("--arch"),
+        help="target SM: 90, sm90 or 9.0 for H100/H200",
+    )
     p.add_argument("--runner", choices=["v1", "v2"], help="model runner (default: release's)")
     p.add_argument(
         "--enable-dbo",

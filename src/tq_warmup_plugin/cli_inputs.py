@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
+import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +21,14 @@ from . import planning, safe_io
 from .geometry import Geometry, Reported, read_report
 from .planning import Planned
 
-__all__ = ["CliError", "geometries", "geometries_from_report", "model_dir", "read_json"]
+__all__ = [
+    "CliError",
+    "geometries",
+    "geometries_from_report",
+    "model_dir",
+    "plan_request",
+    "read_json",
+]
 
 
 class CliError(Exception):
@@ -70,6 +79,12 @@ def geometries_from_report(path: str) -> Reported:
         raise CliError(f"--geometry-json {path}: {exc}") from None
 
 
+def plan_request(args: argparse.Namespace) -> planning.PlanRequest:
+    """The flags ``cli_flags.geometry_flags`` defines, as planning's request."""
+    names = (f.name for f in dataclasses.fields(planning.PlanRequest))
+    return planning.PlanRequest(**{name: getattr(args, name) for name in names})
+
+
 def geometries(args: argparse.Namespace) -> tuple[dict[str, Geometry], Planned]:
     """Distinct geometries by name, and the first one's plan summary."""
     if args.geometry_json:
@@ -77,9 +92,12 @@ def geometries(args: argparse.Namespace) -> tuple[dict[str, Geometry], Planned]:
         named = {f"geometry{i}": g for i, g in enumerate(found)}
         note = f"startup report of vLLM {version}"
         return named, Planned(found[0], layers, True, note)
+    request = plan_request(args)
     with contextlib.ExitStack() as stack:  # vLLM reads --model's config in here
         model = None if args.model is None else stack.enter_context(model_dir(args.model))
-        planned = planning.geometry_from_args(args, model)
+        if model is not None:  # a local config: nothing to download
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        planned = planning.plan_geometry(request, model)
     named = {"geometry0": planned.geometry}
     if planned.local is not None:
         named["local"] = planned.local

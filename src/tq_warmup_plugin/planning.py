@@ -7,12 +7,10 @@ model directory and the release's rules, each naming the releases it covers.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import importlib
 import math
-import os
 import re
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -24,16 +22,17 @@ from .geometry import DTYPE_BYTES, Geometry, preset
 __all__ = [
     "ModelShape",
     "PlanError",
+    "PlanRequest",
     "Planned",
     "UnsupportedModel",
     "block_table_width",
     "boundary_layers",
     "effective_block_size",
-    "geometry_from_args",
     "heads_per_rank",
     "kv_view_strides",
     "model_scale",
     "model_shape",
+    "plan_geometry",
 ]
 
 
@@ -360,16 +359,47 @@ class Planned(NamedTuple):
     """The geometry of the model's chunked local attention layers (Llama 4), if any."""
 
 
-def _features(args: argparse.Namespace) -> Features:
+@dataclasses.dataclass(frozen=True)
+class PlanRequest:
+    """What ``inspect`` and ``precompile`` plan for: vLLM's own engine arguments by their
+    names (``None``: the model's or the release's value), so planning reads no argparse
+    namespace and no environment. The CLI's flags take their defaults from here."""
+
+    kv_cache_dtype: str | None = None
+    model: str | None = None
+    """The ``--model`` the user gave, for messages (``plan_geometry`` reads its directory)."""
+    vllm_version: str | None = None
+    """The release to plan for; None: the installed one."""
+    tensor_parallel_size: int = 1
+    dtype: str | None = None
+    max_model_len: int | None = None
+    trust_remote_code: bool = False
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_size: int | None = None
+    scale: float | None = None
+    block_size: int = 16
+    runner: str | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    kv_splits: int = 32
+    """``attention_config.tq_max_kv_splits_for_cuda_graph``."""
+    arch: int = 90
+    """The target SM as one number (90: H100/H200)."""
+    enable_dbo: bool = False
+    attention_chunk_size: int | None = None
+
+
+def _features(request: PlanRequest) -> Features:
     installed = compat.installed_vllm_version()
     try:
-        return compat.release_features(args.vllm_version or installed)
+        return compat.release_features(request.vllm_version or installed)
     except compat.UnsupportedRelease as exc:
-        hint = "" if args.vllm_version else " (pass --vllm-version to plan for a release)"
+        hint = "" if request.vllm_version else " (pass --vllm-version to plan for a release)"
         raise PlanError(f"{exc}{hint}") from None
 
 
-def geometry_from_args(args: argparse.Namespace, model_dir: str | None) -> Planned:
+def plan_geometry(args: PlanRequest, model_dir: str | None) -> Planned:
     """The geometry the worker would discover, from vLLM's ``ModelConfig`` of the
     ``config.json`` in ``model_dir`` (``--model``, checked and read by the CLI) and the
     explicit flags, which take precedence. Raises PlanError with one line."""
@@ -379,7 +409,6 @@ def geometry_from_args(args: argparse.Namespace, model_dir: str | None) -> Plann
     tp = args.tensor_parallel_size
     shape: ModelShape | None = None
     if model_dir is not None:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local config: nothing to download
         try:
             shape = model_shape(
                 model_dir, tp, args.dtype, args.max_model_len, args.trust_remote_code
