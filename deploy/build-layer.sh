@@ -32,7 +32,9 @@ for dtype in $KV_CACHE_DTYPES; do
     --image-vllm "$VLLM_VERSION" --image-triton-wheel "$wheels"/triton-*.whl \
     --cache-dir "$CACHE" $PRECOMPILE_ARGS
 done
+# 5. Check the layer offline against its manifests (exit 1 on a problem), for the image's
+#    Triton build and Python, not this host's.
+"$VENV/bin/tq-warmup" verify --cache-dir "$CACHE" --arch "$ARCH" \
+  --image-triton-wheel "$wheels"/triton-*.whl
 rm -rf "$wheels"
-# 5. Check the layer offline against its manifests (exit 1 on a problem).
-"$VENV/bin/tq-warmup" verify --cache-dir "$CACHE" --arch "$ARCH"
 echo "build-layer: $CACHE $(du -sh "$CACHE" | cut -f1), $(find "$CACHE" -name '*.cubin' | wc -l) cubins, $((SECONDS - start)) s"

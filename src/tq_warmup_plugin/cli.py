@@ -148,6 +148,21 @@ def _wheel_tags(path: str) -> tuple[str, str]:
         raise CliError(f"--image-triton-wheel {path}: {exc}") from None
 
 
+def _image_stack(
+    arch: int | None, wheel: str | None, stack: contextlib.ExitStack
+) -> tuple[str | None, manifest.Stack]:
+    """The image's Triton build key (None without ``--image-triton-wheel``) and the
+    stack it runs: this host's, with that wheel's build and Python. The wheel is
+    unpacked into a directory ``stack`` removes."""
+    from .precompile import target_stack, triton_key_of_wheel
+
+    if wheel is None:
+        return None, target_stack(arch, None, None)
+    _wheel_tags(wheel)  # a bad wheel is one line
+    key = triton_key_of_wheel(wheel, stack.enter_context(tempfile.TemporaryDirectory()))
+    return key, target_stack(arch, wheel, key)
+
+
 def precompile(args: argparse.Namespace) -> int:
     """Compile the plan for the target architecture into ``--cache-dir``."""
     from .precompile import refusal
@@ -182,20 +197,15 @@ def precompile(args: argparse.Namespace) -> int:
         cache_keys_for,
         install,
         staging,
-        target_stack,
-        triton_key_of_wheel,
         use_compile_only_target,
     )
 
     use_compile_only_target(args.arch)
     report = Report(vllm_version=installed["vllm"], distinct=len(the_plan.keys))
     with contextlib.ExitStack() as stack:  # the worker's compile path: same threads, lines
-        wheel_key = None
-        if args.image_triton_wheel is not None:
-            tmp = stack.enter_context(tempfile.TemporaryDirectory())
-            wheel_key = triton_key_of_wheel(args.image_triton_wheel, tmp)
+        wheel_key, target = _image_stack(args.arch, args.image_triton_wheel, stack)
+        if wheel_key is not None:
             stack.enter_context(cache_keys_for(wheel_key))
-        target = target_stack(args.arch, args.image_triton_wheel, wheel_key)
         try:
             stage = stack.enter_context(staging(cache_dir, target))
             os.environ["TRITON_CACHE_DIR"] = str(stage)
@@ -292,7 +302,8 @@ def verify(args: argparse.Namespace) -> int:
             return 1 if driver_problems or stale else 0
         _say(f"tq-warmup: no tq-warmup manifest in {root} (not built by tq-warmup precompile)")
         return 1
-    here = manifest.installed_stack(arch=args.arch)
+    with contextlib.ExitStack() as unpacked:
+        here = _image_stack(args.arch, args.image_triton_wheel, unpacked)[1]
     problems, found = len(stale), {}
     pinned = pins.current()
     for path in paths:
@@ -325,6 +336,12 @@ def verify(args: argparse.Namespace) -> int:
     return 1 if problems or driver_problems else 0
 
 
+IMAGE_WHEEL_HELP = (
+    "the image's Triton wheel, when the image runs another Python: Triton's cache keys "
+    "hash its own build, so they are computed from this wheel (same Triton release only)"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line, every subcommand's flags (the docs' commands are checked
     against it: ``tests/test_docs_commands.py``)."""
@@ -354,12 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_pre.add_argument("--cache-dir", required=True, help="the Triton cache layer to build")
     p_pre.add_argument("--image-vllm", help="vLLM version the image will run")
     p_pre.add_argument("--image-triton", help="Triton version the image will run")
-    p_pre.add_argument(
-        "--image-triton-wheel",
-        help="the image's Triton wheel, when the image runs another Python: "
-        "Triton's cache keys hash its own build, so they are computed "
-        "from this wheel (same Triton release only)",
-    )
+    p_pre.add_argument("--image-triton-wheel", help=IMAGE_WHEEL_HELP)
     p_verify = command(
         sub, "verify", help="check a precompiled cache dir's files and stack (exit 1 on a problem)"
     )
@@ -371,6 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_verify.add_argument(
         "--arch", type=arch, help="the GPU it is for, e.g. 90 (default: arch is not checked)"
+    )
+    p_verify.add_argument(
+        "--image-triton-wheel",
+        help="check the stack against this Triton wheel's build and Python (the one "
+        "precompile was given), not this host's",
     )
     p_driver = command(
         sub,

@@ -191,7 +191,7 @@ def wheel_tags(path: str | Path) -> tuple[str, str]:
     return fields[1], fields[-2]
 
 
-def target_stack(arch: int, wheel: str | None, wheel_key: str | None) -> manifest.Stack:
+def target_stack(arch: int | None, wheel: str | None, wheel_key: str | None) -> manifest.Stack:
     """The stack the image runs: the installed one, with the image's Triton build
     (``wheel_key``, its ``triton_key()``) and Python when a wheel names them."""
     here = manifest.installed_stack(arch=arch)

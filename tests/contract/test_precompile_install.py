@@ -82,6 +82,47 @@ def test_verify_checks_the_files_and_the_installed_stack(
     assert rc == 1 and f"{file.name}: vllm: the manifest says 0.0.1, found {installed}\n" in out
 
 
+def _image_wheel(into: Path) -> Path:
+    """A Triton wheel of the installed release for another Python, as ``precompile`` and
+    ``verify`` read one: Triton's ``runtime/cache.py`` and a ``libtriton`` of other bytes
+    (what ``triton_key()`` hashes), so its build key differs from this host's."""
+    import sysconfig
+    import zipfile
+
+    import triton
+    from triton.runtime import cache
+
+    ext = str(sysconfig.get_config_var("EXT_SUFFIX")).split(".")[-1]
+    wheel = into / f"triton-{triton.__version__}-cp399-cp399-manylinux_2_27_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.write(cache.__file__, "triton/runtime/cache.py")
+        archive.writestr(f"triton/_C/libtriton.{ext}", b"another build")
+    return wheel
+
+
+def test_verify_checks_a_layer_for_another_python_against_the_image_wheel(
+    built: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``deploy/build-layer.sh`` builds for the image's Python on a host of another:
+    ``verify`` judges the layer's stack against the image's wheel it is given, and
+    against this host's without one (where the image's layer does not serve)."""
+    image = tmp_path / "image"
+    shutil.copytree(built, image)
+    wheel = _image_wheel(tmp_path)
+    key = precompile.triton_key_of_wheel(wheel, tmp_path / "unpacked")
+    (file,) = image.glob(f"{manifest.PREFIX}*.json")
+    data = json.loads(file.read_text())
+    data |= {"triton_build": manifest.triton_build(key), "python_abi": "cp399"}
+    file.write_text(json.dumps(data))
+    rc, out = verify(capsys, image, "--arch", "90")
+    assert rc == 1 and ": 2 problems" in out, out
+    assert "python_abi: the manifest says cp399, found " in out, out
+    rc, out = verify(capsys, image, "--arch", "90", "--image-triton-wheel", str(wheel))
+    assert rc == 0 and out.endswith(": 0 problems\n"), out
+    rc, out = verify(capsys, built, "--arch", "90", "--image-triton-wheel", str(wheel))
+    assert rc == 1 and "triton_build: the manifest says " in out, out  # built for this host
+
+
 def test_tritons_own_manager_finds_the_installed_kernels(
     built: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
