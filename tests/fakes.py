@@ -19,10 +19,11 @@ from typing import Any
 import pluggy
 
 import tq_warmup_plugin
-from tq_warmup_plugin import compat, manifest, planning
+from tq_warmup_plugin import compat, planning
 from tq_warmup_plugin.geometry import PRESETS, Geometry, preset
 from tq_warmup_plugin.hookspecs import hookimpl
 from tq_warmup_plugin.keys import KernelKey
+from tq_warmup_plugin.shipped import manifest
 from tq_warmup_plugin.warmup import plugin_manager
 
 PRESET = "turboquant_4bit_nc"

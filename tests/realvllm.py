@@ -24,7 +24,7 @@ PREFILL_BATCHES = [[(5, 3), (6, 4), (130, 20), (3, 3), (4, 4)], [(130, 16)]]
 def activate_compile_only_driver() -> None:
     """Make Triton target sm90 on a host without a GPU (a compile-only driver: Triton
     compiles for the target, nothing launches)."""
-    from tq_warmup_plugin.precompile import use_compile_only_target
+    from tq_warmup_plugin.shipped.precompile import use_compile_only_target
 
     use_compile_only_target(90)
 

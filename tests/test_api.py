@@ -11,6 +11,7 @@ from importlib import metadata
 from pathlib import Path
 
 import fakes
+import pytest
 
 import tq_warmup_plugin
 from tq_warmup_plugin import geometry, hookspecs, keys, settings
@@ -170,3 +171,54 @@ def test_no_import_cycle_among_the_package_modules() -> None:
     assert graph[f"{NAME}.warmup"] >= {f"{NAME}.hookspecs", f"{NAME}.warmers.turboquant"}
     assert first_cycle(graph) is None
     assert first_cycle({"a": {"b"}, "b": {"c"}, "c": {"b"}}) == ["b", "c", "b"]
+
+
+MOVED = {
+    "manifest": "shipped.manifest",
+    "pins": "shipped.pins",
+    "layer_trust": "shipped.layer_trust",
+    "layered_cache": "shipped.layered_cache",
+    "precompile": "shipped.precompile",
+    "driver_cache": "driver.cache",
+    "driver_startup": "driver.startup",
+    "driver_build": "driver.build",
+    "driver_verify": "driver.verify",
+}
+"""Old module -> where it moved when the package was grouped by concern (issue 31)."""
+
+
+def test_a_moved_module_is_its_new_module_under_the_old_name() -> None:
+    """``tq_warmup_plugin.X`` of before still imports, as the very module it moved to,
+    and ``TRITON_CACHE_MANAGER``'s documented path still resolves to the class; each
+    in a fresh interpreter, so neither name was imported first by another test."""
+    code = (
+        "import importlib, json\n"
+        "def same(old, new):\n"
+        "    try:\n"
+        "        a = importlib.import_module(f'tq_warmup_plugin.{old}')\n"
+        "    except ModuleNotFoundError as exc:  # layered_cache subclasses Triton's manager\n"
+        "        return exc.name\n"
+        "    return a is importlib.import_module(f'tq_warmup_plugin.{new}')\n"
+        f"print(json.dumps({{old: same(old, new) for old, new in {MOVED!r}.items()}}))\n"
+    )
+    same = json.loads(fakes.fresh_python(code).splitlines()[-1])
+    missing = {old for old, found in same.items() if found in OPTIONAL}
+    assert missing <= {"layered_cache"}, same
+    assert {old: found for old, found in same.items() if old not in missing} == dict.fromkeys(
+        set(MOVED) - missing, True
+    )
+    shims = {p.stem for p in PACKAGE.glob("*.py")} & set(MOVED)
+    assert shims == set(MOVED)  # and no moved module left behind beside its alias
+    for old, new in MOVED.items():
+        assert (PACKAGE / f"{new.replace('.', '/')}.py").is_file(), new
+        assert len((PACKAGE / f"{old}.py").read_text().splitlines()) < 20, old
+
+
+def test_the_documented_cache_manager_path_resolves_to_the_class() -> None:
+    pytest.importorskip("triton")
+    from tq_warmup_plugin.shipped import layered_cache
+
+    for name in layered_cache.MANAGER_NAMES:  # as Triton resolves TRITON_CACHE_MANAGER
+        module, _, cls = name.partition(":")
+        assert getattr(importlib.import_module(module), cls) is layered_cache.LayeredCacheManager
+    assert layered_cache.MANAGER == "tq_warmup_plugin.layered_cache:LayeredCacheManager"

@@ -355,7 +355,7 @@ def test_triton_key_of_an_installation_is_tritons_own() -> None:
 
     from triton.runtime.cache import triton_key
 
-    from tq_warmup_plugin.precompile import triton_key_of
+    from tq_warmup_plugin.shipped.precompile import triton_key_of
 
     roots = [p for p in site.getsitepackages() if (Path(p) / "triton").is_dir()]
     assert triton_key_of(roots[0]) == triton_key()
@@ -391,7 +391,8 @@ def test_inspect_lists_the_first_launches(capsys: pytest.CaptureFixture[str]) ->
 def stubbed_precompile(monkeypatch: pytest.MonkeyPatch) -> fakes.RecordingWarmer:
     """precompile without vLLM or Triton: vLLM 0.26.0 and Triton 3.6.0 'installed', the
     fake warmer compiling."""
-    from tq_warmup_plugin import compat, manifest, precompile, warmup
+    from tq_warmup_plugin import compat, warmup
+    from tq_warmup_plugin.shipped import manifest, precompile
 
     warmer = fakes.RecordingWarmer()
     for var in ("TRITON_CACHE_DIR", "CUDA_VISIBLE_DEVICES"):  # precompile sets both
@@ -490,7 +491,7 @@ def test_an_image_wheel_sets_the_manifests_triton_build_and_python_abi(
 ) -> None:
     import zipfile
 
-    from tq_warmup_plugin import manifest, precompile
+    from tq_warmup_plugin.shipped import manifest, precompile
 
     wheel = tmp_path / "triton-3.6.0-cp312-cp312-manylinux_2_27_x86_64.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
@@ -523,7 +524,7 @@ def test_an_image_wheel_sets_the_manifests_triton_build_and_python_abi(
 def test_precompile_refuses_what_the_image_cannot_use(
     args: dict[str, Any], expected: str | None
 ) -> None:
-    from tq_warmup_plugin.precompile import refusal
+    from tq_warmup_plugin.shipped.precompile import refusal
 
     installed = args.get("installed", {"vllm": "0.26.0", "triton": "3.6.0"})
     found = refusal(

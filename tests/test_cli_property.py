@@ -23,7 +23,8 @@ from fakes import BEYOND_RELEASE, STACK
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tq_warmup_plugin import cli, manifest
+from tq_warmup_plugin import cli
+from tq_warmup_plugin.shipped import manifest
 
 REPORT = json.loads(
     (Path(__file__).parent / "data" / "h200-vllm0.26.0-4bit-report.json").read_text()

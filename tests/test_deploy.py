@@ -18,7 +18,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = "deploy/build-layer.sh"
 SOURCES = tuple(
-    f"src/tq_warmup_plugin/{m}.py" for m in ("layered_cache", "settings", "driver_cache")
+    f"src/tq_warmup_plugin/{m}.py" for m in ("shipped/layered_cache", "settings", "driver/cache")
 )
 DRIVER_ENV, DRIVER_COPY_ENV = "TQ_WARMUP_DRIVER_CACHE", "TQ_WARMUP_DRIVER_CACHE_COPY_TO"
 
@@ -135,7 +135,7 @@ def test_deploy_files_agree_with_the_layered_cache() -> None:
             'CACHE_LAYERS_ENV = "TQ_LAYERS"',
         ),
         (
-            "src/tq_warmup_plugin/layered_cache.py",
+            "src/tq_warmup_plugin/shipped/layered_cache.py",
             'MANAGER = "tq_warmup_plugin.layered_cache:LayeredCacheManager"',
             'MANAGER = "tq_warmup_plugin.other:Manager"',
         ),

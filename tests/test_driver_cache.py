@@ -12,9 +12,10 @@ from pathlib import Path
 import fakes
 import pytest
 
-from tq_warmup_plugin import cli, driver_verify, launches
-from tq_warmup_plugin import driver_cache as dc
-from tq_warmup_plugin.driver_cache import DriverManifest, EntryError, Node
+from tq_warmup_plugin import cli, launches
+from tq_warmup_plugin.driver import cache as dc
+from tq_warmup_plugin.driver import verify as driver_verify
+from tq_warmup_plugin.driver.cache import DriverManifest, EntryError, Node
 
 NVRM = (
     "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.86.15  Release Build  "
@@ -299,7 +300,7 @@ def test_with_a_model_the_build_starts_an_engine_unless_plan_only(
 ) -> None:
     """The plan's launches alone left out one of four FA2 modules on the H200, so an
     engine is the default wherever there is a model to start."""
-    from tq_warmup_plugin import driver_build
+    from tq_warmup_plugin.driver import build as driver_build
 
     got: list[object] = []
     monkeypatch.setattr(driver_build, "build", lambda *a: got.append(a[4]) or 0)
@@ -317,7 +318,7 @@ def test_with_a_model_the_build_starts_an_engine_unless_plan_only(
 
 
 def test_the_engine_spec_is_the_models_engine_on_dummy_weights() -> None:
-    from tq_warmup_plugin.driver_build import engine_spec
+    from tq_warmup_plugin.driver.build import engine_spec
 
     spec = engine_spec("turboquant_4bit_nc", "bfloat16", 4096, 16, 8192, True)
     kw = spec["engine"]
@@ -340,7 +341,7 @@ def test_the_engine_spec_is_the_models_engine_on_dummy_weights() -> None:
 
 
 def test_children_write_into_the_stage_and_not_a_shipped_cache(tmp_path: Path) -> None:
-    from tq_warmup_plugin.driver_build import child_env
+    from tq_warmup_plugin.driver.build import child_env
 
     base = {
         "HOME": "/h",
@@ -362,7 +363,7 @@ def test_children_write_into_the_stage_and_not_a_shipped_cache(tmp_path: Path) -
 def test_an_engine_that_cannot_start_is_one_line(tmp_path: Path) -> None:
     """The real engine child, on a machine where vLLM's engine cannot start (no GPU
     here): the build gets one line with the child's last error, never a traceback."""
-    from tq_warmup_plugin import driver_build
+    from tq_warmup_plugin.driver import build as driver_build
 
     cache = tmp_path / "stage" / "cache"
     cache.mkdir(parents=True)

@@ -15,9 +15,9 @@ import fakes
 import pytest
 from test_driver_cache import FA2, fake_proc, make_entry
 
-from tq_warmup_plugin import driver_cache as dc
-from tq_warmup_plugin import driver_startup
-from tq_warmup_plugin.driver_cache import Node
+from tq_warmup_plugin.driver import cache as dc
+from tq_warmup_plugin.driver import startup as driver_startup
+from tq_warmup_plugin.driver.cache import Node
 from tq_warmup_plugin.settings import Settings, parse
 
 NODE = Node("570.86.15", ("NVIDIA H200",), len(FA2))
@@ -313,14 +313,14 @@ def test_register_with_a_driver_cache_imports_no_heavy_module(
     )
     new, path = json.loads(fakes.fresh_python(code).splitlines()[-1])
     assert {m.split(".")[0] for m in new} & {"torch", "triton", "vllm", "pluggy"} == set()
-    assert "tq_warmup_plugin.driver_startup" in new and "hashlib" not in new
+    assert "tq_warmup_plugin.driver.startup" in new and "hashlib" not in new
     assert path is None  # no node has the fake entry's driver: one WARNING, nothing set
 
 
 def test_a_pin_refuses_an_entry_it_does_not_name(
     tmp_path: Path, layer: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tq_warmup_plugin import pins
+    from tq_warmup_plugin.shipped import pins
 
     root, proc, fa2 = layer
     entry = next(root.iterdir())

@@ -160,7 +160,7 @@ def test_launches_inside_become_compiles_and_the_patch_is_undone() -> None:
     from triton.runtime.jit import JITFunction
     from unrelated_kernel import add_one
 
-    from tq_warmup_plugin.precompile import use_compile_only_target
+    from tq_warmup_plugin.shipped.precompile import use_compile_only_target
 
     use_compile_only_target(90)
     original = JITFunction.run

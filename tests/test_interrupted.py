@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from tq_warmup_plugin import cli, manifest, precompile
+from tq_warmup_plugin import cli
+from tq_warmup_plugin.shipped import manifest, precompile
 
 
 def test_the_lock_is_never_taken_through_a_symlink(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import fakes
 import pytest
 
-from tq_warmup_plugin import manifest
+from tq_warmup_plugin.shipped import manifest
 
 MANAGER = "tq_warmup_plugin.layered_cache:LayeredCacheManager"
 KEY = "ab" * 32  # a hex digest, as Triton passes it to get_cache_manager
@@ -35,7 +35,7 @@ def lc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
     pytest.importorskip("triton")
     import tempfile
 
-    from tq_warmup_plugin import layer_trust, layered_cache
+    from tq_warmup_plugin.shipped import layer_trust, layered_cache
 
     monkeypatch.setattr(layer_trust, "_warned", set())
     monkeypatch.setattr(layer_trust, "_trusts", {})
@@ -116,7 +116,7 @@ def _files(root: Path) -> list[str]:
 
 def _copy_of(layer: Path) -> str:
     """Where this process serves ``layer``'s files from: its private copies."""
-    from tq_warmup_plugin import layer_trust
+    from tq_warmup_plugin.shipped import layer_trust
 
     private = layer_trust.private_root()
     assert private is not None
@@ -300,7 +300,7 @@ def test_a_stack_that_cannot_be_read_leaves_the_file_check(
     def unreadable(active: Any) -> Any:
         raise PermissionError("vllm/v1/attention/ops")
 
-    from tq_warmup_plugin import layer_trust
+    from tq_warmup_plugin.shipped import layer_trust
 
     monkeypatch.setattr(layer_trust, "_running_stack", unreadable)
     monkeypatch.setenv(lc.LAYERS_ENV, str(tmp_path / "layer"))

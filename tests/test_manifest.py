@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from fakes import STACK, key_dir, write_manifest
 
-from tq_warmup_plugin import cli, manifest, precompile
+from tq_warmup_plugin import cli
+from tq_warmup_plugin.shipped import manifest, precompile
 
 K1, K2 = "A" * 52, "B" * 52  # Triton names key directories by a base32 sha256
 L0 = manifest.Listed("0" * 64, 5)
@@ -301,7 +302,7 @@ def test_a_pin_serves_only_the_manifests_it_names(
 ) -> None:
     """``verify --print-pin`` prints the value; with it set the layer verifies, with
     another digest its manifest is refused (the read every served lookup makes)."""
-    from tq_warmup_plugin import pins
+    from tq_warmup_plugin.shipped import pins
 
     rc, lines, _ = verify(capsys, "--cache-dir", str(shipped_dir), "--print-pin")
     (path,) = manifest.manifest_files(shipped_dir)
@@ -329,7 +330,7 @@ def test_a_pin_serves_only_the_manifests_it_names(
     ],
 )
 def test_pin_values(text: str | None, pinned: set[str] | None, problems: int) -> None:
-    from tq_warmup_plugin import pins
+    from tq_warmup_plugin.shipped import pins
 
     found, lines = pins.parse(text)
     assert (found if found is None else set(found)) == pinned and len(lines) == problems

@@ -33,8 +33,8 @@ _PROBE = """
 import json, sys, time
 from pathlib import Path
 from triton.runtime.cache import triton_key
-from tq_warmup_plugin import layer_trust, layered_cache
-from tq_warmup_plugin.precompile import use_compile_only_target
+from tq_warmup_plugin.shipped import layer_trust, layered_cache
+from tq_warmup_plugin.shipped.precompile import use_compile_only_target
 triton_key()
 use_compile_only_target(90)
 root = sys.argv[1]

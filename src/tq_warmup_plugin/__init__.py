@@ -58,7 +58,7 @@ def register() -> None:
         logger.info("tq-warmup: disabled by TQ_WARMUP")
         return
     if settings.driver_cache is not None:  # before any CUDA context: the driver reads it then
-        from .driver_startup import apply
+        from .driver.startup import apply
 
         apply(settings)
     from .install import install

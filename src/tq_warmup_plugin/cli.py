@@ -25,13 +25,14 @@ from pathlib import Path
 
 import pluggy
 
-from . import compat, launches, manifest, pins, planning, safe_io, warmup
+from . import compat, launches, planning, safe_io, warmup
 from .cli_flags import Parser, arch, command, geometry_flags, report_conflicts, whole
 from .cli_inputs import CliError, geometries, geometries_from_report
 from .geometry import Geometry
 from .planning import Planned
 from .report import Report
 from .settings import load, parse
+from .shipped import manifest, pins
 
 __all__ = ["CliError", "build_parser", "geometries_from_report", "main"]
 
@@ -140,7 +141,7 @@ def _cache_dir(path: str) -> Path:
 
 def _wheel_tags(path: str) -> tuple[str, str]:
     """``precompile.wheel_tags`` of ``--image-triton-wheel``, refused in one line."""
-    from .precompile import WheelError, wheel_tags
+    from .shipped.precompile import WheelError, wheel_tags
 
     try:
         return wheel_tags(path)
@@ -154,7 +155,7 @@ def _image_stack(
     """The image's Triton build key (None without ``--image-triton-wheel``) and the
     stack it runs: this host's, with that wheel's build and Python. The wheel is
     unpacked into a directory ``stack`` removes."""
-    from .precompile import target_stack, triton_key_of_wheel
+    from .shipped.precompile import target_stack, triton_key_of_wheel
 
     if wheel is None:
         return None, target_stack(arch, None, None)
@@ -165,7 +166,7 @@ def _image_stack(
 
 def precompile(args: argparse.Namespace) -> int:
     """Compile the plan for the target architecture into ``--cache-dir``."""
-    from .precompile import refusal
+    from .shipped.precompile import refusal
 
     start = time.perf_counter()
     installed = {
@@ -192,7 +193,7 @@ def precompile(args: argparse.Namespace) -> int:
     pm = warmup.plugin_manager()
     the_plan, named, planned = _plan(args, pm)
 
-    from .precompile import (
+    from .shipped.precompile import (
         InstallError,
         cache_keys_for,
         install,
@@ -241,7 +242,7 @@ def driver_cache(args: argparse.Namespace) -> int:
     if args.engine and not args.model:
         raise CliError("--engine starts an engine of --model: give --model")
     named, planned = geometries(args)
-    from .driver_build import BuildError, build, engine_spec
+    from .driver.build import BuildError, build, engine_spec
 
     todo = launches.driver_plan(named, _boundary(planned))
     engine = None
@@ -271,7 +272,7 @@ def driver_cache(args: argparse.Namespace) -> int:
 def _manifest_digests(root: Path, triton: list[Path]) -> list[str]:
     """The sha256 of every manifest file ``verify`` read: the Triton layer's, and each
     driver-cache entry's ``manifest.json`` (``TQ_WARMUP_CACHE_PIN``'s items)."""
-    from . import driver_cache as dc
+    from .driver import cache as dc
 
     files = [*triton, *(e / dc.MANIFEST for e in dc.entries(root / dc.DRIVER_DIR))]
     return [pins.digest(safe_io.read_bytes(str(p), safe_io.MAX_JSON_BYTES)) for p in files]
@@ -289,8 +290,8 @@ def verify(args: argparse.Namespace) -> int:
     root = Path(args.cache_dir)
     if not root.is_dir():
         raise CliError(f"--cache-dir {args.cache_dir}: not a directory")
-    from . import driver_verify
-    from .precompile import stale_stages
+    from .driver import verify as driver_verify
+    from .shipped.precompile import stale_stages
 
     stale = stale_stages(root)
     for stage in stale:

@@ -20,7 +20,8 @@ import fakes
 import pytest
 from test_cli import H200_FLAGS
 
-from tq_warmup_plugin import cli, manifest, precompile
+from tq_warmup_plugin import cli
+from tq_warmup_plugin.shipped import manifest, precompile
 
 pytestmark = pytest.mark.real_vllm
 
@@ -188,7 +189,7 @@ def test_concurrent_precompiles_into_one_directory_leave_it_whole(
 _LISTING = """
 import json, sys
 from pathlib import Path
-from tq_warmup_plugin import manifest
+from tq_warmup_plugin.shipped import manifest
 root = Path(sys.argv[1])
 listed = set()
 for path in manifest.manifest_files(root):
