@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.tqbench import serve_jit
+from benchmarks.tqbench import serve_jit, serve_prefix
 
 
 def test_mix_holds_every_kind_of_request_the_issue_names() -> None:
@@ -29,8 +29,11 @@ def test_jit_lines_reads_warn_and_error_forms() -> None:
         "_compute_slot_mapping_kernel (detail). This causes\n"
         "INFO nothing here\n"
     )
-    assert serve_jit.jit_lines(log) == ["_topk_log_softmax_kernel", "_compute_slot_mapping_kernel"]
-    assert serve_jit.jit_lines("INFO served\n") == []
+    assert serve_prefix.jit_lines(log) == [
+        "_topk_log_softmax_kernel",
+        "_compute_slot_mapping_kernel",
+    ]
+    assert serve_prefix.jit_lines("INFO served\n") == []
 
 
 def test_every_warmed_row_has_an_unwarmed_twin_or_is_a_reference() -> None:

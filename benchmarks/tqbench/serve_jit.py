@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -31,13 +30,17 @@ from benchmarks.tqbench import entry_point, records, tables
 from benchmarks.tqbench.children import Children
 from benchmarks.tqbench.cli import Option, add_options, new_parser
 from benchmarks.tqbench.engine import REPO_ROOT
-from benchmarks.tqbench.serve_prefix import Server, serve_argv, serve_env, server_options
+from benchmarks.tqbench.serve_prefix import (
+    Server,
+    serve_argv,
+    serve_env,
+    served_row,
+    server_options,
+)
 from benchmarks.tqbench.spec_child import write_models
 from benchmarks.tqbench.spec_configs import MODEL_SIZES, SpecConfig
 
-__all__ = ["ROWS", "Row", "add_parser", "jit_lines", "mix"]
-
-_JIT_LINE = re.compile(r"JIT compilation during inference: (\S+?)[.\s(]")
+__all__ = ["ROWS", "Row", "add_parser", "mix"]
 
 
 @dataclass(frozen=True)
@@ -62,11 +65,6 @@ ROWS: dict[str, Row] = {
     "tq-eagle": Row("tq", SpecConfig("eagle", "eagle", 3)),
     "tq-eagle-off": Row("tq", SpecConfig("eagle", "eagle", 3), warmers=False),
 }
-
-
-def jit_lines(log_text: str) -> list[str]:
-    """Kernel names of the JIT monitor's lines (warn) or errors (error) in a log."""
-    return _JIT_LINE.findall(log_text)
 
 
 def _pattern_prompt(rng: random.Random, vocab: int, length: int) -> list[int]:
@@ -145,21 +143,12 @@ def run_row(args: argparse.Namespace, name: str, port: int, work: Path, out: Pat
     log = out / f"serve-{name}.log"
     srv = Server(port, args.request_timeout)
     result: dict[str, Any] = {"row": name, "kv": kv, "spec": spec, "warmers": row.warmers}
-    proc, result["startup_s"] = srv.start(children, argv, log, env, args.startup_timeout)
-    try:
-        if result["startup_s"] is None:
-            result["status"] = "startup-failed"
-            return result
-        mark = log.stat().st_size
-        result.update(_workload(srv, str(model_dir), args))
-        result["status"] = "ok" if result["failed"] == 0 else "requests-failed"
-        result["jit_after_startup"] = sorted(set(jit_lines(log.read_bytes()[mark:].decode(
-            errors="replace"))))  # fmt: skip
-    finally:
-        children.stop(proc)
-        text = log.read_text(errors="replace") if log.exists() else ""
-        result["plugin_lines"] = [ln[-400:] for ln in text.splitlines() if "tq-warmup:" in ln][:8]
-    return result
+
+    def workload() -> dict[str, Any]:
+        done = _workload(srv, str(model_dir), args)
+        return {**done, "status": "ok" if done["failed"] == 0 else "requests-failed"}
+
+    return served_row(srv, children, (argv, log, env, args.startup_timeout), result, workload)
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
@@ -168,7 +157,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
     cells = [
         [r["row"], r["kv"], (r.get("spec") or {}).get("method", "-"),
          "on" if r["warmers"] else "off", str(r.get("status")), str(r.get("served", "-")),
-         str(r.get("failed", "-")), ", ".join(r.get("jit_after_startup") or []) or "0"]
+         str(r.get("failed", "-")), ", ".join(sorted(set(r.get("jit_after_startup") or []))) or "0"]
         for r in rows
     ]  # fmt: skip
     return tables.render_markdown(header, cells)

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -42,9 +43,26 @@ from benchmarks.tqbench.spec_child import write_models
 from benchmarks.tqbench.spec_configs import MODEL_SIZES, SpecConfig
 from benchmarks.tqbench.tokens_workload import PREFIX_LEN, prompts
 
-__all__ = ["Server", "add_parser", "bursts", "judge", "serve_argv", "serve_env", "server_options"]
+__all__ = [
+    "Server",
+    "add_parser",
+    "bursts",
+    "jit_lines",
+    "judge",
+    "serve_argv",
+    "serve_env",
+    "served_row",
+    "server_options",
+]
 
-_JIT_LINE = re.compile(r"Triton kernel JIT compilation during inference: (\S+)")
+# vLLM's JIT monitor (0.25+): "Triton kernel JIT compilation during inference: NAME" in
+# warn mode, the same words in error mode's RuntimeError.
+_JIT_LINE = re.compile(r"JIT compilation during inference: (\S+?)[.\s(]")
+
+
+def jit_lines(log_text: str) -> list[str]:
+    """Kernel names of the JIT monitor's lines (warn) or errors (error) in a log."""
+    return _JIT_LINE.findall(log_text)
 
 
 def bursts(seed: int, vocab: int, n: int) -> tuple[list[int], list[dict[str, list[list[int]]]]]:
@@ -153,21 +171,35 @@ def run_server(args: argparse.Namespace, guard: str, port: int, work: Path, out:
     log = out / f"serve-guard-{guard}.log"
     srv = Server(port, args.request_timeout)
     row: dict[str, Any] = {"guard": guard, "argv": argv}
-    proc, row["startup_s"] = srv.start(children, argv, log, env, args.startup_timeout)
+
+    def workload() -> dict[str, Any]:
+        return {**_workload(srv, str(model_dir), args), "status": "ok"}
+
+    return served_row(srv, children, (argv, log, env, args.startup_timeout), row, workload)
+
+
+def served_row(srv: Server, children: Children, start: tuple[list[str], Path, dict[str, str],
+               float], row: dict[str, Any], workload: Callable[[], dict[str, Any]],
+               ) -> dict[str, Any]:  # fmt: skip
+    """One server's row: ``Server.start`` with ``start`` (argv, log, env, timeout), then
+    ``workload`` (its dict gives ``status``), the JIT monitor's lines after startup and
+    the plugin's log lines; the server is stopped whatever happens, and a failed
+    startup or request is the row's status, so the other rows still run."""
+    argv, log, env, timeout = start
+    proc, row["startup_s"] = srv.start(children, argv, log, env, timeout)
     try:
         if row["startup_s"] is None:
             row["status"] = "startup-failed"
             return row
         mark = log.stat().st_size
-        row.update(_workload(srv, str(model_dir), args), status="ok")
-        after = log.read_bytes()[mark:].decode(errors="replace")
-        row["jit_after_startup"] = _JIT_LINE.findall(after)
-        row["plugin_lines"] = [ln for ln in log.read_text(errors="replace").splitlines()
-                               if "tq-warmup:" in ln][:12]  # fmt: skip
-    except Exception as e:  # a failed request: the row says so, the other server still runs
+        row.update(workload())
+        row["jit_after_startup"] = jit_lines(log.read_bytes()[mark:].decode(errors="replace"))
+    except Exception as e:
         row.update(status="failed", error=f"{type(e).__name__}: {e}"[-500:])
     finally:
         children.stop(proc)
+        text = log.read_text(errors="replace") if log.exists() else ""
+        row["plugin_lines"] = [ln[-400:] for ln in text.splitlines() if "tq-warmup:" in ln][:12]
     return row
 
 
