@@ -7,7 +7,7 @@ import dataclasses
 import fakes
 import pytest
 
-from tq_warmup_plugin import compat, workspace
+from tq_warmup_plugin import compat, geometry, workspace
 
 
 def test_decode_and_continuation_requests() -> None:
@@ -21,7 +21,7 @@ def test_decode_and_continuation_requests() -> None:
         max_model_len=1000,
         model_dtype="float16",
     )
-    decode, continuation = workspace.runtime_requests(g)
+    decode, continuation = geometry.runtime_requests(g)
     assert decode == (((8, 8, 16, 129), "float32"), ((8, 8, 128), "float16"), ((8, 8), "float32"))
     # 999 cached tokens round up to 63 blocks of 16
     assert continuation == (((1, 2, 1008, 128), "float16"),) * 2
@@ -34,19 +34,19 @@ def test_a_local_layers_decode_takes_its_virtual_rows(seqs: int, batched: int, r
     g = dataclasses.replace(
         fakes.geometry(max_num_seqs=seqs, batched=batched, splits=16), attention_chunk=8192
     )
-    decode = workspace.runtime_requests(g)[0]
+    decode = geometry.runtime_requests(g)[0]
     assert [shape[0] for shape, _ in decode] == [rows] * 3
-    plain = workspace.runtime_requests(dataclasses.replace(g, attention_chunk=0))[0]
+    plain = geometry.runtime_requests(dataclasses.replace(g, attention_chunk=0))[0]
     assert [shape[0] for shape, _ in plain] == [seqs] * 3
 
 
 def test_release_0_20_requests_nothing() -> None:
-    assert workspace.runtime_requests(fakes.geometry(version=(0, 20))) == []
+    assert geometry.runtime_requests(fakes.geometry(version=(0, 20))) == []
 
 
 @pytest.mark.parametrize(("batched", "groups"), [(128, 1), (129, 2)])
 def test_continuation_only_past_the_fast_path(batched: int, groups: int) -> None:
-    assert len(workspace.runtime_requests(fakes.geometry(batched=batched))) == groups
+    assert len(geometry.runtime_requests(fakes.geometry(batched=batched))) == groups
 
 
 @pytest.mark.parametrize(
@@ -60,16 +60,16 @@ def test_continuation_only_past_the_fast_path(batched: int, groups: int) -> None
         ([], 0),
     ],
 )
-def test_request_bytes_rounds_each_view(group: list[workspace.Request], size: int) -> None:
-    assert workspace.request_bytes(group) == size
+def test_request_bytes_rounds_each_view(group: list[geometry.Request], size: int) -> None:
+    assert geometry.request_bytes(group) == size
 
 
 def test_plan_reservation_dedupes_largest_first() -> None:
     small, big = fakes.geometry(max_num_seqs=2), fakes.geometry(max_num_seqs=64)
     groups = workspace.plan_reservation([small, big, small])
     assert len(groups) == len(set(groups)) == 3  # the continuation request is shared
-    assert set(groups) == {*workspace.runtime_requests(small), *workspace.runtime_requests(big)}
-    sizes = [workspace.request_bytes(g) for g in groups]
+    assert set(groups) == {*geometry.runtime_requests(small), *geometry.runtime_requests(big)}
+    sizes = [geometry.request_bytes(g) for g in groups]
     assert sizes == sorted(sizes, reverse=True)
 
 
@@ -87,7 +87,7 @@ def test_reserve_requests_the_largest_group_once(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(compat, "workspace_manager", lambda feats: manager)
     groups = workspace.plan_reservation([fakes.geometry(max_num_seqs=64, model_dtype="float16")])
     reserved = workspace.reserve(groups, compat.features((0, 26)))
-    assert reserved == workspace.request_bytes(groups[0]) > workspace.request_bytes(groups[1])
+    assert reserved == geometry.request_bytes(groups[0]) > geometry.request_bytes(groups[1])
     assert manager.calls == [tuple((shape, getattr(torch, dt)) for shape, dt in groups[0])]
 
 
@@ -114,5 +114,5 @@ def test_the_batched_verify_path_reserves_a_row_per_query_token(
         verify_len=verify_len,
         attention_chunk=chunk,
     )
-    decode = workspace.runtime_requests(g)[0]
+    decode = geometry.runtime_requests(g)[0]
     assert [shape[0] for shape, _ in decode] == [seqs * verify_len] * 3

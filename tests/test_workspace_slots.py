@@ -7,7 +7,7 @@ from typing import Any
 import fakes
 import pytest
 
-from tq_warmup_plugin import compat, workspace
+from tq_warmup_plugin import compat, geometry, workspace
 
 
 class SlotManager:
@@ -65,6 +65,6 @@ def test_reserve_fills_every_slot(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compat, "workspace_slot", slot)
     groups = workspace.plan_reservation([fakes.geometry()])
     reserved = workspace.reserve(groups, compat.features((0, 30)))
-    assert reserved == 4 * workspace.request_bytes(groups[0])
+    assert reserved == 4 * geometry.request_bytes(groups[0])
     assert [s for s, _ in manager.calls] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert len({views for _, views in manager.calls}) == 1

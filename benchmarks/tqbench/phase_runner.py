@@ -1,6 +1,7 @@
 """Times each phase's first and steady request in a started engine, and builds the records.
 
-``run`` starts the engine (:func:`benchmarks.tqbench.run.start_engine`); this module runs
+``run`` prepares a :class:`RunContext` and starts the engine
+(:func:`benchmarks.tqbench.run.start_engine`); this module runs
 the phases :mod:`benchmarks.tqbench.phases` plans, one ``LLM.generate`` per request, and
 turns each phase's two requests into one record: seconds, the prefix-cache hits it
 expected and got, and the Triton compiles :mod:`benchmarks.tqbench.recorder` saw.
@@ -8,23 +9,47 @@ expected and got, and the Triton compiles :mod:`benchmarks.tqbench.recorder` saw
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import time
 import traceback
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-from benchmarks.tqbench import logs, phases, recorder
-from benchmarks.tqbench.phases import AUTO, PHASES
+from benchmarks.tqbench import logs, phases, recorder, records
+from benchmarks.tqbench.phases import AUTO, PHASES, Geometry, PhasePlan
 
-if TYPE_CHECKING:
-    from benchmarks.tqbench.run import RunContext
-
-__all__ = ["TQ_ONLY_FIELDS", "PhaseRunner", "run_phases"]
+__all__ = ["TQ_ONLY_FIELDS", "PhaseRunner", "RunContext", "run_phases"]
 
 # Blank (None) in the records of the ``auto`` preset, which has no TurboQuant layer.
 TQ_ONLY_FIELDS: tuple[str, ...] = (
     *("tq_compiles_after_startup", "tq_loads_after_startup", "first_tq_jit", "steady_tq_jit"),
 )
+
+
+@dataclass
+class RunContext:
+    """What ``run`` prepared before importing anything heavy."""
+
+    args: argparse.Namespace
+    geometry: Geometry
+    work: Path
+    report_dir: Path
+    plan: PhasePlan
+    max_model_len: int
+    base: dict[str, Any]
+    out: Path | None
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def plugin_on(self) -> bool:
+        return bool(self.args.plugin == "on")
+
+    def flush(self) -> None:
+        """Rewrite ``--out`` with the records so far (a killed run keeps them)."""
+        if self.out is not None:
+            records.write_records(self.out, self.records)
 
 
 def _abort_unfinished(llm: Any) -> None:

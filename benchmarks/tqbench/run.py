@@ -34,21 +34,19 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.tqbench import engine, entry_point, logs, phases, recorder, records, tables
+from benchmarks.tqbench import engine, entry_point, logs, phases, recorder, tables
 from benchmarks.tqbench.cli import Option, add_options, new_parser
-from benchmarks.tqbench.phase_runner import run_phases
-from benchmarks.tqbench.phases import AUTO, PHASES, Geometry, PhasePlan
+from benchmarks.tqbench.phase_runner import RunContext, run_phases
+from benchmarks.tqbench.phases import AUTO, PHASES, Geometry
 
 __all__ = [
     "COMMON_OPTIONS",
     "REPORT_GLOB",
     "REPORT_TEMPLATE",
     "RUN_OPTIONS",
-    "RunContext",
     "add_common_options",
     "add_parser",
     "apply_spec",
@@ -72,30 +70,6 @@ def default_monitor_mode(preset: str, plugin_on: bool) -> str:
 # --------------------------------------------------------------------------------------
 # Environment
 # --------------------------------------------------------------------------------------
-
-
-@dataclass
-class RunContext:
-    """What ``run`` prepared before importing anything heavy."""
-
-    args: argparse.Namespace
-    geometry: Geometry
-    work: Path
-    report_dir: Path
-    plan: PhasePlan
-    max_model_len: int
-    base: dict[str, Any]
-    out: Path | None
-    records: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def plugin_on(self) -> bool:
-        return bool(self.args.plugin == "on")
-
-    def flush(self) -> None:
-        """Rewrite ``--out`` with the records so far (a killed run keeps them)."""
-        if self.out is not None:
-            records.write_records(self.out, self.records)
 
 
 def apply_spec(args: argparse.Namespace) -> None:

@@ -8,14 +8,25 @@ it, so it lives apart from any one of them. Third-party warmers receive it too.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, NamedTuple
 
 from . import compat
 from .compat import Features
 
-__all__ = ["DTYPE_BYTES", "PRESETS", "Geometry", "Preset", "Reported", "preset", "read_report"]
+__all__ = [
+    "DTYPE_BYTES",
+    "PRESETS",
+    "Geometry",
+    "Preset",
+    "Reported",
+    "Request",
+    "preset",
+    "read_report",
+    "request_bytes",
+    "runtime_requests",
+]
 
 # (key_quant_bits, value_quant_bits, norm_correction), TQ_PRESETS in all releases.
 PRESETS: dict[str, tuple[int, int, bool]] = {
@@ -133,7 +144,7 @@ class Geometry:
     """Bytes of the block table's whole storage (``pointer_ranges`` only)."""
     workspace_bytes: tuple[int, ...] = ()
     """Sizes of the workspace buffers after the reservation (``pointer_ranges`` only;
-    empty: the largest planned request, ``workspace.runtime_requests``)."""
+    empty: the largest planned request, ``runtime_requests``)."""
     attention_chunk: int = 0
     """``attention_chunk_size`` of a chunked local attention layer (Llama 4,
     ``compat.local_attention_chunk``); 0 for any other layer. Such a layer's kernels
@@ -294,6 +305,42 @@ _OPTIONAL: dict[str, Callable[[object], bool]] = {
 }
 _REQUIRED = {f.name: str(f.type) for f in fields(Geometry) if f.default is MISSING}
 _REQUIRED.pop("features")  # the release is the report's, not a geometry's
+
+
+Request = tuple[tuple[int, ...], str]
+"""(shape, dtype name) as ``get_simultaneous`` takes it."""
+
+_ALIGN = 256  # the workspace's get_simultaneous rounds every view up to 256 bytes
+
+
+def runtime_requests(g: Geometry) -> list[tuple[Request, ...]]:
+    """The workspace a geometry's paths take (pure: ``keys`` sizes the buffers their
+    views come from with it, ``workspace`` reserves it): the largest
+    ``get_simultaneous`` call of each TurboQuant path for one layer: a
+    decode of ``decode_rows`` requests (a chunked local layer's virtual batch can hold
+    more than the ``max_num_seqs`` rows that vLLM's own reservation, 0.24+
+    ``_reserve_workspace``, sizes for), and the longest continuation's dequantized
+    prefix."""
+    if not g.features.uses_workspace:
+        return []
+    b, hq, hk, d, s = g.decode_rows, g.num_heads, g.num_kv_heads, g.head_size, g.num_kv_splits
+    groups: list[tuple[Request, ...]] = [
+        (((b, hq, s, d + 1), "float32"), ((b, hq, d), g.model_dtype), ((b, hq), "float32")),
+    ]
+    if g.max_num_batched_tokens > compat.CONTINUATION_DECODE_THRESHOLD:
+        # _continuation_prefill: cached prefix <= max_model_len - 1 tokens, in blocks.
+        pair = ((1, hk, g.dequant_rows, d), "float16")
+        groups.append((pair, pair))
+    return groups
+
+
+def request_bytes(group: Iterable[Request]) -> int:
+    """Bytes one ``get_simultaneous`` call needs, as vLLM computes it."""
+    total = 0
+    for shape, dtype in group:
+        raw = math.prod(shape) * DTYPE_BYTES[dtype]
+        total += -(-raw // _ALIGN) * _ALIGN
+    return total
 
 
 class Reported(NamedTuple):

@@ -21,8 +21,7 @@ from typing import NamedTuple
 
 from . import compat
 from .compat import CONTINUATION_DECODE_THRESHOLD, LAUNCHER_DEFAULT_KV_SPLITS
-from .geometry import Geometry
-from .workspace import request_bytes, runtime_requests
+from .geometry import Geometry, request_bytes, runtime_requests
 
 __all__ = [
     "PATHS",

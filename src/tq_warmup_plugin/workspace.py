@@ -12,57 +12,20 @@ more than the largest one per slot.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterable
 from typing import Any
 
 from . import compat
 from .compat import Features
-from .geometry import DTYPE_BYTES, Geometry
+from .geometry import Geometry, Request, request_bytes, runtime_requests
 
 __all__ = [
-    "Request",
     "ReservationError",
     "buffer_sizes",
     "oom_warning",
     "plan_reservation",
-    "request_bytes",
     "reserve",
-    "runtime_requests",
 ]
-
-Request = tuple[tuple[int, ...], str]
-"""(shape, dtype name) as ``get_simultaneous`` takes it."""
-
-_ALIGN = 256  # get_simultaneous rounds every view up to 256 bytes
-
-
-def runtime_requests(g: Geometry) -> list[tuple[Request, ...]]:
-    """The largest ``get_simultaneous`` call of each TurboQuant path for one layer: a
-    decode of ``decode_rows`` requests (a chunked local layer's virtual batch can hold
-    more than the ``max_num_seqs`` rows that vLLM's own reservation, 0.24+
-    ``_reserve_workspace``, sizes for), and the longest continuation's dequantized
-    prefix."""
-    if not g.features.uses_workspace:
-        return []
-    b, hq, hk, d, s = g.decode_rows, g.num_heads, g.num_kv_heads, g.head_size, g.num_kv_splits
-    groups: list[tuple[Request, ...]] = [
-        (((b, hq, s, d + 1), "float32"), ((b, hq, d), g.model_dtype), ((b, hq), "float32")),
-    ]
-    if g.max_num_batched_tokens > compat.CONTINUATION_DECODE_THRESHOLD:
-        # _continuation_prefill: cached prefix <= max_model_len - 1 tokens, in blocks.
-        pair = ((1, hk, g.dequant_rows, d), "float16")
-        groups.append((pair, pair))
-    return groups
-
-
-def request_bytes(group: Iterable[Request]) -> int:
-    """Bytes one ``get_simultaneous`` call needs, as vLLM computes it."""
-    total = 0
-    for shape, dtype in group:
-        raw = math.prod(shape) * DTYPE_BYTES[dtype]
-        total += -(-raw // _ALIGN) * _ALIGN
-    return total
 
 
 def plan_reservation(geometries: Iterable[Geometry]) -> list[tuple[Request, ...]]:

@@ -20,7 +20,7 @@ from realvllm import (
 )
 
 from tq_warmup_plugin import compat, workspace
-from tq_warmup_plugin.geometry import Geometry
+from tq_warmup_plugin.geometry import Geometry, request_bytes
 
 pytestmark = pytest.mark.real_vllm
 
@@ -65,7 +65,7 @@ def test_every_slot_survives_the_workspace_lock(vllm_env: compat.Features, mode:
         assert compat.workspace_slots(manager) == slots
         groups = workspace.plan_reservation([geometry(impl, vllm_env)])
         if mode == "every slot":
-            per_slot = workspace.request_bytes(groups[0])
+            per_slot = request_bytes(groups[0])
             assert workspace.reserve(groups, vllm_env) == per_slot * len(slots)
         elif mode == "slot 0 only":  # what the plugin reserved before
             manager.get_simultaneous(*[(s, getattr(torch, d)) for s, d in groups[0]])
