@@ -552,3 +552,22 @@ def test_geometry_json_beside_a_flag_it_would_ignore_is_one_line_exit_2(
     assert cli.main([*argv, "--vllm-version=0.26.0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--kv-cache-dtype, --vllm-version: drop them" in err
+
+
+def test_a_reader_that_goes_away_is_no_traceback() -> None:
+    """``tq-warmup doctor | head -1`` (or a closed pipe): exit 141 as a shell reports
+    SIGPIPE, nothing on stderr."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "tq_warmup_plugin.cli", "doctor"],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, "")

@@ -1,7 +1,9 @@
 """Every ``tq-warmup`` and ``python -m benchmarks.tqbench`` command the README and docs
 show parses with today's command line: a renamed or dropped flag, a missing required
-one or a wrong choice fails here. Commands a CPU can run as written (``--help``,
-``doctor``) also run. Placeholders (``...``, ``<...>``) are not commands; ``[--x]`` is
+one or a wrong choice fails here. Commands a CPU can run as written also run: the
+``--help`` ones here, and beside a real vLLM (``real_vllm``) every ``inspect`` of a model
+config this repository holds. A program may be named by a path (``.venv/bin/tq-warmup``).
+Placeholders (``...``, ``<...>``) are not commands; ``[--x]`` is
 checked with and without the option, ``a|b`` once per alternative."""
 
 from __future__ import annotations
@@ -68,8 +70,9 @@ def documented() -> list[tuple[str, str, list[str]]]:
                 continue
             for variant in _variants(command):
                 for program in PROGRAMS:
-                    if variant.startswith(program + " "):
-                        argv = shlex.split(variant[len(program) :])
+                    named = re.match(rf"(\S*/)?{re.escape(program)} ", variant)
+                    if named:
+                        argv = shlex.split(variant[named.end() :])
                         found[(str(doc.relative_to(ROOT)), program, tuple(argv))] = None
     return [(doc, program, list(argv)) for doc, program, argv in found]
 
@@ -110,3 +113,31 @@ def test_the_commands_a_cpu_runs_as_written_run(capsys: pytest.CaptureFixture[st
         with pytest.raises(SystemExit) as exc:
             PROGRAMS[program]().parse_args(argv)
         assert exc.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+INSPECTS = [
+    (doc, argv)
+    for doc, program, argv in COMMANDS
+    if program == "tq-warmup"
+    and argv[:1] == ["inspect"]
+    and "--model" in argv
+    and (ROOT / argv[argv.index("--model") + 1]).exists()
+]
+
+
+def test_the_readme_shows_an_inspect_a_newcomer_can_run() -> None:
+    assert any(doc == "README.md" for doc, _ in INSPECTS), INSPECTS
+
+
+@pytest.mark.real_vllm
+@pytest.mark.parametrize(("doc", "argv"), INSPECTS, ids=lambda v: str(v)[:60])
+def test_a_documented_inspect_runs_as_written(
+    doc: str, argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """From the repository root, as the README has a newcomer run it, against the
+    installed vLLM (CPU): it plans, and prints the plan."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert cli.main(argv) == 0, f"{doc}: tq-warmup {' '.join(argv)}"
+    out = capsys.readouterr().out
+    assert re.match(r"\d+ distinct kernel keys for ", out), out[:300]

@@ -63,6 +63,8 @@ def doctor(args: argparse.Namespace) -> int:
 def _plan(
     args: argparse.Namespace, pm: pluggy.PluginManager
 ) -> tuple[warmup.Plan[Hashable], dict[str, Geometry], Planned]:
+    if args.model is not None:  # vLLM's import and ModelConfig: 8-17 s on 2 cores
+        _stage(f"reading {args.model} with vLLM's ModelConfig")
     named, planned = geometries(args)
     return warmup.plan_keys(pm, named), named, planned
 
@@ -114,6 +116,12 @@ def inspect(args: argparse.Namespace) -> int:
     for text in first_launches:
         print(f"  {text}")
     return 0
+
+
+def _stage(text: str) -> None:
+    """One progress line on a terminal's stderr (never in a pipe or a log)."""
+    if sys.stderr.isatty():
+        print(f"tq-warmup: {text} ...", file=sys.stderr, flush=True)
 
 
 def _progress(done: int, total: int) -> None:
@@ -446,10 +454,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = handlers[args.command]
     with _sigterm_interrupts():
         try:
-            return handler(args)
+            rc = handler(args)
+            sys.stdout.flush()  # inside the try: a reader that went away is one case below
+            return rc
         except (CliError, planning.PlanError) as exc:
             print(f"tq-warmup: {exc}", file=sys.stderr)
             return 2
+        except BrokenPipeError:  # `tq-warmup inspect | head`: the reader has gone
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 141  # what a shell reports for a process killed by SIGPIPE
         except KeyboardInterrupt:  # SIGINT, or SIGTERM (below): the stacks have unwound
             print(
                 f"tq-warmup: {args.command} interrupted: its stage is removed and nothing "
