@@ -15,6 +15,7 @@ from tq_warmup_plugin.engine import Declined, Engine, Job
 from tq_warmup_plugin.hookspecs import hookimpl
 from tq_warmup_plugin.settings import Settings
 from tq_warmup_plugin.warmers import (
+    vllm_eagle,
     vllm_logprobs,
     vllm_rejection,
     vllm_slot_mapping,
@@ -25,6 +26,7 @@ BUILT_IN = (vllm_slot_mapping, vllm_rejection, vllm_logprobs, vllm_top_k_top_p)
 
 
 def engine(version: compat.Version = (0, 26), **fields: Any) -> Engine:
+    """A V1 engine with ngram k=3 on ``version``; ``fields`` replace any field."""
     values: dict[str, Any] = dict(
         features=compat.features(version),
         runner_v2=False,
@@ -82,6 +84,33 @@ def test_what_vllms_jit_registry_warms_is_not_warmed_twice(
 ) -> None:
     _, declined = engine_warmup.jobs_of(manager(*BUILT_IN), engine(version))
     assert {d.family for d in declined if "registry" in d.why} == registry
+
+
+@pytest.mark.parametrize(
+    ("fields", "warn", "says"),
+    [
+        (dict(spec_method=None, spec_tokens=0), False, "no speculative decoding"),
+        (dict(spec_method="ngram"), False, "ngram drafts without the EAGLE helper kernels"),
+        (dict(spec_method="draft_model"), False, "compile on the first draft steps"),
+        (dict(spec_method="deepseek_mtp", jit_monitor_error=True), True, "stops the engine"),
+        (dict(version=(0, 30), spec_method="eagle3", jit_monitor_error=True), False, "registry"),
+    ],
+)
+def test_the_eagle_helpers_are_named_where_they_will_compile(
+    fields: dict[str, Any], warn: bool, says: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not warmed yet: one line each, a WARNING only where the JIT monitor will stop
+    the engine core on them (error mode, a release without vLLM's own warmup of them)."""
+    jobs, declined = engine_warmup.jobs_of(manager(vllm_eagle), engine(**fields))
+    assert jobs == [] and len(declined) == 1
+    (item,) = declined
+    assert (item.family, item.warn) == ("EAGLE helpers", warn) and says in item.why
+    assert "\n" not in item.why
+    pytest.importorskip("triton")  # the host's compile-only launches
+    with caplog.at_level(logging.INFO, logger="vllm.tq_warmup_plugin"):
+        engine_warmup.run(manager(vllm_eagle), engine(**fields), False)
+    (record,) = [r for r in caplog.records if "EAGLE helpers" in r.getMessage()]
+    assert record.levelno == (logging.WARNING if warn else logging.INFO)
 
 
 def test_rejection_jobs_cover_every_sampling_mode() -> None:

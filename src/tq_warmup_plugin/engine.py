@@ -44,6 +44,9 @@ class Engine:
     own ``_dummy_sampler_run`` decides it."""
     max_logprobs: int
     """``model_config.max_logprobs``: the most logprobs a request may ask for."""
+    jit_monitor_error: bool = False
+    """``--jit-monitor-mode error`` (0.25+): a kernel compiled after startup stops the
+    engine core, so a kernel no warmer reaches is a WARNING, not an INFO line."""
     device: Any = field(compare=False, default=None)
     runner: Any = field(compare=False, default=None)
     """The live model runner: its block tables and model are what serving launches with."""
@@ -68,3 +71,6 @@ class Declined:
 
     family: str
     why: str
+    warn: bool = False
+    """Logged as a WARNING: what is not warmed will compile while serving, and the
+    engine's JIT monitor stops it there (``Engine.jit_monitor_error``)."""

@@ -70,7 +70,8 @@ def run(pm: pluggy.PluginManager, engine: Engine, load: bool, threads: int = 1) 
         result.errors.append(f"engine warmers: {error_line(exc)}")
         return result
     for item in declined:
-        logger.info("tq-warmup: %s: not warmed: %s", item.family, item.why)
+        level = logging.WARNING if item.warn else logging.INFO
+        logger.log(level, "tq-warmup: %s: not warmed: %s", item.family, item.why)
         result.declined.append(f"{item.family}: {item.why}")
 
     def one(job: Job) -> str | None:

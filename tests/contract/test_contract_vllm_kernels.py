@@ -251,3 +251,26 @@ def test_top_k_top_p_warmer_covers_each_combination() -> None:
     assert served <= ours, served - ours
     # vLLM's own sampler warmup sets both; top-p alone is another binary.
     assert not serve_top_k_top_p(16, False, True) <= serve_top_k_top_p(16, True, True)
+
+
+@pytest.mark.parametrize("mode", ["warn", "error"])
+def test_the_engine_reads_the_jit_monitor_mode_of_vllms_own_config(
+    vllm_env: compat.Features, mode: str
+) -> None:
+    """``--jit-monitor-mode`` lands in ``ObservabilityConfig`` (0.25+); before, no
+    monitor: never error mode."""
+    from vllm.config import ObservabilityConfig
+
+    if "jit_monitor_mode" in getattr(ObservabilityConfig, "__dataclass_fields__", {}):
+        observability = ObservabilityConfig(jit_monitor_mode=mode)
+    else:  # 0.20-0.24: no JIT monitor
+        assert vllm_env.version < (0, 25)
+        observability, mode = ObservabilityConfig(), "none"
+    config = SimpleNamespace(
+        observability_config=observability,
+        speculative_config=None,
+        model_config=SimpleNamespace(max_logprobs=20),
+    )
+    worker = SimpleNamespace(vllm_config=config, model_runner=SimpleNamespace())
+    engine = Engine(**compat.engine_of(worker, vllm_env))
+    assert engine.jit_monitor_error is (mode == "error")

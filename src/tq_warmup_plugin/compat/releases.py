@@ -132,6 +132,13 @@ class Features(NamedTuple):
     """0.30+: the rejection sampler registers its kernels, greedy and mixed batches both
     (``v1/sample/rejection_sampler.py`` 0.30, 0.33:116-121); 0.29 does not. Before, vLLM
     warms them only in the mixed batch of ``_dummy_sampler_run`` (0.26:6244)."""
+    registry_warms_eagle_helpers: bool
+    """0.30+: the EAGLE drafter's Triton helpers (``eagle_step_slot_mapping_metadata``,
+    ``eagle_prepare_inputs_padded``, ``eagle_prepare_next_token_padded``,
+    ``copy_and_expand_eagle_inputs``) register with vLLM's JIT warmup registry
+    (``v1/spec_decode/utils.py`` 0.30:120-616, 0.33); 0.26-0.29 define them without
+    (0.29: no ``Warmup`` in the file), and they compiled on the first draft steps (H200,
+    0.26.0, draft_model k=3)."""
     hybrid_turboquant: bool
     """0.21+: TurboQuant serves hybrid (attention + Mamba) models, with no boundary
     layers; 0.20 refuses them (``NotImplementedError`` in ``arg_utils.py``)."""
@@ -172,6 +179,7 @@ def features(version: Version) -> Features:
         registry_warms_slot_mapping=version >= (0, 29),
         v2_top_k_top_p_model_dtype=version == (0, 26),
         registry_warms_rejection_sampler=version >= (0, 30),
+        registry_warms_eagle_helpers=version >= (0, 30),
         hybrid_turboquant=version >= (0, 21),
         tq_block_aligned=version >= (0, 25),
         v1_block_table_rounded=version >= (0, 27),

@@ -51,6 +51,11 @@ def engine_of(worker: Any, feats: Features) -> dict[str, Any]:
         and getattr(spec, "rejection_sample_method", "standard") == "standard"
         and getattr(spec, "draft_sample_method", "greedy") == "probabilistic",
         max_logprobs=int(getattr(config.model_config, "max_logprobs", 20)),
+        # 0.25+ (``ObservabilityConfig.jit_monitor_mode``); before, no monitor: False.
+        jit_monitor_error=getattr(
+            getattr(config, "observability_config", None), "jit_monitor_mode", None
+        )
+        == "error",
         device=getattr(runner, "device", None),
         runner=runner,
     )
