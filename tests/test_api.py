@@ -176,10 +176,10 @@ def test_no_import_cycle_among_the_package_modules() -> None:
 MOVED = {
     "manifest": "shipped.manifest",
     "pins": "shipped.pins",
-    "layer_trust": "shipped.layer_trust",
+    "layer_trust": "shipped.trust",
     "layered_cache": "shipped.layered_cache",
     "precompile": "shipped.precompile",
-    "driver_cache": "driver.cache",
+    "driver_cache": "driver.entry",
     "driver_startup": "driver.startup",
     "driver_build": "driver.build",
     "driver_verify": "driver.verify",

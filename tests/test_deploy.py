@@ -18,7 +18,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = "deploy/build-layer.sh"
 SOURCES = tuple(
-    f"src/tq_warmup_plugin/{m}.py" for m in ("shipped/layered_cache", "settings", "driver/cache")
+    f"src/tq_warmup_plugin/{m}.py" for m in ("shipped/layered_cache", "settings", "driver/entry")
 )
 DRIVER_ENV, DRIVER_COPY_ENV = "TQ_WARMUP_DRIVER_CACHE", "TQ_WARMUP_DRIVER_CACHE_COPY_TO"
 

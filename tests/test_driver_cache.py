@@ -13,9 +13,9 @@ import fakes
 import pytest
 
 from tq_warmup_plugin import cli, launches
-from tq_warmup_plugin.driver import cache as dc
+from tq_warmup_plugin.driver import entry as dc
 from tq_warmup_plugin.driver import verify as driver_verify
-from tq_warmup_plugin.driver.cache import DriverManifest, EntryError, Node
+from tq_warmup_plugin.driver.entry import DriverManifest, EntryError, Node
 
 NVRM = (
     "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.86.15  Release Build  "

@@ -15,9 +15,9 @@ import fakes
 import pytest
 from test_driver_cache import FA2, fake_proc, make_entry
 
-from tq_warmup_plugin.driver import cache as dc
+from tq_warmup_plugin.driver import entry as dc
 from tq_warmup_plugin.driver import startup as driver_startup
-from tq_warmup_plugin.driver.cache import Node
+from tq_warmup_plugin.driver.entry import Node
 from tq_warmup_plugin.settings import Settings, parse
 
 NODE = Node("570.86.15", ("NVIDIA H200",), len(FA2))

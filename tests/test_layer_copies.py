@@ -13,7 +13,7 @@ from pathlib import Path
 import fakes
 import pytest
 
-from tq_warmup_plugin.shipped import layer_trust
+from tq_warmup_plugin.shipped import trust as layer_trust
 
 
 def dead_pid() -> int:
@@ -77,7 +77,7 @@ def test_the_sweep_runs_when_a_process_makes_its_directory(
 
 FULL_SHM = """
 import json, logging, os, sys
-from tq_warmup_plugin.shipped import layer_trust
+from tq_warmup_plugin.shipped import trust as layer_trust
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
 layer_trust.SHM = sys.argv[1]
 got = layer_trust._copy("/layer", "KEY", {"k.cubin": b"x" * 300_000, "k.json": b"{}"})

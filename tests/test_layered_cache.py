@@ -35,7 +35,8 @@ def lc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
     pytest.importorskip("triton")
     import tempfile
 
-    from tq_warmup_plugin.shipped import layer_trust, layered_cache
+    from tq_warmup_plugin.shipped import layered_cache
+    from tq_warmup_plugin.shipped import trust as layer_trust
 
     monkeypatch.setattr(layer_trust, "_warned", set())
     monkeypatch.setattr(layer_trust, "_trusts", {})
@@ -116,7 +117,7 @@ def _files(root: Path) -> list[str]:
 
 def _copy_of(layer: Path) -> str:
     """Where this process serves ``layer``'s files from: its private copies."""
-    from tq_warmup_plugin.shipped import layer_trust
+    from tq_warmup_plugin.shipped import trust as layer_trust
 
     private = layer_trust.private_root()
     assert private is not None
@@ -300,7 +301,7 @@ def test_a_stack_that_cannot_be_read_leaves_the_file_check(
     def unreadable(active: Any) -> Any:
         raise PermissionError("vllm/v1/attention/ops")
 
-    from tq_warmup_plugin.shipped import layer_trust
+    from tq_warmup_plugin.shipped import trust as layer_trust
 
     monkeypatch.setattr(layer_trust, "_running_stack", unreadable)
     monkeypatch.setenv(lc.LAYERS_ENV, str(tmp_path / "layer"))

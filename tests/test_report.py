@@ -80,7 +80,8 @@ def test_compile_counter_tells_shipped_from_disk_cache_hits_and_names_the_key_di
     pytest.importorskip("triton")
     from triton import knobs
 
-    from tq_warmup_plugin.shipped import layer_trust, layered_cache
+    from tq_warmup_plugin.shipped import layered_cache
+    from tq_warmup_plugin.shipped import trust as layer_trust
 
     (tmp_path / "layer").mkdir()
     monkeypatch.setenv("TRITON_CACHE_MANAGER", layered_cache.MANAGER)

@@ -33,7 +33,7 @@ _PROBE = """
 import json, sys, time
 from pathlib import Path
 from triton.runtime.cache import triton_key
-from tq_warmup_plugin.shipped import layer_trust, layered_cache
+from tq_warmup_plugin.shipped import trust as layer_trust, layered_cache
 from tq_warmup_plugin.shipped.precompile import use_compile_only_target
 triton_key()
 use_compile_only_target(90)

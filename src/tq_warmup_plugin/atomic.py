@@ -1,5 +1,5 @@
 """One atomic directory replace, for the two writers of shipped directories
-(``shipped.precompile``'s key directories and ``driver.cache``'s entries).
+(``shipped.precompile``'s key directories and ``driver.entry``'s entries).
 
 A reader of a shared directory must see the old directory, none, or the new one, never
 a half-written one: the new one is built beside the old one on the same file system and

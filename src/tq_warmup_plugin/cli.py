@@ -280,7 +280,7 @@ def driver_cache(args: argparse.Namespace) -> int:
 def _manifest_digests(root: Path, triton: list[Path]) -> list[str]:
     """The sha256 of every manifest file ``verify`` read: the Triton layer's, and each
     driver-cache entry's ``manifest.json`` (``TQ_WARMUP_CACHE_PIN``'s items)."""
-    from .driver import cache as dc
+    from .driver import entry as dc
 
     files = [*triton, *(e / dc.MANIFEST for e in dc.entries(root / dc.DRIVER_DIR))]
     return [pins.digest(safe_io.read_bytes(str(p), safe_io.MAX_JSON_BYTES)) for p in files]

@@ -1,4 +1,4 @@
-"""Alias of ``tq_warmup_plugin.driver.cache``, where the module moved (the package
+"""Alias of ``tq_warmup_plugin.driver.entry``, where the module moved (the package
 is grouped by concern): it is that very module, so the old name keeps working for
 imports, attribute patches and ``importlib``."""
 
@@ -6,6 +6,6 @@ from __future__ import annotations
 
 import sys
 
-from .driver import cache as _moved
+from .driver import entry as _moved
 
 sys.modules[__name__] = _moved

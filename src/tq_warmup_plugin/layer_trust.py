@@ -1,4 +1,4 @@
-"""Alias of ``tq_warmup_plugin.shipped.layer_trust``, where the module moved (the package
+"""Alias of ``tq_warmup_plugin.shipped.trust``, where the module moved (the package
 is grouped by concern): it is that very module, so the old name keeps working for
 imports, attribute patches and ``importlib``."""
 
@@ -6,6 +6,6 @@ from __future__ import annotations
 
 import sys
 
-from .shipped import layer_trust as _moved
+from .shipped import trust as _moved
 
 sys.modules[__name__] = _moved

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tq_warmup_plugin import compat, launches
-from tq_warmup_plugin.driver import cache as driver_cache
+from tq_warmup_plugin.driver import entry as driver_cache
 from tq_warmup_plugin.launches import Launch
 
 pytestmark = pytest.mark.real_vllm

@@ -39,7 +39,7 @@ from typing import Any
 
 from ..launches import Launch
 from ..shipped import pins
-from . import cache as driver_cache
+from . import entry as driver_cache
 from .startup import MAXSIZE
 
 __all__ = ["BuildError", "build", "child_env", "engine_spec", "gpu_facts", "run_launches"]

@@ -50,7 +50,7 @@ from typing import NamedTuple
 
 from ..settings import Settings
 from ..shipped import pins
-from . import cache as driver_cache
+from . import entry as driver_cache
 
 __all__ = [
     "MAXSIZE",

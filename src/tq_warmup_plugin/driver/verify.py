@@ -8,8 +8,8 @@ from pathlib import Path
 
 from .. import safe_io
 from ..shipped.pins import current as pin_current
-from . import cache as driver_cache
-from .cache import (
+from . import entry as driver_cache
+from .entry import (
     DRIVER_DIR,
     MAX_ENTRIES,
     EntryError,

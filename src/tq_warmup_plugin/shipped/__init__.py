@@ -3,7 +3,7 @@ every vLLM process reads back, as files it did not write.
 
 * ``manifest``: the manifest of a build (stack, files, hashes) and its checks;
 * ``pins``: ``TQ_WARMUP_CACHE_PIN``, the manifests an operator vouches for;
-* ``layer_trust``: what a layer may serve (regular files, bounded reads, hashed private
+* ``trust``: what a layer may serve (regular files, bounded reads, hashed private
   copies, pins);
 * ``layered_cache``: Triton's cache manager over the read-only layers
   (``TRITON_CACHE_MANAGER``);

@@ -51,7 +51,7 @@ from typing import Any, TypeVar
 from triton.runtime.cache import FileCacheManager
 
 from .. import compat, safe_io, settings
-from .layer_trust import layer_trust, private_root, warn_once
+from .trust import layer_trust, private_root, warn_once
 
 LAYERS_ENV = settings.CACHE_LAYERS_ENV
 MANAGER = "tq_warmup_plugin.layered_cache:LayeredCacheManager"
