@@ -141,3 +141,13 @@ def test_a_documented_inspect_runs_as_written(
     assert cli.main(argv) == 0, f"{doc}: tq-warmup {' '.join(argv)}"
     out = capsys.readouterr().out
     assert re.match(r"\d+ distinct kernel keys for ", out), out[:300]
+
+
+def test_the_settings_table_names_every_variable_the_package_reads() -> None:
+    """Every ``TQ_WARMUP*`` name in the package's source, and ``TRITON_CACHE_MANAGER``,
+    has a row in the README's settings table; the table names none the code lacks."""
+    source = "\n".join(p.read_text() for p in (ROOT / "src" / "tq_warmup_plugin").rglob("*.py"))
+    read = set(re.findall(r'"(TQ_WARMUP[A-Z0-9_]*)"', source)) | {"TRITON_CACHE_MANAGER"}
+    rows = set(re.findall(r"^\| `([A-Z][A-Z0-9_]*)` \|", (ROOT / "README.md").read_text(), re.M))
+    assert read - rows == set(), f"the README's settings table lacks {sorted(read - rows)}"
+    assert {r for r in rows if r.startswith("TQ_WARMUP")} <= read, sorted(rows - read)
