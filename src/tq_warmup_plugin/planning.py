@@ -399,19 +399,19 @@ def _features(request: PlanRequest) -> Features:
         raise PlanError(f"{exc}{hint}") from None
 
 
-def plan_geometry(args: PlanRequest, model_dir: str | None) -> Planned:
+def plan_geometry(request: PlanRequest, model_dir: str | None) -> Planned:
     """The geometry the worker would discover, from vLLM's ``ModelConfig`` of the
     ``config.json`` in ``model_dir`` (``--model``, checked and read by the CLI) and the
     explicit flags, which take precedence. Raises PlanError with one line."""
-    if args.kv_cache_dtype is None:
+    if request.kv_cache_dtype is None:
         raise PlanError("need --kv-cache-dtype (or --geometry-json)")
-    feats = _features(args)
-    tp = args.tensor_parallel_size
+    feats = _features(request)
+    tp = request.tensor_parallel_size
     shape: ModelShape | None = None
     if model_dir is not None:
         try:
             shape = model_shape(
-                model_dir, tp, args.dtype, args.max_model_len, args.trust_remote_code
+                model_dir, tp, request.dtype, request.max_model_len, request.trust_remote_code
             )
         except ImportError as exc:
             raise PlanError(
@@ -419,25 +419,25 @@ def plan_geometry(args: PlanRequest, model_dir: str | None) -> Planned:
                 "--head-size, --num-heads and --num-kv-heads"
             ) from None
         except UnsupportedModel as exc:
-            raise PlanError(f"--model {args.model}: {exc}") from None
-        if args.dtype is None and shape.config_dtype == "float32":
+            raise PlanError(f"--model {request.model}: {exc}") from None
+        if request.dtype is None and shape.config_dtype == "float32":
             raise PlanError(
-                f"--model {args.model}: config.json says float32 and TurboQuant runs the "
+                f"--model {request.model}: config.json says float32 and TurboQuant runs the "
                 "model in 16 bits: pass --dtype bfloat16 or float16 (what vLLM's --dtype is)"
             )
-    heads = args.num_heads or (shape.total_heads if shape else None)
-    kv_heads = args.num_kv_heads or (shape.total_kv_heads if shape else None) or heads
-    head_size = args.head_size or (shape.head_size if shape else None)
+    heads = request.num_heads or (shape.total_heads if shape else None)
+    kv_heads = request.num_kv_heads or (shape.total_kv_heads if shape else None) or heads
+    head_size = request.head_size or (shape.head_size if shape else None)
     if not (heads and kv_heads and head_size):
         raise PlanError("need --model, or --head-size, --num-heads and --num-kv-heads")
     try:
         hq, hk = heads_per_rank(heads, kv_heads, tp)
     except UnsupportedModel as exc:
         raise PlanError(str(exc)) from None
-    if shape is not None and not (args.num_heads or args.num_kv_heads):
+    if shape is not None and not (request.num_heads or request.num_kv_heads):
         hq, hk = shape.num_heads, shape.num_kv_heads  # vLLM's own split
-    max_model_len = args.max_model_len or (shape.max_model_len if shape else 4096)
-    dtype = args.dtype or (shape.dtype if shape else "bfloat16")
+    max_model_len = request.max_model_len or (shape.max_model_len if shape else 4096)
+    dtype = request.dtype or (shape.dtype if shape else "bfloat16")
     if dtype not in ("bfloat16", "float16"):
         raise PlanError(f"model dtype {dtype}: TurboQuant runs bfloat16 or float16 models")
     try:
@@ -445,12 +445,12 @@ def plan_geometry(args: PlanRequest, model_dir: str | None) -> Planned:
             feats, shape.num_layers if shape else 0, shape.hybrid if shape else False
         )
     except UnsupportedModel as exc:
-        raise PlanError(f"--model {args.model}: {exc}") from None
+        raise PlanError(f"--model {request.model}: {exc}") from None
     if shape is not None:
         layers = len(set(shape.attention_layers) - set(skip))
         if layers == 0:
             raise PlanError(
-                f"--model {args.model}: all {shape.num_layers} layers are boundary layers "
+                f"--model {request.model}: all {shape.num_layers} layers are boundary layers "
                 "TurboQuant leaves in the model dtype: nothing to warm"
             )
         note = f"{shape.architecture}, {len(shape.attention_layers)} attention layers"
@@ -459,14 +459,14 @@ def plan_geometry(args: PlanRequest, model_dir: str | None) -> Planned:
             note += "; hybrid: block size and page padding may differ, --geometry-json is exact"
     else:
         layers, note = 0, "from flags"
-    scale = args.scale
+    scale = request.scale
     if scale is None:
         scale = shape.scale if shape and shape.scale is not None else head_size**-0.5
-    bs = effective_block_size(feats, args.block_size, DTYPE_BYTES[dtype])
-    layout = preset(args.kv_cache_dtype, head_size)
-    runner = args.runner or ("v2" if feats.v2_runner_default else "v1")
+    bs = effective_block_size(feats, request.block_size, DTYPE_BYTES[dtype])
+    layout = preset(request.kv_cache_dtype, head_size)
+    runner = request.runner or ("v2" if feats.v2_runner_default else "v1")
     geometry = Geometry(
-        cache_dtype=args.kv_cache_dtype,
+        cache_dtype=request.kv_cache_dtype,
         head_size=head_size,
         num_heads=hq,
         num_kv_heads=hk,
@@ -475,15 +475,15 @@ def plan_geometry(args: PlanRequest, model_dir: str | None) -> Planned:
         kv_strides=kv_view_strides(feats, bs, hk, layout.slot_size_aligned),
         model_dtype=dtype,
         block_table_width=block_table_width(feats, max_model_len, bs, runner == "v2"),
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=request.max_num_seqs,
         max_model_len=max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_kv_splits=args.kv_splits,
-        fp8_e4b15=compat.fp8_e4b15((args.arch // 10, args.arch % 10)),
+        max_num_batched_tokens=request.max_num_batched_tokens,
+        num_kv_splits=request.kv_splits,
+        fp8_e4b15=compat.fp8_e4b15((request.arch // 10, request.arch % 10)),
         features=feats,
-        ubatch_sliced=compat.ubatch_sliced(feats, args.enable_dbo, runner == "v2"),
+        ubatch_sliced=compat.ubatch_sliced(feats, request.enable_dbo, runner == "v2"),
     )
-    chunk = args.attention_chunk_size
+    chunk = request.attention_chunk_size
     if chunk is None:
         chunk = shape.attention_chunk if shape else None
     local = dataclasses.replace(geometry, attention_chunk=chunk) if chunk else None
