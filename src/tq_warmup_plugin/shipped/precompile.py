@@ -398,7 +398,7 @@ def install(
     build is left without its manifest; ``InstallError`` says so in one line. An
     interrupt rolls back the same way and goes on up. A
     reader meanwhile sees key directories that no manifest lists yet, which are not
-    served (``layer_trust``)."""
+    served (``shipped.trust``)."""
     with _locked(cache_dir):
         moved: list[tuple[str, Path | None]] = []  # (key, what it replaced, in the stage)
         tmp: Path | None = None
