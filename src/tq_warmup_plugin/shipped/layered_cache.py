@@ -20,7 +20,7 @@ directories listed by a manifest that holds, with every file as listed, are serv
 Each problem is one WARNING naming the layer, the manifest and the field or file, and
 Triton compiles what was not served into its own directory.
 
-The trust model, how a layer is checked and what is served, is ``trust``'s (``shipped.trust``).
+The trust model, how a layer is checked and what is served, is ``shipped.trust``'s.
 
 Triton interface (``triton.runtime.cache``, identical in 3.6.0, 3.7.1 and 3.8.0 as
 far as this module goes): ``get_cache_manager(key)`` instantiates
