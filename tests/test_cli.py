@@ -571,3 +571,17 @@ def test_a_reader_that_goes_away_is_no_traceback() -> None:
     finally:
         os.close(write)
     assert (done.returncode, done.stderr) == (141, "")
+
+
+@pytest.mark.parametrize(
+    ("name", "line"),
+    [("odd.whl", "not a Triton wheel name"), ("triton-3.6.0-cp312-cp312-linux.whl", "readable")],
+)
+def test_verify_refuses_a_bad_image_wheel_in_one_line(
+    name: str, line: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    wheel = tmp_path / name
+    wheel.write_text("not a zip")
+    rc = cli.main(["verify", "--cache-dir", str(tmp_path), "--image-triton-wheel", str(wheel)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and line in err, err

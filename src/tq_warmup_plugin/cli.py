@@ -161,13 +161,12 @@ def _image_stack(
     arch: int | None, wheel: str | None, stack: contextlib.ExitStack
 ) -> tuple[str | None, manifest.Stack]:
     """The image's Triton build key (None without ``--image-triton-wheel``) and the
-    stack it runs: this host's, with that wheel's build and Python. The wheel is
-    unpacked into a directory ``stack`` removes."""
+    stack it runs: this host's, with that wheel's build and Python. The wheel, which the
+    caller has checked (``_wheel_tags``), is unpacked into a directory ``stack`` removes."""
     from .shipped.precompile import target_stack, triton_key_of_wheel
 
     if wheel is None:
         return None, target_stack(arch, None, None)
-    _wheel_tags(wheel)  # a bad wheel is one line
     key = triton_key_of_wheel(wheel, stack.enter_context(tempfile.TemporaryDirectory()))
     return key, target_stack(arch, wheel, key)
 
@@ -298,6 +297,8 @@ def verify(args: argparse.Namespace) -> int:
     root = Path(args.cache_dir)
     if not root.is_dir():
         raise CliError(f"--cache-dir {args.cache_dir}: not a directory")
+    if args.image_triton_wheel is not None:
+        _wheel_tags(args.image_triton_wheel)  # a bad wheel is one line, before any work
     from .driver import verify as driver_verify
     from .shipped.precompile import stale_stages
 

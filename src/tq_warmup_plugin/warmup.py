@@ -58,8 +58,13 @@ def plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
     pm.add_hookspecs(hookspecs)
     pm.register(turboquant)
     pm.register(triton_jit)
-    engine_warmers = (vllm_slot_mapping, vllm_rejection, vllm_logprobs, vllm_top_k_top_p)
-    for warmer in (*engine_warmers, vllm_eagle):
+    for warmer in (
+        vllm_slot_mapping,
+        vllm_rejection,
+        vllm_logprobs,
+        vllm_top_k_top_p,
+        vllm_eagle,
+    ):
         pm.register(warmer)
     if load_entry_points:
         pm.load_setuptools_entrypoints(hookspecs.ENTRY_POINT_GROUP)
