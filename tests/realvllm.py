@@ -34,6 +34,7 @@ VLLM_KERNEL_MODULES = (
     "vllm.v1.sample.rejection_sampler",
     "vllm.v1.sample.ops.topk_topp_triton",
     "vllm.v1.worker.gpu.sample.logprob",
+    "vllm.v1.spec_decode.utils",
 )
 """vLLM's own kernel modules the engine warmers reach (``engine_warmup``)."""
 
@@ -56,6 +57,28 @@ def clear_vllm_kernel_caches() -> None:
             fn = value if isinstance(value, JITFunction) else getattr(value, "fn", None)
             if isinstance(fn, JITFunction):
                 fn.device_caches.clear()
+
+
+def block_table(block_size: int, max_len: int = 4096, tokens: int = 2048, reqs: int = 8) -> Any:
+    """A V1 ``BlockTable`` as ``MultiGroupBlockTable`` builds one for a single
+    attention group (0.26+: rows padded to a multiple of 128 // block size)."""
+    import torch
+    from vllm.v1.worker.block_table import BlockTable
+
+    blocks = -(-max_len // block_size)
+    if compat.release_features(compat.installed_vllm_version()).version >= (0, 26):
+        step = 128 // block_size
+        blocks = -(-blocks // step) * step
+    return BlockTable(
+        block_size=block_size,
+        max_num_reqs=reqs,
+        max_num_blocks_per_req=blocks,
+        max_num_batched_tokens=tokens,
+        pin_memory=False,
+        device=torch.device("cpu"),
+        kernel_block_size=block_size,
+        cp_kv_cache_interleave_size=1,
+    )
 
 
 @contextlib.contextmanager

@@ -91,16 +91,18 @@ def test_what_vllms_jit_registry_warms_is_not_warmed_twice(
     [
         (dict(spec_method=None, spec_tokens=0), False, "no speculative decoding"),
         (dict(spec_method="ngram"), False, "ngram drafts without the EAGLE helper kernels"),
-        (dict(spec_method="draft_model"), False, "compile on the first draft steps"),
-        (dict(spec_method="deepseek_mtp", jit_monitor_error=True), True, "stops the engine"),
+        (dict(spec_method="eagle", runner_v2=True), False, "V2 runner's speculator"),
+        (dict(spec_method="draft_model"), False, "no EAGLE helper kernels to warm"),
+        (dict(spec_method="deepseek_mtp", jit_monitor_error=True), True, "no EAGLE helper"),
         (dict(version=(0, 30), spec_method="eagle3", jit_monitor_error=True), False, "registry"),
     ],
 )
-def test_the_eagle_helpers_are_named_where_they_will_compile(
+def test_the_eagle_helpers_decline_in_one_line(
     fields: dict[str, Any], warn: bool, says: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Not warmed yet: one line each, a WARNING only where the JIT monitor will stop
-    the engine core on them (error mode, a release without vLLM's own warmup of them)."""
+    """One line each where nothing is warmed, a WARNING only where the JIT monitor will
+    stop the engine core (error mode) on kernels no warmer reached (here: a runner
+    without a model-based drafter)."""
     jobs, declined = engine_warmup.jobs_of(manager(vllm_eagle), engine(**fields))
     assert jobs == [] and len(declined) == 1
     (item,) = declined
@@ -111,6 +113,62 @@ def test_the_eagle_helpers_are_named_where_they_will_compile(
         engine_warmup.run(manager(vllm_eagle), engine(**fields), False)
     (record,) = [r for r in caplog.records if "EAGLE helpers" in r.getMessage()]
     assert record.levelno == (logging.WARNING if warn else logging.INFO)
+
+
+def test_sampled_widths_are_one_per_key() -> None:
+    """1 sampled token (a step without drafts) is Triton's constant 1; 2 is its own
+    power of two; 3 and 4 share the class and ``BLOCK_SIZE_TOKENS`` 4."""
+    assert vllm_eagle.sampled_widths(1) == [1, 2]
+    assert vllm_eagle.sampled_widths(3) == [1, 2, 3]
+    assert vllm_eagle.sampled_widths(4) == [1, 2, 3, 5]
+
+
+@pytest.mark.parametrize("new_slots", [0, 1, 3])
+def test_expand_shapes_reach_every_token_block(new_slots: int) -> None:
+    """Each ``BLOCK_SIZE_TOKENS`` from that of ``1 + new_slots`` to the cap, with a total
+    that is a multiple of 16 and one that is not; a total of 1 only for a 1-token query."""
+
+    def block(query: int) -> int:
+        return min(256, 1 << (query + new_slots - 1).bit_length())
+
+    shapes = vllm_eagle.expand_shapes(new_slots)
+    by_block: dict[int, set[bool]] = {}
+    for query, total in shapes:
+        assert total >= query
+        if total != 1:
+            by_block.setdefault(block(query), set()).add(total % 16 == 0)
+    first = 1 << new_slots.bit_length()
+    assert sorted(by_block) == [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b >= first]
+    assert all(kinds == {True, False} for kinds in by_block.values())
+    assert [total for _, total in shapes].count(1) == 1
+
+
+def test_eagle_jobs_follow_the_drafter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draft model (extra slots) k=3 gets every family; EAGLE k=1 no draft steps and
+    no expansion. Batches past the drafter's ``max_batch_size`` are left out."""
+    monkeypatch.setattr(compat, "eagle_helper", lambda name: object())
+    table = SimpleNamespace(block_table=SimpleNamespace(gpu=SimpleNamespace(shape=(8, 128))))
+
+    def runner(extra: bool, most: int) -> Any:
+        drafter = SimpleNamespace(
+            positions=None, block_size=32, max_model_len=4096, backup_next_token_ids=None,
+            max_batch_size=most, needs_extra_input_slots=extra, net_num_new_slots_per_request=1,
+        )  # fmt: skip
+        batch = SimpleNamespace(vocab_size=1000, block_table=SimpleNamespace(block_tables=[table]))
+        return SimpleNamespace(drafter=drafter, input_batch=batch)
+
+    jobs, _ = engine_warmup.jobs_of(
+        manager(vllm_eagle), engine(spec_method="draft_model", runner=runner(True, 32))
+    )
+    kinds = {j.what.split(",")[0] for j in jobs}
+    assert kinds == {"prepare inputs", "next token", "draft step", "expand inputs"}
+    assert sum(j.what.startswith("next token") for j in jobs) == 3 * 3
+    assert sum(j.what.startswith("draft step") for j in jobs) == 3
+    jobs, _ = engine_warmup.jobs_of(
+        manager(vllm_eagle), engine(spec_method="eagle", spec_tokens=1, runner=runner(False, 8))
+    )
+    assert {j.what.split(",")[0] for j in jobs} == {"prepare inputs", "next token"}
+    assert all("16 " not in j.what and "17 " not in j.what for j in jobs)
 
 
 def test_rejection_jobs_cover_every_sampling_mode() -> None:

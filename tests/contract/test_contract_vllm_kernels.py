@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from realvllm import activate_compile_only_driver, recorded_keys
+from realvllm import activate_compile_only_driver, block_table, recorded_keys
 
 from tq_warmup_plugin import compat, engine_warmup
 from tq_warmup_plugin.engine import Engine
@@ -42,28 +42,6 @@ def _driver(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def feats() -> compat.Features:
     return compat.release_features(compat.installed_vllm_version())
-
-
-def block_table(block_size: int, max_len: int = MAX_LEN) -> Any:
-    """A V1 ``BlockTable`` as ``MultiGroupBlockTable`` builds one for a single
-    attention group (0.26+: rows padded to a multiple of 128 // block size)."""
-    import torch
-    from vllm.v1.worker.block_table import BlockTable
-
-    blocks = -(-max_len // block_size)
-    if feats().version >= (0, 26):
-        step = 128 // block_size
-        blocks = -(-blocks // step) * step
-    return BlockTable(
-        block_size=block_size,
-        max_num_reqs=8,
-        max_num_blocks_per_req=blocks,
-        max_num_batched_tokens=TOKENS,
-        pin_memory=False,
-        device=torch.device("cpu"),
-        kernel_block_size=block_size,
-        cp_kv_cache_interleave_size=1,
-    )
 
 
 class _Model:

@@ -16,6 +16,8 @@ from .releases import Features
 
 __all__ = [
     "CompatError",
+    "drafter_of",
+    "eagle_helper",
     "engine_of",
     "logits_of",
     "sampling_metadata",
@@ -155,6 +157,23 @@ def topk_logprobs_function() -> Any:
         if hasattr(module, name):
             return getattr(module, name)
     raise CompatError("the V2 logprob module has no top-k logprobs function")
+
+
+def drafter_of(runner: Any) -> Any | None:
+    """The V1 runner's model-based proposer (``drafter``, all releases), or None: ngram
+    and suffix decoding have other drafters, and the V2 runner a ``speculator``."""
+    drafter = getattr(runner, "drafter", None)
+    needed = ("positions", "block_size", "max_model_len", "backup_next_token_ids")
+    return drafter if all(hasattr(drafter, name) for name in needed) else None
+
+
+def eagle_helper(name: str) -> Any | None:
+    """A kernel or launcher of ``v1/spec_decode/utils.py`` by name (the EAGLE helpers:
+    the same four kernels and signatures in 0.22 and 0.26-0.29), None where absent."""
+    try:
+        return getattr(importlib.import_module(paths.SPEC_UTILS_MODULE), name, None)
+    except ImportError:
+        return None
 
 
 def logits_of(runner: Any, rows: int) -> Any:

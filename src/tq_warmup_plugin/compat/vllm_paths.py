@@ -101,7 +101,7 @@ MODEL_UTILS_MODULE = "vllm.model_executor.models.utils"
 """Defines ``extract_layer_index`` in all releases."""
 
 SPEC_UTILS_MODULE = "vllm.v1.spec_decode.utils"
-"""Defines ``extend_all_queries_by_N`` in all releases."""
+"""Defines ``extend_all_queries_by_N`` in all releases, and the EAGLE helper kernels."""
 EXTEND_QUERIES_FUNCTION = "extend_all_queries_by_N"
 DRAFT_CALL_SITE_MODULES = ("vllm.v1.spec_decode.llm_base_proposer",)
 """Modules that import ``extend_all_queries_by_N`` by name (all releases: only this one)."""
