@@ -41,3 +41,17 @@ def test_every_warmed_row_has_an_unwarmed_twin_or_is_a_reference() -> None:
     for name, row in rows.items():
         if row.kv == "tq" and row.warmers:
             assert f"{name}-off" in rows and not rows[f"{name}-off"].warmers
+
+
+def test_row_facts_reads_the_plugin_lines() -> None:
+    lines = [
+        "tq-warmup: driver cache /l/driver-cache: CUDA_CACHE_PATH set to a copy of the entry "
+        "(5 files, 60.0 MiB); verified copy in 0.21 s",
+        "tq-warmup: 6 keys: 0 compiled, 6 from the shipped cache; 4 first launches 357 ms; "
+        "vLLM kernels: 49 launches, 12 jobs in 3.10 s",
+    ]
+    facts = serve_jit.row_facts(lines)
+    assert facts["first_launches"] == 4 and facts["first_launches_ms"] == 357
+    assert facts["driver_cache_line"].startswith("tq-warmup: driver cache")
+    assert facts["vllm_kernels"].startswith("49 launches")
+    assert serve_jit.row_facts(["tq-warmup: disabled by TQ_WARMUP"]) == {}

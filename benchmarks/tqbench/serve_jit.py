@@ -12,13 +12,25 @@ so stop *strings* cannot be asked for). Prompts repeat a pattern, so ngram draft
 Counted per row: requests served, requests failed (HTTP 500 once the engine core is
 dead), and the JIT monitor's lines after startup (``Triton kernel JIT compilation
 during inference: NAME``). Writes ``result.json`` and ``SUMMARY.md``.
+
+``--driver-cache ROOT`` serves every row from a CUDA driver cache that
+``tq-warmup driver-cache --cache-dir ROOT`` built (issue 30): ``TQ_WARMUP_DRIVER_CACHE``
+is ``ROOT/driver-cache``, ``TQ_WARMUP_DRIVER_CACHE_COPY_TO`` one directory all rows share
+(the second row on finds the first one's copy and must re-verify it) and
+``TQ_WARMUP_CACHE_PIN`` the value ``tq-warmup verify --print-pin`` gives for ROOT. Each
+row then records the plugin's driver-cache line and its first launches' time.
+``--side-by-side`` starts the rows at once (each its own port and KV cache bytes): the JIT
+counts are what a row shows, its times are not comparable with a row alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import re
+import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +42,7 @@ from benchmarks.tqbench import entry_point, records, tables
 from benchmarks.tqbench.children import Children
 from benchmarks.tqbench.cli import Option, add_options, new_parser
 from benchmarks.tqbench.engine import REPO_ROOT
+from benchmarks.tqbench.phases import build_model_config, parse_geometry
 from benchmarks.tqbench.serve_prefix import (
     Server,
     serve_argv,
@@ -40,16 +53,19 @@ from benchmarks.tqbench.serve_prefix import (
 from benchmarks.tqbench.spec_child import write_models
 from benchmarks.tqbench.spec_configs import MODEL_SIZES, SpecConfig
 
-__all__ = ["ROWS", "Row", "add_parser", "mix"]
+__all__ = ["ROWS", "Row", "add_parser", "mix", "pin_of", "row_facts"]
 
 
 @dataclass(frozen=True)
 class Row:
-    """One server: its KV cache dtype, speculation and engine warmers."""
+    """One server: its KV cache dtype, speculation, engine warmers and model."""
 
     kv: str
     spec: SpecConfig
     warmers: bool = True
+    moe_chunk: int = 0
+    """Not 0: the model is a text-only Llama 4 with this attention chunk, whose MoE
+    layers run Triton's ``fused_moe_kernel`` on Hopper (``phases.build_model_config``)."""
 
 
 _NGRAM = SpecConfig("ngram", "ngram", 3)
@@ -64,6 +80,10 @@ ROWS: dict[str, Row] = {
     "tq-draft-off": Row("tq", SpecConfig("draft", "draft_model", 3), warmers=False),
     "tq-eagle": Row("tq", SpecConfig("eagle", "eagle", 3)),
     "tq-eagle-off": Row("tq", SpecConfig("eagle", "eagle", 3), warmers=False),
+    "tq-mtp": Row("tq", SpecConfig("mtp", "mtp", 1)),
+    "tq-mtp-off": Row("tq", SpecConfig("mtp", "mtp", 1), warmers=False),
+    "tq-moe": Row("tq", SpecConfig("plain"), moe_chunk=1024),
+    "tq-moe-off": Row("tq", SpecConfig("plain"), warmers=False, moe_chunk=1024),
 }
 
 
@@ -131,12 +151,28 @@ def run_row(args: argparse.Namespace, name: str, port: int, work: Path, out: Pat
     row = ROWS[name]
     opts = {"model_size": asdict(MODEL_SIZES["small"]), "max_model_len": args.max_model_len}
     model_dir, head_dir = write_models(row.spec, opts, work / name)
+    if row.moe_chunk:
+        size = MODEL_SIZES["small"]
+        config = build_model_config(parse_geometry(size.geometry), size.layers,
+                                    args.max_model_len, size.vocab_size, size.intermediate_size,
+                                    attention_chunk=row.moe_chunk)  # fmt: skip
+        (model_dir / "config.json").write_text(json.dumps(config, indent=1))
     stub = entry_point.write_stub(work / "entry-point", plugin=not entry_point.found(),
                                   weight_scale=True)  # fmt: skip
     env = serve_env(args, work / name / "triton", stub)
     env["TQ_WARMUP_VLLM_KERNELS"] = "1" if row.warmers else "0"
+    if args.driver_cache:
+        env.update(
+            TQ_WARMUP_DRIVER_CACHE=str(Path(args.driver_cache) / "driver-cache"),
+            TQ_WARMUP_DRIVER_CACHE_COPY_TO=str(work / "driver-copy"),
+        )
+        if args.pin:  # else verify failed: the row shows the plugin's decision unpinned
+            env["TQ_WARMUP_CACHE_PIN"] = args.pin
     kv = args.preset if row.kv == "tq" else "auto"
     argv = serve_argv(args, model_dir, port, kv, args.jit_mode)
+    if args.side_by_side:  # vLLM checks utilization x total <= free memory at startup
+        rows = len(args.rows.split(","))
+        argv += ["--gpu-memory-utilization", f"{min(0.85, 0.9 / rows - 0.03):.2f}"]
     spec = row.spec.speculative_config(str(model_dir), head_dir)
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec)]
@@ -148,16 +184,48 @@ def run_row(args: argparse.Namespace, name: str, port: int, work: Path, out: Pat
         done = _workload(srv, str(model_dir), args)
         return {**done, "status": "ok" if done["failed"] == 0 else "requests-failed"}
 
-    return served_row(srv, children, (argv, log, env, args.startup_timeout), result, workload)
+    row_result = served_row(srv, children, (argv, log, env, args.startup_timeout), result,
+                            workload)  # fmt: skip
+    return {**row_result, **row_facts(row_result.get("plugin_lines") or [])}
+
+
+def row_facts(plugin_lines: list[str]) -> dict[str, Any]:
+    """What the plugin's lines say of one server: its first launches' time (the report
+    line), its driver-cache decision and its engine warmers' line."""
+    facts: dict[str, Any] = {}
+    for line in plugin_lines:
+        m = re.search(r"(\d+) first launches (\d+) ms", line)
+        if m and "first_launches_ms" not in facts:
+            facts.update(first_launches=int(m[1]), first_launches_ms=int(m[2]))
+        if "driver cache" in line or "CUDA_CACHE_PATH" in line:
+            facts.setdefault("driver_cache_line", line[line.find("tq-warmup:") :])
+        m = re.search(r"vLLM kernels: (.*)", line)
+        if m:
+            facts.setdefault("vllm_kernels", m[1][:300])
+    return facts
+
+
+def pin_of(root: str) -> tuple[str, str]:
+    """``(TQ_WARMUP_CACHE_PIN value, verify's summary line)`` for the layer ``root``:
+    what ``tq-warmup verify --print-pin`` prints."""
+    argv = [sys.executable, "-m", "tq_warmup_plugin.cli", "verify", "--cache-dir", root,
+            "--print-pin"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src")}
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    lines = out.stdout.splitlines()
+    pin = next((ln.split("=", 1)[1] for ln in lines if ln.startswith("TQ_WARMUP_CACHE_PIN=")), "")
+    summary = next((ln for ln in lines if " problem" in ln), out.stderr.strip()[-300:])
+    return pin, summary
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
     header = ["row", "kv", "speculation", "engine warmers", "status", "served", "failed",
-              "JIT after startup"]  # fmt: skip
+              "JIT after startup", "first launches ms"]  # fmt: skip
     cells = [
         [r["row"], r["kv"], (r.get("spec") or {}).get("method", "-"),
          "on" if r["warmers"] else "off", str(r.get("status")), str(r.get("served", "-")),
-         str(r.get("failed", "-")), ", ".join(sorted(set(r.get("jit_after_startup") or []))) or "0"]
+         str(r.get("failed", "-")), ", ".join(sorted(set(r.get("jit_after_startup") or []))) or "0",
+         str(r.get("first_launches_ms", "-"))]
         for r in rows
     ]  # fmt: skip
     return tables.render_markdown(header, cells)
@@ -174,10 +242,23 @@ def cmd_serve_jit(args: argparse.Namespace) -> int:
         return 2
     children = Children()
     children.stop_on_sigterm()
-    rows = []
-    for i, name in enumerate(names):
-        rows.append(run_row(args, name, args.port + i, work, out, children))
-        records.write_json_atomic(out / "result.json", {"options": vars(args), "rows": rows})
+    head: dict[str, Any] = {"options": vars(args)}
+    if args.driver_cache:
+        args.pin, head["verify"] = pin_of(args.driver_cache)
+        print(f"serve-jit: {head['verify']}; pin {args.pin[:80]}", flush=True)
+    rows: list[dict[str, Any]] = []
+
+    def one(i: int) -> dict[str, Any]:
+        return run_row(args, names[i], args.port + i, work, out, children)
+
+    if args.side_by_side:
+        with ThreadPoolExecutor(max_workers=len(names)) as pool:
+            rows = list(pool.map(one, range(len(names))))
+    else:
+        for i in range(len(names)):
+            rows.append(one(i))
+            records.write_json_atomic(out / "result.json", {**head, "rows": rows})
+    records.write_json_atomic(out / "result.json", {**head, "rows": rows})
     table = _table(rows)
     (out / "SUMMARY.md").write_text(table)
     print(table, flush=True)
@@ -187,6 +268,8 @@ def cmd_serve_jit(args: argparse.Namespace) -> int:
 OPTIONS: tuple[Option, ...] = (
     ("--rows", "tq-ngram,tq-ngram-off", "servers to run, in order (serve_jit.ROWS)"),
     ("--jit-mode", "error", "--jit-monitor-mode (0.25+): error or warn"),
+    ("--driver-cache", "", "a layer root with driver-cache/: every row served from it, pinned"),
+    ("--side-by-side", False, "start every row at once (JIT counts only; times not comparable)"),
     *server_options("serve-jit", 4096, 4.0, 8031),
 )
 
