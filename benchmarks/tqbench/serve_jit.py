@@ -157,9 +157,7 @@ def run_row(args: argparse.Namespace, name: str, port: int, work: Path, out: Pat
                                     args.max_model_len, size.vocab_size, size.intermediate_size,
                                     attention_chunk=row.moe_chunk)  # fmt: skip
         (model_dir / "config.json").write_text(json.dumps(config, indent=1))
-    stub = entry_point.write_stub(work / "entry-point", plugin=not entry_point.found(),
-                                  weight_scale=True)  # fmt: skip
-    env = serve_env(args, work / name / "triton", stub)
+    env = serve_env(args, work / name / "triton", Path(args.stub))
     env["TQ_WARMUP_VLLM_KERNELS"] = "1" if row.warmers else "0"
     if args.driver_cache:
         env.update(
@@ -242,6 +240,9 @@ def cmd_serve_jit(args: argparse.Namespace) -> int:
         return 2
     children = Children()
     children.stop_on_sigterm()
+    # Written once, before any server reads it (rows side by side would rewrite it).
+    args.stub = str(entry_point.write_stub(work / "entry-point", plugin=not entry_point.found(),
+                                           weight_scale=True))  # fmt: skip
     head: dict[str, Any] = {"options": vars(args)}
     if args.driver_cache:
         args.pin, head["verify"] = pin_of(args.driver_cache)
