@@ -262,6 +262,22 @@ def test_verify_checks_a_layer_of_driver_cache_entries(
     assert first.startswith(f"driver-cache/{entry.name}: cache/index: the manifest says sha256")
 
 
+def test_verify_prints_the_pin_of_a_layer_of_driver_cache_entries_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A layer that holds only ``driver-cache/`` (what ``tq-warmup driver-cache`` builds)
+    gets its pin too: on the H200 (0.26.0, 2026-12-02) ``verify --print-pin`` printed none."""
+    from tq_warmup_plugin.shipped import pins
+
+    (tmp_path / "fa2.so").write_bytes(FA2)
+    monkeypatch.setattr(dc, "fa2_library", lambda: tmp_path / "fa2.so")
+    entry = make_entry(tmp_path / dc.DRIVER_DIR)
+    assert cli.main(["verify", "--cache-dir", str(tmp_path), "--print-pin"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    digest = pins.digest((entry / dc.MANIFEST).read_bytes())
+    assert lines[-1] == f"{pins.PIN_ENV}=sha256:{digest}"
+
+
 def test_driver_cache_without_a_gpu_node_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -309,6 +309,8 @@ def verify(args: argparse.Namespace) -> int:
     paths = manifest.manifest_files(root)
     if not paths:
         if driver_problems is not None:
+            if args.print_pin:  # a layer of driver-cache entries alone is pinned too
+                _say(pins.line(_manifest_digests(root, [])))
             return 1 if driver_problems or stale else 0
         _say(f"tq-warmup: no tq-warmup manifest in {root} (not built by tq-warmup precompile)")
         return 1
