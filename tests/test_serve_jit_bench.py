@@ -55,3 +55,18 @@ def test_row_facts_reads_the_plugin_lines() -> None:
     assert facts["driver_cache_line"].startswith("tq-warmup: driver cache")
     assert facts["vllm_kernels"].startswith("49 launches")
     assert serve_jit.row_facts(["tq-warmup: disabled by TQ_WARMUP"]) == {}
+
+
+def test_the_moe_row_is_a_mixtral_of_the_llamas_attention() -> None:
+    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+             "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+             "intermediate_size": 1024, "mlp_bias": False}  # fmt: skip
+    moe = serve_jit.mixtral_config(llama)
+    assert moe["architectures"] == ["MixtralForCausalLM"] and moe["model_type"] == "mixtral"
+    assert (moe["num_local_experts"], moe["num_experts_per_tok"]) == (4, 2)
+    assert {k: moe[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads")} == {
+        "hidden_size": 2048,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+    }
+    assert "mlp_bias" not in moe and llama["architectures"] == ["LlamaForCausalLM"]

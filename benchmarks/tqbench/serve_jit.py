@@ -42,7 +42,6 @@ from benchmarks.tqbench import entry_point, records, tables
 from benchmarks.tqbench.children import Children
 from benchmarks.tqbench.cli import Option, add_options, new_parser
 from benchmarks.tqbench.engine import REPO_ROOT
-from benchmarks.tqbench.phases import build_model_config, parse_geometry
 from benchmarks.tqbench.serve_prefix import (
     Server,
     serve_argv,
@@ -53,7 +52,7 @@ from benchmarks.tqbench.serve_prefix import (
 from benchmarks.tqbench.spec_child import write_models
 from benchmarks.tqbench.spec_configs import MODEL_SIZES, SpecConfig
 
-__all__ = ["ROWS", "Row", "add_parser", "mix", "pin_of", "row_facts"]
+__all__ = ["ROWS", "Row", "add_parser", "mix", "mixtral_config", "pin_of", "row_facts"]
 
 
 @dataclass(frozen=True)
@@ -63,9 +62,11 @@ class Row:
     kv: str
     spec: SpecConfig
     warmers: bool = True
-    moe_chunk: int = 0
-    """Not 0: the model is a text-only Llama 4 with this attention chunk, whose MoE
-    layers run Triton's ``fused_moe_kernel`` on Hopper (``phases.build_model_config``)."""
+    moe: bool = False
+    """The model is a Mixtral of the same attention shape (:func:`mixtral_config`): its
+    MoE layers run Triton's ``fused_moe_kernel`` on Hopper. Not Llama 4: its chunked local
+    layers cannot share a KV cache group with TurboQuant's on 0.20-0.27 (startup failed
+    in vLLM's grouping on the H200, 0.26.0, 2026-12-02, ``benchmarks/results/llama4/``)."""
 
 
 _NGRAM = SpecConfig("ngram", "ngram", 3)
@@ -82,8 +83,8 @@ ROWS: dict[str, Row] = {
     "tq-eagle-off": Row("tq", SpecConfig("eagle", "eagle", 3), warmers=False),
     "tq-mtp": Row("tq", SpecConfig("mtp", "mtp", 1)),
     "tq-mtp-off": Row("tq", SpecConfig("mtp", "mtp", 1), warmers=False),
-    "tq-moe": Row("tq", SpecConfig("plain"), moe_chunk=1024),
-    "tq-moe-off": Row("tq", SpecConfig("plain"), warmers=False, moe_chunk=1024),
+    "tq-moe": Row("tq", SpecConfig("plain"), moe=True),
+    "tq-moe-off": Row("tq", SpecConfig("plain"), warmers=False, moe=True),
 }
 
 
@@ -151,11 +152,8 @@ def run_row(args: argparse.Namespace, name: str, port: int, work: Path, out: Pat
     row = ROWS[name]
     opts = {"model_size": asdict(MODEL_SIZES["small"]), "max_model_len": args.max_model_len}
     model_dir, head_dir = write_models(row.spec, opts, work / name)
-    if row.moe_chunk:
-        size = MODEL_SIZES["small"]
-        config = build_model_config(parse_geometry(size.geometry), size.layers,
-                                    args.max_model_len, size.vocab_size, size.intermediate_size,
-                                    attention_chunk=row.moe_chunk)  # fmt: skip
+    if row.moe:
+        config = mixtral_config(json.loads((model_dir / "config.json").read_text()))
         (model_dir / "config.json").write_text(json.dumps(config, indent=1))
     env = serve_env(args, work / name / "triton", Path(args.stub))
     env["TQ_WARMUP_VLLM_KERNELS"] = "1" if row.warmers else "0"
@@ -185,6 +183,21 @@ def run_row(args: argparse.Namespace, name: str, port: int, work: Path, out: Pat
     row_result = served_row(srv, children, (argv, log, env, args.startup_timeout), result,
                             workload)  # fmt: skip
     return {**row_result, **row_facts(row_result.get("plugin_lines") or [])}
+
+
+def mixtral_config(llama: dict[str, Any], experts: int = 4, top_k: int = 2) -> dict[str, Any]:
+    """A Llama ``config.json`` as a Mixtral of the same attention and width: ``experts``
+    experts of the Llama's ``intermediate_size`` each, ``top_k`` per token, on every layer
+    (vLLM's ``MixtralForCausalLM`` reads ``num_local_experts`` and ``num_experts_per_tok``)."""
+    config = {k: v for k, v in llama.items() if k not in ("mlp_bias", "head_dim")}
+    config.update(
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        num_local_experts=experts,
+        num_experts_per_tok=top_k,
+        sliding_window=None,
+    )
+    return config
 
 
 def row_facts(plugin_lines: list[str]) -> dict[str, Any]:
