@@ -283,3 +283,38 @@ def test_strict_mode_fails_startup_on_a_failed_engine_job(monkeypatch: pytest.Mo
         install.warm_worker(worker, Settings(launch=False, strict=True))
     off = warmup.run(worker, Settings(launch=False, vllm_kernels=False))
     assert off.errors == [] and off.vllm_jobs == {}
+
+
+class _Raises:
+    @hookimpl
+    def tq_warmup_engine_jobs(self, engine: Engine) -> list[Job]:
+        raise KeyError("no such buffer")
+
+
+def test_a_warmer_that_raises_while_planning_costs_only_its_own_jobs() -> None:
+    """One line names the warmer; the other warmers' jobs are planned and run."""
+    pm = manager(vllm_rejection)
+    pm.register(_Raises(), name="raises")
+    jobs, declined, errors = engine_warmup.plan(pm, engine())
+    assert sorted(j.what for j in jobs) == [
+        "greedy batch, k=3",
+        "mixed batch, k=3",
+        "random batch, k=3",
+    ]
+    assert declined == [] and errors == ["engine warmer raises: KeyError: 'no such buffer'"]
+    with pytest.raises(compat.CompatError, match="KeyError"):
+        engine_warmup.jobs_of(pm, engine())
+
+
+def test_the_host_runs_the_other_warmers_when_one_raises_while_planning() -> None:
+    """Before, one warmer raising in ``tq_warmup_engine_jobs`` lost every warmer's jobs."""
+    pytest.importorskip("triton")  # the host's compile-only launches
+    warmers = Warmers()
+    pm = manager(warmers)
+    pm.register(_Raises(), name="raises")
+    result = engine_warmup.run(pm, engine(), False)
+    assert warmers.ran == ["ok"] and result.jobs == {"mine": 1}
+    assert result.errors == [
+        "engine warmer raises: KeyError: 'no such buffer'",
+        "mine (broken): ValueError: no such buffer",
+    ]

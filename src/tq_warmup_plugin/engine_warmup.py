@@ -23,7 +23,7 @@ from . import compat
 from .engine import Declined, Engine, Job
 from .report import error_line
 
-__all__ = ["EngineResult", "engine_or_reason", "jobs_of", "run"]
+__all__ = ["EngineResult", "engine_or_reason", "jobs_of", "plan", "run"]
 
 logger = logging.getLogger("vllm.tq_warmup_plugin")
 
@@ -41,18 +41,34 @@ class EngineResult:
     seconds: float = 0.0
 
 
-def jobs_of(pm: pluggy.PluginManager, engine: Engine) -> tuple[list[Job], list[Declined]]:
-    """Every warmer's contribution for this engine, jobs apart from declines; a job two
-    warmers contribute (equal family and ``what``) runs once."""
+def plan(pm: pluggy.PluginManager, engine: Engine) -> tuple[list[Job], list[Declined], list[str]]:
+    """Every warmer's contribution for this engine: jobs, declines, and one error line per
+    warmer that raised while planning (each warmer is called on its own, so one that
+    raises costs only its own jobs). A job two warmers contribute (equal family and
+    ``what``) runs once."""
     jobs: dict[tuple[str, str], Job] = {}
     declined: list[Declined] = []
-    for batch in pm.hook.tq_warmup_engine_jobs(engine=engine):
+    errors: list[str] = []
+    for impl in pm.hook.tq_warmup_engine_jobs.get_hookimpls():
+        try:
+            batch = list(impl.function(**{name: engine for name in impl.argnames}))
+        except Exception as exc:
+            errors.append(f"engine warmer {impl.plugin_name}: {error_line(exc)}")
+            continue
         for item in batch:
             if isinstance(item, Declined):
                 declined.append(item)
             else:
                 jobs.setdefault((item.family, item.what), item)
-    return list(jobs.values()), declined
+    return list(jobs.values()), declined, errors
+
+
+def jobs_of(pm: pluggy.PluginManager, engine: Engine) -> tuple[list[Job], list[Declined]]:
+    """:func:`plan`'s jobs and declines; a warmer that raised raises here."""
+    jobs, declined, errors = plan(pm, engine)
+    if errors:
+        raise compat.CompatError(errors[0])
+    return jobs, declined
 
 
 def run(pm: pluggy.PluginManager, engine: Engine, load: bool, threads: int = 1) -> EngineResult:
@@ -64,11 +80,7 @@ def run(pm: pluggy.PluginManager, engine: Engine, load: bool, threads: int = 1) 
     loop (``VOCAB_SIZE`` is a constexpr)."""
     start = time.perf_counter()
     result = EngineResult()
-    try:
-        jobs, declined = jobs_of(pm, engine)
-    except Exception as exc:  # a warmer that cannot even plan costs only its own work
-        result.errors.append(f"engine warmers: {error_line(exc)}")
-        return result
+    jobs, declined, result.errors = plan(pm, engine)  # a warmer that raised: its line
     for item in declined:
         level = logging.WARNING if item.warn else logging.INFO
         logger.log(level, "tq-warmup: %s: not warmed: %s", item.family, item.why)
