@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +52,10 @@ def plan(pm: pluggy.PluginManager, engine: Engine) -> tuple[list[Job], list[Decl
     errors: list[str] = []
     for impl in pm.hook.tq_warmup_engine_jobs.get_hookimpls():
         try:
-            batch = list(impl.function(**{name: engine for name in impl.argnames}))
+            found: Iterable[Job | Declined] = impl.function(
+                **{name: engine for name in impl.argnames}
+            )
+            batch = list(found)
         except Exception as exc:
             errors.append(f"engine warmer {impl.plugin_name}: {error_line(exc)}")
             continue
