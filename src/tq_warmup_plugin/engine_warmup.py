@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import pluggy
 
@@ -52,10 +52,9 @@ def plan(pm: pluggy.PluginManager, engine: Engine) -> tuple[list[Job], list[Decl
     errors: list[str] = []
     for impl in pm.hook.tq_warmup_engine_jobs.get_hookimpls():
         try:
-            found: Iterable[Job | Declined] = impl.function(
-                **{name: engine for name in impl.argnames}
-            )
-            batch = list(found)
+            # a warmer's own hookimpl, called with the hook's arguments it declares
+            called = impl.function(**{name: engine for name in impl.argnames})
+            batch = list(cast(Iterable[Job | Declined], called))
         except Exception as exc:
             errors.append(f"engine warmer {impl.plugin_name}: {error_line(exc)}")
             continue
