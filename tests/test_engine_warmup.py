@@ -20,6 +20,7 @@ from tq_warmup_plugin.warmers import (
     vllm_rejection,
     vllm_slot_mapping,
     vllm_top_k_top_p,
+    vllm_unwarmed,
 )
 
 BUILT_IN = (vllm_slot_mapping, vllm_rejection, vllm_logprobs, vllm_top_k_top_p)
@@ -318,3 +319,22 @@ def test_the_host_runs_the_other_warmers_when_one_raises_while_planning() -> Non
         "engine warmer raises: KeyError: 'no such buffer'",
         "mine (broken): ValueError: no such buffer",
     ]
+
+
+@pytest.mark.parametrize("error_mode", [False, True])
+def test_moe_and_hybrid_kernels_nobody_warms_are_named_in_one_line_each(
+    error_mode: bool,
+) -> None:
+    """A MoE or hybrid model: one decline per family, a WARNING only in error mode;
+    a dense model: nothing said."""
+    pm = manager(vllm_unwarmed)
+    jobs, declined = engine_warmup.jobs_of(pm, engine(moe=True, hybrid=True,
+                                                      jit_monitor_error=error_mode))  # fmt: skip
+    assert jobs == []
+    assert [(d.family, d.warn) for d in declined] == [
+        ("fused MoE", error_mode),
+        ("Mamba/GDN layers", error_mode),
+    ]
+    assert all(("error stops the engine core" in d.why) is error_mode for d in declined)
+    assert "fused_moe_kernel" in declined[0].why and "\n" not in declined[0].why
+    assert engine_warmup.jobs_of(pm, engine()) == ([], [])

@@ -44,6 +44,10 @@ class Engine:
     own ``_dummy_sampler_run`` decides it."""
     max_logprobs: int
     """``model_config.max_logprobs``: the most logprobs a request may ask for."""
+    moe: bool = False
+    """``model_config.is_moe`` (all releases): the model runs ``fused_moe_kernel``."""
+    hybrid: bool = False
+    """``model_config.is_hybrid`` (all releases): Mamba or gated-delta-net layers."""
     jit_monitor_error: bool = False
     """``--jit-monitor-mode error`` (0.25+): a kernel compiled after startup stops the
     engine core, so a kernel no warmer reaches is a WARNING, not an INFO line."""

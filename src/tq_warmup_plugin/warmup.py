@@ -34,6 +34,7 @@ from .warmers import (
     vllm_rejection,
     vllm_slot_mapping,
     vllm_top_k_top_p,
+    vllm_unwarmed,
 )
 
 # A child of vLLM's "vllm" logger inherits its handlers and format.
@@ -64,6 +65,7 @@ def plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
         vllm_logprobs,
         vllm_top_k_top_p,
         vllm_eagle,
+        vllm_unwarmed,
     ):
         pm.register(warmer)
     if load_entry_points:

@@ -252,3 +252,26 @@ def test_the_engine_reads_the_jit_monitor_mode_of_vllms_own_config(
     worker = SimpleNamespace(vllm_config=config, model_runner=SimpleNamespace())
     engine = Engine(**compat.engine_of(worker, vllm_env))
     assert engine.jit_monitor_error is (mode == "error")
+
+
+@pytest.mark.parametrize(
+    ("family", "moe", "hybrid"),
+    [("llama-3-8b", False, False), ("jamba-v0.1", True, True), ("deepseek-v2-lite", True, False)],
+)
+def test_the_engine_reads_moe_and_hybrid_from_vllms_model_config(
+    vllm_env: compat.Features, family: str, moe: bool, hybrid: bool
+) -> None:
+    """What names the unwarmed MoE and Mamba/GDN kernels (``warmers/vllm_unwarmed``):
+    vLLM's own ``ModelConfig.is_moe`` and ``is_hybrid`` of the model's config."""
+    from pathlib import Path
+
+    from vllm.config import ModelConfig
+
+    model = Path(__file__).parents[1] / "data" / "models" / family
+    config = SimpleNamespace(
+        model_config=ModelConfig(model=str(model), skip_tokenizer_init=True),
+        speculative_config=None,
+    )
+    worker = SimpleNamespace(vllm_config=config, model_runner=SimpleNamespace())
+    engine = Engine(**compat.engine_of(worker, vllm_env))
+    assert (engine.moe, engine.hybrid) == (moe, hybrid)

@@ -36,7 +36,8 @@ class CompatError(RuntimeError):
 def engine_of(worker: Any, feats: Features) -> dict[str, Any]:
     """The fields of a live worker's ``engine.Engine`` (all releases:
     ``use_v2_model_runner``, ``model_runner``, ``vllm_config.speculative_config``,
-    ``model_config.max_logprobs`` and ``is_pooling_model`` under the same names)."""
+    ``model_config.max_logprobs``, ``is_moe``, ``is_hybrid`` and ``is_pooling_model``
+    under the same names)."""
     config = worker.vllm_config
     spec = getattr(config, "speculative_config", None)
     method = getattr(spec, "method", None) if spec is not None else None
@@ -53,6 +54,8 @@ def engine_of(worker: Any, feats: Features) -> dict[str, Any]:
         and getattr(spec, "rejection_sample_method", "standard") == "standard"
         and getattr(spec, "draft_sample_method", "greedy") == "probabilistic",
         max_logprobs=int(getattr(config.model_config, "max_logprobs", 20)),
+        moe=bool(getattr(config.model_config, "is_moe", False)),
+        hybrid=bool(getattr(config.model_config, "is_hybrid", False)),
         # 0.25+ (``ObservabilityConfig.jit_monitor_mode``); before, no monitor: False.
         jit_monitor_error=getattr(
             getattr(config, "observability_config", None), "jit_monitor_mode", None
