@@ -229,6 +229,30 @@ def test_a_sticky_shared_directory_holds_a_private_one(tmp_path: Path) -> None:
     assert driver_startup.private_dir(relative) == private  # always absolute
 
 
+@pytest.mark.parametrize("planted", ["open mode", "symlink", "another user's"])
+def test_a_private_directory_someone_made_first_is_refused(tmp_path: Path, planted: str) -> None:
+    """The temporary default's name is predictable (``/tmp/tq-warmup-driver-<uid>``):
+    one made first by someone else, or left open, or a link, is never copied into."""
+    base = tmp_path / "tmp"
+    base.mkdir()
+    base.chmod(0o1777)
+    uid = os.getuid()
+    private = base / f"{driver_startup.PRIVATE_PREFIX}{uid}"
+    if planted == "open mode":
+        private.mkdir(mode=0o755)
+        private.chmod(0o755)
+    elif planted == "symlink":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        private.symlink_to(tmp_path / "elsewhere")
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("chown to another user needs root")
+        private.mkdir(mode=0o700)
+        os.chown(private, 65534, 65534)
+    refused = driver_startup.private_dir(str(base), uid)
+    assert isinstance(refused, str) and str(private) in refused and "\n" not in refused
+
+
 def test_an_entry_whose_cache_holds_a_linked_directory_is_not_copied(
     tmp_path: Path, layer: tuple[Path, Path, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
