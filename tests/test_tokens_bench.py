@@ -234,3 +234,14 @@ def test_a_spawned_server_is_stopped_with_its_group(tmp_path: Path) -> None:
     assert proc.pid in children.procs
     children.stop(proc)
     assert proc.returncode is not None and proc.returncode < 0 and not children.procs
+
+
+def test_tokens_refuses_engines_vllm_could_not_load_the_plugin_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The H200 oracle of 2026-12-02 ran its engines without the plugin, silently."""
+    monkeypatch.setattr(entry_point, "found", lambda: False)
+    monkeypatch.setattr(tokens, "TokensBench", lambda args: pytest.fail("an engine started"))
+    argv = ["tokens", "--case", "oracle", "--work-dir", str(tmp_path)]
+    with pytest.raises(SystemExit, match="tokens: the plugin's entry point is not installed"):
+        tokens.cmd_tokens(cli.build_parser().parse_args(argv))

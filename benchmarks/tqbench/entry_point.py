@@ -4,7 +4,8 @@ vLLM loads general plugins through their ``vllm.general_plugins`` entry point on
 a checkout on ``PYTHONPATH`` (the GPU machine gets the working tree, not an install)
 runs every "plugin on" configuration without the plugin, silently. Seen on the H200
 (0.26.0, 2026-12-01): a matrix whose plugin-on runs compiled TurboQuant kernels after
-startup and had no plugin report.
+startup and had no plugin report; again on 2026-12-02, a ``tokens --case oracle``
+whose engines had no plugin line (``require`` now refuses both).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-__all__ = ["found", "stub_path", "write_stub"]
+__all__ = ["found", "require", "stub_path", "write_stub"]
 
 
 def found() -> bool:
@@ -41,6 +42,17 @@ def write_stub(root: Path, plugin: bool = True, weight_scale: bool = False) -> P
         lines.append("tqbench_weight_scale = benchmarks.tqbench.dummy_scale:register")
     (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
     return root
+
+
+def require(command: str, stub: bool) -> None:
+    """Refuse, in one line, to run plugin-on children that vLLM would start without the
+    plugin: neither installed nor given a stub (``--entry-point-stub``)."""
+    if not stub and not found():
+        raise SystemExit(
+            f"{command}: the plugin's entry point is not installed, so vLLM would run every "
+            "'plugin on' configuration without it: pip install --no-deps . or pass "
+            "--entry-point-stub"
+        )
 
 
 def stub_path(root: Path, wanted: bool) -> list[str]:

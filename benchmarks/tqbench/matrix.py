@@ -391,12 +391,8 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise SystemExit("matrix: --repeats must be at least 1")
     plugin_on = any(v.startswith("on") for v in phases.parse_list(args.variants, phases.VARIANTS))
-    if plugin_on and not args.entry_point_stub and not entry_point.found():
-        raise SystemExit(
-            "matrix: the plugin's entry point is not installed, so vLLM would run every "
-            "'plugin on' configuration without it: pip install --no-deps . or pass "
-            "--entry-point-stub"
-        )
+    if plugin_on:
+        entry_point.require("matrix", args.entry_point_stub)
     return Matrix(args).run()
 
 

@@ -276,6 +276,7 @@ def cmd_tokens(args: argparse.Namespace) -> int:
         return from_results(paths, Path(args.out or paths[0].parent), args.lp_tol)
     if args.case == "oracle":
         select_rows(args.rows)  # an unknown row is an error before any engine starts
+    entry_point.require("tokens", args.entry_point_stub)
     return TokensBench(args).run()
 
 
