@@ -338,3 +338,38 @@ def test_moe_and_hybrid_kernels_nobody_warms_are_named_in_one_line_each(
     assert all(("error stops the engine core" in d.why) is error_mode for d in declined)
     assert "fused_moe_kernel" in declined[0].why and "\n" not in declined[0].why
     assert engine_warmup.jobs_of(pm, engine()) == ([], [])
+
+
+def test_engine_warmer_threads_run_on_the_callers_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine warmers' pool, like the TurboQuant keys' one: a new thread starts on
+    device 0, and Triton keys its kernels by the current device, so tensor-parallel rank
+    1's jobs warmed device 0 before this pool was pinned too."""
+    pytest.importorskip("triton")
+    import threading
+
+    from triton.runtime import driver
+
+    current = threading.local()
+
+    class Driver:
+        def get_current_device(self) -> int:
+            return getattr(current, "device", 0)
+
+        def set_current_device(self, device: int) -> None:
+            current.device = device
+
+    monkeypatch.setattr(driver, "_active", Driver(), raising=False)
+    current.device = 1  # the worker thread of rank 1
+    seen: dict[int, int] = {}
+
+    class OnDevice:
+        @hookimpl
+        def tq_warmup_engine_jobs(self, engine: Engine) -> list[Job]:
+            def record() -> None:
+                seen[threading.get_ident()] = Driver().get_current_device()
+
+            return [Job("device", str(i), record) for i in range(4)]
+
+    result = engine_warmup.run(manager(OnDevice()), engine(), False, threads=2)
+    assert result.errors == [] and result.jobs == {"device": 4}
+    assert seen and set(seen.values()) == {1} and threading.get_ident() not in seen

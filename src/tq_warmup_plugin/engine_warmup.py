@@ -96,7 +96,8 @@ def run(pm: pluggy.PluginManager, engine: Engine, load: bool, threads: int = 1) 
             return f"{job.family} ({job.what}): {error_line(exc)}"
         return None
 
-    with compat.compile_only_launches(load) as met, ThreadPoolExecutor(max(1, threads)) as pool:
+    pool_of = ThreadPoolExecutor(max(1, threads), initializer=compat.pin_to_callers_device())
+    with compat.compile_only_launches(load) as met, pool_of as pool:
         outcomes = list(pool.map(one, jobs))
     for job, error in zip(jobs, outcomes, strict=True):
         if error is None:

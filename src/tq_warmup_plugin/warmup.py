@@ -136,23 +136,6 @@ def _compile_one(pm: pluggy.PluginManager, key: Hashable) -> str | None:
     return None
 
 
-def _pin_to_callers_device() -> Callable[[], None] | None:
-    """An initializer that moves a new thread to the caller's current device.
-
-    Triton keys its in-memory kernel cache by the current device, and a new thread
-    starts on device 0: without this, tensor-parallel rank 1 warmed device 0's cache
-    and still compiled at runtime (seen on two H200s with vLLM 0.26.0).
-    """
-    try:
-        from triton.runtime import driver
-
-        active = driver.active
-        device = active.get_current_device()
-    except (ImportError, RuntimeError):  # no Triton, or no active driver: nothing to pin
-        return None
-    return lambda: active.set_current_device(device)
-
-
 def compile_all(
     pm: pluggy.PluginManager,
     todo: Sequence[Hashable],
@@ -173,7 +156,9 @@ def compile_all(
     if threads <= 1 or len(todo) <= 1:
         results = tried(_compile_one(pm, key) for key in todo)
     else:
-        with ThreadPoolExecutor(max_workers=threads, initializer=_pin_to_callers_device()) as pool:
+        with ThreadPoolExecutor(
+            max_workers=threads, initializer=compat.pin_to_callers_device()
+        ) as pool:
             results = tried(pool.map(lambda key: _compile_one(pm, key), todo))
         # A compile that failed on a pool thread gets one more try on this thread:
         # Triton parses kernel sources with `ast`, which CPython 3.11 does not make

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "SM_TARGETS",
     "compile_only_launches",
     "fp8_e4b15",
+    "pin_to_callers_device",
     "pointer_in_range",
     "storage_bytes",
     "triton_pointer_ranges",
@@ -115,3 +116,22 @@ def compile_only_launches(load: bool) -> Iterator[list[str]]:
             yield met
         finally:
             JITFunction.run = original
+
+
+def pin_to_callers_device() -> Callable[[], None] | None:
+    """An initializer that moves a new thread to the caller's current device.
+
+    Triton keys its in-memory kernel cache by the current device, and a new thread
+    starts on device 0: without this, tensor-parallel rank 1 warmed device 0's cache
+    and still compiled at runtime (seen on two H200s with vLLM 0.26.0). Both thread
+    pools use it: the TurboQuant keys' (``warmup.compile_all``) and the engine
+    warmers' (``engine_warmup.run``).
+    """
+    try:
+        from triton.runtime import driver
+
+        active = driver.active
+        device = active.get_current_device()
+    except (ImportError, RuntimeError):  # no Triton, or no active driver: nothing to pin
+        return None
+    return lambda: active.set_current_device(device)
