@@ -32,6 +32,7 @@ __all__ = [
     "Ptr",
     "decode_keys",
     "long_continuation_keys",
+    "next_pow2",
     "short_continuation_keys",
     "store_keys",
 ]
@@ -127,7 +128,9 @@ def _keys(kernel: str, num_warps: int, num_stages: int | None, **args: Choice) -
     ]
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """The least power of two >= ``n`` (1 for ``n`` <= 1): Triton block sizes and the
+    ``BLOCK_SIZE`` constexprs vLLM's launchers derive (``next_power_of_2``)."""
     return 1 << max(0, n - 1).bit_length()
 
 
@@ -295,7 +298,7 @@ def _stage1(
         VQB=Const(p.value_bits),
         VAL_DATA_BYTES=Const(p.value_data_bytes),
         ATTN_SCALE=Const(g.scale),
-        BLOCK_D=Const(_next_pow2(d)),
+        BLOCK_D=Const(next_pow2(d)),
         BLOCK_KV=Const(4),
         KEY_FP8=Const(int(p.key_fp8)),
         NORM_CORRECTION=Const(int(p.norm_correction)),
@@ -330,7 +333,7 @@ def _stage2(
         stride_oh=Int.of(d),
         stride_lse_bs=Int.of(g.num_heads),
         NUM_KV_SPLITS=Const(splits),
-        BLOCK_DV=Const(_next_pow2(d)),
+        BLOCK_DV=Const(next_pow2(d)),
         Lv=Const(d),
         **extra,
     )
@@ -424,7 +427,7 @@ def long_continuation_keys(g: Geometry) -> tuple[KernelKey, ...]:
             VAL_DATA_BYTES=Const(p.value_data_bytes),
             MSE_BITS=Const(p.key_mse_bits),
             KEY_FP8=Const(int(p.key_fp8)),
-            BLOCK_D=Const(_next_pow2(d)),
+            BLOCK_D=Const(next_pow2(d)),
             NORM_CORRECTION=Const(int(p.norm_correction)),
             FP8_E4B15=Const(g.fp8_e4b15),
         )
@@ -452,15 +455,15 @@ def store_keys(g: Geometry) -> tuple[KernelKey, ...]:
         "D": Const(d),
         "H": Const(g.num_kv_heads),
         "BLOCK_SIZE": Const(g.block_size),
-        "BLOCK_D": Const(_next_pow2(d)),
+        "BLOCK_D": Const(next_pow2(d)),
     }
     tail: dict[str, Choice] = {
         "KPS": Const(p.key_packed_size),
         "VQB": Const(p.value_bits),
         "VAL_DATA_BYTES": Const(p.value_data_bytes),
-        "BLOCK_VAL": Const(_next_pow2(p.value_data_bytes)),
+        "BLOCK_VAL": Const(next_pow2(p.value_data_bytes)),
     }
-    grp = Const(_next_pow2(d // 8) if d >= 8 else 1)
+    grp = Const(next_pow2(d // 8) if d >= 8 else 1)
     if p.key_fp8:
         fp8: dict[str, Choice] = {
             "Key_ptr": _ptr(g, g.short_dtype, _activations(g)),

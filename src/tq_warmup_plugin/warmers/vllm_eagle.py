@@ -18,7 +18,7 @@ size, ``max_model_len``, the block table's width), and a ``BLOCK_SIZE_TOKENS`` p
 two (of the sampled width; of the longest query plus the new slots, capped at 256). Each
 job launches one kernel through vLLM's kernel object with the live drafter's buffers and
 constants, under ``compat.compile_only_launches``: nothing runs and nothing is written.
-``tests/contract/test_contract_vllm_kernels.py`` runs vLLM's own proposer methods over
+``tests/contract/test_contract_eagle_helpers.py`` runs vLLM's own proposer methods over
 served batches and checks that these jobs compiled every key they asked for.
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 from .. import compat
 from ..engine import Declined, Engine, Job
 from ..hookspecs import hookimpl
-from ..keys import Int
+from ..keys import Int, next_pow2
 
 __all__ = [
     "BATCHES",
@@ -65,7 +65,7 @@ def sampled_widths(k: int) -> list[int]:
     key is the width's class and its power of two (the row stride is the width)."""
     seen: dict[tuple[Int, int], int] = {}
     for width in range(1, k + 2):
-        seen.setdefault((Int.of(width), 1 << (width - 1).bit_length()), width)
+        seen.setdefault((Int.of(width), next_pow2(width)), width)
     return sorted(seen.values())
 
 
@@ -75,7 +75,7 @@ def expand_shapes(new_slots: int) -> list[tuple[int, int]]:
     to the cap, ``total_input_tokens`` an integer class; a total of 1 token has a
     longest query of 1."""
     shapes = [(1, 1)]
-    block = 1 << new_slots.bit_length()  # the power of two of 1 + new_slots
+    block = next_pow2(1 + new_slots)
     while True:
         query = max(1, block - new_slots)  # the longest query whose block this is
         tiled = -(-query // 16) * 16  # the fewest tokens >= query that are a multiple of 16
@@ -142,7 +142,7 @@ def warm_next_token(drafter: Any, vocab: int, width: int, reqs: int) -> None:
         width,
         reqs,
         sampled.stride(0),
-        BLOCK_SIZE_TOKENS=1 << (width - 1).bit_length(),
+        BLOCK_SIZE_TOKENS=next_pow2(width),
     )
 
 
@@ -156,7 +156,7 @@ def warm_expand(drafter: Any, query: int, total: int) -> None:
     reqs = max(1, total // query)
     i32 = partial(_tensor, dtype=torch.int32, device=device)
     slots = drafter.net_num_new_slots_per_request
-    block = min(TOKEN_BLOCK_CAP, 1 << (query + slots - 1).bit_length())
+    block = min(TOKEN_BLOCK_CAP, next_pow2(query + slots))
     _helper("copy_and_expand_eagle_inputs_kernel")[(reqs, 1)](
         target_token_ids_ptr=i32(total),
         target_positions_ptr=_tensor(total, torch.int64, device),

@@ -19,7 +19,7 @@ from functools import partial
 from .. import compat
 from ..engine import Declined, Engine, Job
 from ..hookspecs import hookimpl
-from ..keys import Int
+from ..keys import Int, next_pow2
 
 __all__ = ["FAMILY", "TOPK_BLOCK_CAP", "logprob_counts", "tq_warmup_engine_jobs"]
 
@@ -37,7 +37,7 @@ def logprob_counts(max_logprobs: int) -> list[int]:
     seen: dict[tuple[int, Int], int] = {}
     for n in range(limit + 1):
         ids = n + 1
-        block = min(1 << (ids - 1).bit_length(), TOPK_BLOCK_CAP)
+        block = min(next_pow2(ids), TOPK_BLOCK_CAP)
         seen.setdefault((block, Int.of(ids)), n)  # Triton's class of the ``topk`` int
     return sorted(seen.values())
 
