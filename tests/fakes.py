@@ -19,7 +19,8 @@ from typing import Any
 import pluggy
 
 import tq_warmup_plugin
-from tq_warmup_plugin import compat, planning
+from tq_warmup_plugin import compat, engine_warmup, planning
+from tq_warmup_plugin.engine import Declined, Engine, Job
 from tq_warmup_plugin.geometry import PRESETS, Geometry, preset
 from tq_warmup_plugin.hookspecs import hookimpl
 from tq_warmup_plugin.keys import KernelKey
@@ -299,3 +300,25 @@ def tmpfs_in_private_namespace() -> bool:
         )
     except OSError:
         return False
+
+
+def jobs_of(pm: pluggy.PluginManager, engine: Engine) -> tuple[list[Job], list[Declined]]:
+    """``engine_warmup.plan``'s jobs and declines, for a test whose warmers all plan."""
+    jobs, declined, errors = engine_warmup.plan(pm, engine)
+    assert errors == [], errors
+    return jobs, declined
+
+
+class ThreadDevices:
+    """A Triton driver whose current device is per thread, as CUDA's is: a new thread
+    starts on device 0 (``set_active`` it with ``monkeypatch`` on ``driver._active``)."""
+
+    def __init__(self, caller: int) -> None:
+        self.current = threading.local()
+        self.current.device = caller
+
+    def get_current_device(self) -> int:
+        return int(getattr(self.current, "device", 0))
+
+    def set_current_device(self, device: int) -> None:
+        self.current.device = device

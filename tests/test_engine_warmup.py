@@ -8,6 +8,7 @@ import logging
 from types import SimpleNamespace
 from typing import Any
 
+import fakes
 import pytest
 
 from tq_warmup_plugin import compat, engine_warmup, install, warmup
@@ -62,13 +63,13 @@ def families(items: list[Declined]) -> dict[str, str]:
 
 def test_each_warmer_declines_in_one_line_where_its_kernel_is_not_reached() -> None:
     pm = manager(*BUILT_IN)
-    _, declined = engine_warmup.jobs_of(pm, engine(runner_v2=True, spec_method=None, spec_tokens=0))
+    _, declined = fakes.jobs_of(pm, engine(runner_v2=True, spec_method=None, spec_tokens=0))
     why = families(declined)
     assert set(why) == {"slot mapping", "rejection sampler"}
     assert all("\n" not in w and w for w in why.values())
-    _, declined = engine_warmup.jobs_of(pm, engine(pooling=True))
+    _, declined = fakes.jobs_of(pm, engine(pooling=True))
     assert set(families(declined)) == {"slot mapping", "logprobs", "top-k/top-p"}
-    jobs, declined = engine_warmup.jobs_of(pm, engine(max_logprobs=0))
+    jobs, declined = fakes.jobs_of(pm, engine(max_logprobs=0))
     assert "logprobs" in families(declined) and {j.family for j in jobs} >= {"rejection sampler"}
 
 
@@ -83,7 +84,7 @@ def test_each_warmer_declines_in_one_line_where_its_kernel_is_not_reached() -> N
 def test_what_vllms_jit_registry_warms_is_not_warmed_twice(
     version: compat.Version, registry: set[str]
 ) -> None:
-    _, declined = engine_warmup.jobs_of(manager(*BUILT_IN), engine(version))
+    _, declined = fakes.jobs_of(manager(*BUILT_IN), engine(version))
     assert {d.family for d in declined if "registry" in d.why} == registry
 
 
@@ -104,7 +105,7 @@ def test_the_eagle_helpers_decline_in_one_line(
     """One line each where nothing is warmed, a WARNING only where the JIT monitor will
     stop the engine core (error mode) on kernels no warmer reached (here: a runner
     without a model-based drafter)."""
-    jobs, declined = engine_warmup.jobs_of(manager(vllm_eagle), engine(**fields))
+    jobs, declined = fakes.jobs_of(manager(vllm_eagle), engine(**fields))
     assert jobs == [] and len(declined) == 1
     (item,) = declined
     assert (item.family, item.warn) == ("EAGLE helpers", warn) and says in item.why
@@ -158,14 +159,14 @@ def test_eagle_jobs_follow_the_drafter(monkeypatch: pytest.MonkeyPatch) -> None:
         batch = SimpleNamespace(vocab_size=1000, block_table=SimpleNamespace(block_tables=[table]))
         return SimpleNamespace(drafter=drafter, input_batch=batch)
 
-    jobs, _ = engine_warmup.jobs_of(
+    jobs, _ = fakes.jobs_of(
         manager(vllm_eagle), engine(spec_method="draft_model", runner=runner(True, 32))
     )
     kinds = {j.what.split(",")[0] for j in jobs}
     assert kinds == {"prepare inputs", "next token", "draft step", "expand inputs"}
     assert sum(j.what.startswith("next token") for j in jobs) == 3 * 3
     assert sum(j.what.startswith("draft step") for j in jobs) == 3
-    jobs, _ = engine_warmup.jobs_of(
+    jobs, _ = fakes.jobs_of(
         manager(vllm_eagle), engine(spec_method="eagle", spec_tokens=1, runner=runner(False, 8))
     )
     assert {j.what.split(",")[0] for j in jobs} == {"prepare inputs", "next token"}
@@ -173,7 +174,7 @@ def test_eagle_jobs_follow_the_drafter(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_rejection_jobs_cover_every_sampling_mode() -> None:
-    jobs, _ = engine_warmup.jobs_of(manager(vllm_rejection), engine(spec_tokens=4))
+    jobs, _ = fakes.jobs_of(manager(vllm_rejection), engine(spec_tokens=4))
     assert sorted(j.what for j in jobs) == [
         "greedy batch, k=4",
         "mixed batch, k=4",
@@ -189,11 +190,9 @@ def test_logprob_counts_take_one_count_per_kernel_key() -> None:
 
 
 def test_top_k_top_p_jobs_per_runner() -> None:
-    v1, _ = engine_warmup.jobs_of(manager(vllm_top_k_top_p), engine())
-    v2, _ = engine_warmup.jobs_of(
-        manager(vllm_top_k_top_p), engine(runner_v2=True, spec_method=None)
-    )
-    v2_spec, _ = engine_warmup.jobs_of(manager(vllm_top_k_top_p), engine(runner_v2=True))
+    v1, _ = fakes.jobs_of(manager(vllm_top_k_top_p), engine())
+    v2, _ = fakes.jobs_of(manager(vllm_top_k_top_p), engine(runner_v2=True, spec_method=None))
+    v2_spec, _ = fakes.jobs_of(manager(vllm_top_k_top_p), engine(runner_v2=True))
     assert len(v1) == len(v2) == 6 and len(v2_spec) == 12
     assert all("float32" in j.what for j in v1) and all("model dtype" in j.what for j in v2)
 
@@ -264,8 +263,6 @@ def test_launches_inside_become_compiles_and_the_patch_is_undone() -> None:
 
 def test_strict_mode_fails_startup_on_a_failed_engine_job(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("triton")
-    import fakes
-
     from tq_warmup_plugin.discovery import Discovery
 
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
@@ -303,8 +300,6 @@ def test_a_warmer_that_raises_while_planning_costs_only_its_own_jobs() -> None:
         "random batch, k=3",
     ]
     assert declined == [] and errors == ["engine warmer raises: KeyError: 'no such buffer'"]
-    with pytest.raises(compat.CompatError, match="KeyError"):
-        engine_warmup.jobs_of(pm, engine())
 
 
 def test_the_host_runs_the_other_warmers_when_one_raises_while_planning() -> None:
@@ -328,7 +323,7 @@ def test_moe_and_hybrid_kernels_nobody_warms_are_named_in_one_line_each(
     """A MoE or hybrid model: one decline per family, a WARNING only in error mode;
     a dense model: nothing said."""
     pm = manager(vllm_unwarmed)
-    jobs, declined = engine_warmup.jobs_of(pm, engine(moe=True, hybrid=True,
+    jobs, declined = fakes.jobs_of(pm, engine(moe=True, hybrid=True,
                                                       jit_monitor_error=error_mode))  # fmt: skip
     assert jobs == []
     assert [(d.family, d.warn) for d in declined] == [
@@ -337,7 +332,7 @@ def test_moe_and_hybrid_kernels_nobody_warms_are_named_in_one_line_each(
     ]
     assert all(("error stops the engine core" in d.why) is error_mode for d in declined)
     assert "fused_moe_kernel" in declined[0].why and "\n" not in declined[0].why
-    assert engine_warmup.jobs_of(pm, engine()) == ([], [])
+    assert fakes.jobs_of(pm, engine()) == ([], [])
 
 
 def test_engine_warmer_threads_run_on_the_callers_device(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -349,24 +344,15 @@ def test_engine_warmer_threads_run_on_the_callers_device(monkeypatch: pytest.Mon
 
     from triton.runtime import driver
 
-    current = threading.local()
-
-    class Driver:
-        def get_current_device(self) -> int:
-            return getattr(current, "device", 0)
-
-        def set_current_device(self, device: int) -> None:
-            current.device = device
-
-    monkeypatch.setattr(driver, "_active", Driver(), raising=False)
-    current.device = 1  # the worker thread of rank 1
+    devices = fakes.ThreadDevices(caller=1)  # the worker thread of rank 1
+    monkeypatch.setattr(driver, "_active", devices, raising=False)
     seen: dict[int, int] = {}
 
     class OnDevice:
         @hookimpl
         def tq_warmup_engine_jobs(self, engine: Engine) -> list[Job]:
             def record() -> None:
-                seen[threading.get_ident()] = Driver().get_current_device()
+                seen[threading.get_ident()] = devices.get_current_device()
 
             return [Job("device", str(i), record) for i in range(4)]
 

@@ -212,22 +212,13 @@ def test_compile_threads_run_on_the_callers_device(monkeypatch: pytest.MonkeyPat
     from triton.runtime import driver
 
     seen: dict[int, int] = {}
-    current = threading.local()
-
-    class Driver:
-        def get_current_device(self) -> int:
-            return getattr(current, "device", 0)
-
-        def set_current_device(self, device: int) -> None:
-            current.device = device
-
-    monkeypatch.setattr(driver, "_active", Driver(), raising=False)
-    current.device = 1  # the worker thread of rank 1
+    devices = fakes.ThreadDevices(caller=1)  # the worker thread of rank 1
+    monkeypatch.setattr(driver, "_active", devices, raising=False)
 
     class DeviceWarmer:
         @hookimpl
         def tq_warmup_compile(self, key: Hashable) -> bool:
-            seen[threading.get_ident()] = Driver().get_current_device()
+            seen[threading.get_ident()] = devices.get_current_device()
             return True
 
     assert warmup.compile_all(manager(DeviceWarmer()), ["a", "b", "c", "d"], 2) == []

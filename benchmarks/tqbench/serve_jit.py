@@ -166,9 +166,8 @@ def run_row(args: argparse.Namespace, name: str, port: int, work: Path, out: Pat
             env["TQ_WARMUP_CACHE_PIN"] = args.pin
     kv = args.preset if row.kv == "tq" else "auto"
     argv = serve_argv(args, model_dir, port, kv, args.jit_mode)
-    if args.side_by_side:  # vLLM checks utilization x total <= free memory at startup
-        rows = len(args.rows.split(","))
-        argv += ["--gpu-memory-utilization", f"{min(0.85, 0.9 / rows - 0.03):.2f}"]
+    if args.side_by_side:
+        argv += ["--gpu-memory-utilization", args.gpu_share]
     spec = row.spec.speculative_config(str(model_dir), head_dir)
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec)]
@@ -256,6 +255,8 @@ def cmd_serve_jit(args: argparse.Namespace) -> int:
     # Written once, before any server reads it (rows side by side would rewrite it).
     args.stub = str(entry_point.write_stub(work / "entry-point", plugin=not entry_point.found(),
                                            weight_scale=True))  # fmt: skip
+    # vLLM checks utilization x total <= free memory at startup: each row its share.
+    args.gpu_share = f"{min(0.85, 0.9 / len(names) - 0.03):.2f}"
     head: dict[str, Any] = {"options": vars(args)}
     if args.driver_cache:
         args.pin, head["verify"] = pin_of(args.driver_cache)

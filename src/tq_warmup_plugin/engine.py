@@ -65,7 +65,7 @@ class Job:
     ``logprobs``."""
     what: str
     """The configuration it covers, for error lines; with ``family`` it names the job,
-    so equal jobs of two warmers run once (``engine_warmup.jobs_of``)."""
+    so equal jobs of two warmers run once (``engine_warmup.plan``)."""
     run: Callable[[], object] = field(compare=False)
 
 

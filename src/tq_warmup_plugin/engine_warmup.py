@@ -24,7 +24,7 @@ from . import compat
 from .engine import Declined, Engine, Job
 from .report import error_line
 
-__all__ = ["EngineResult", "engine_or_reason", "jobs_of", "plan", "run"]
+__all__ = ["EngineResult", "engine_or_reason", "plan", "run"]
 
 logger = logging.getLogger("vllm.tq_warmup_plugin")
 
@@ -64,14 +64,6 @@ def plan(pm: pluggy.PluginManager, engine: Engine) -> tuple[list[Job], list[Decl
             else:
                 jobs.setdefault((item.family, item.what), item)
     return list(jobs.values()), declined, errors
-
-
-def jobs_of(pm: pluggy.PluginManager, engine: Engine) -> tuple[list[Job], list[Declined]]:
-    """:func:`plan`'s jobs and declines; a warmer that raised raises here."""
-    jobs, declined, errors = plan(pm, engine)
-    if errors:
-        raise compat.CompatError(errors[0])
-    return jobs, declined
 
 
 def run(pm: pluggy.PluginManager, engine: Engine, load: bool, threads: int = 1) -> EngineResult:

@@ -17,10 +17,11 @@ import itertools
 from types import SimpleNamespace
 from typing import Any
 
+import fakes
 import pytest
 from realvllm import activate_compile_only_driver, block_table, recorded_keys
 
-from tq_warmup_plugin import compat, engine_warmup
+from tq_warmup_plugin import compat
 from tq_warmup_plugin.engine import Engine
 from tq_warmup_plugin.warmers import vllm_eagle
 from tq_warmup_plugin.warmup import plugin_manager
@@ -165,7 +166,7 @@ def engine(p: Any, k: int) -> Engine:
 
 
 def warmed(eng: Engine) -> set[tuple[str, str]]:
-    jobs, _ = engine_warmup.jobs_of(plugin_manager(load_entry_points=False), eng)
+    jobs, _ = fakes.jobs_of(plugin_manager(load_entry_points=False), eng)
     with recorded_keys() as seen:
         for job in jobs:
             if job.family == vllm_eagle.FAMILY:
@@ -193,7 +194,7 @@ def test_eagle_helper_warmer_covers_serving(extra_slots: bool, k: int) -> None:
     p = drafter(extra_slots)
     eng = engine(p, k)
     if feats().registry_warms_eagle_helpers:
-        _, declined = engine_warmup.jobs_of(plugin_manager(load_entry_points=False), eng)
+        _, declined = fakes.jobs_of(plugin_manager(load_entry_points=False), eng)
         assert any(d.family == vllm_eagle.FAMILY and "registry" in d.why for d in declined)
         return
     steps = [(lens, min(width, k + 1)) for lens, width in STEPS]

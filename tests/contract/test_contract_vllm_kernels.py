@@ -14,6 +14,7 @@ import itertools
 from types import SimpleNamespace
 from typing import Any
 
+import fakes
 import pytest
 from realvllm import activate_compile_only_driver, block_table, recorded_keys
 
@@ -83,7 +84,7 @@ def engine(runner: Any, v2: bool = False, k: int = 3) -> Engine:
 
 def warmed(eng: Engine, family: str) -> set[tuple[str, str]]:
     """The keys the engine warmers of ``family`` compile for ``eng``."""
-    jobs, _ = engine_warmup.jobs_of(plugin_manager(load_entry_points=False), eng)
+    jobs, _ = fakes.jobs_of(plugin_manager(load_entry_points=False), eng)
     with recorded_keys() as seen:
         for job in jobs:
             if job.family == family:
@@ -108,7 +109,7 @@ def serve_slot_mapping(table: Any) -> set[tuple[str, str]]:
 def test_slot_mapping_warmer_covers_serving(block_size: int) -> None:
     if feats().registry_warms_slot_mapping:
         eng = engine(fake_runner([]))
-        _, declined = engine_warmup.jobs_of(plugin_manager(load_entry_points=False), eng)
+        _, declined = fakes.jobs_of(plugin_manager(load_entry_points=False), eng)
         assert any(d.family == "slot mapping" and "registry" in d.why for d in declined)
         return
     table = block_table(block_size)
@@ -161,7 +162,7 @@ def test_rejection_warmer_covers_serving(k: int) -> None:
     runner = fake_runner([])
     eng = engine(runner, k=k)
     if feats().registry_warms_rejection_sampler:
-        _, declined = engine_warmup.jobs_of(plugin_manager(load_entry_points=False), eng)
+        _, declined = fakes.jobs_of(plugin_manager(load_entry_points=False), eng)
         assert any(d.family == "rejection sampler" and "registry" in d.why for d in declined)
         return
     drafts = [[7] * k, [3], [5] * max(1, k - 1)]
