@@ -317,22 +317,49 @@ def test_the_host_runs_the_other_warmers_when_one_raises_while_planning() -> Non
 
 
 @pytest.mark.parametrize("error_mode", [False, True])
-def test_moe_and_hybrid_kernels_nobody_warms_are_named_in_one_line_each(
-    error_mode: bool,
-) -> None:
-    """A MoE or hybrid model: one decline per family, a WARNING only in error mode;
-    a dense model: nothing said."""
+def test_hybrid_kernels_nobody_warms_are_named_in_one_line(error_mode: bool) -> None:
+    """A hybrid model: one decline, a WARNING only in error mode; a dense or MoE-only
+    model: nothing said (``vllm_fused_moe`` warms MoE layers)."""
     pm = manager(vllm_unwarmed)
     jobs, declined = fakes.jobs_of(pm, engine(moe=True, hybrid=True,
                                                       jit_monitor_error=error_mode))  # fmt: skip
     assert jobs == []
-    assert [(d.family, d.warn) for d in declined] == [
-        ("fused MoE", error_mode),
-        ("Mamba/GDN layers", error_mode),
-    ]
-    assert all(("error stops the engine core" in d.why) is error_mode for d in declined)
-    assert "fused_moe_kernel" in declined[0].why and "\n" not in declined[0].why
+    assert [(d.family, d.warn) for d in declined] == [("Mamba/GDN layers", error_mode)]
+    assert ("error stops the engine core" in declined[0].why) is error_mode
+    assert "conv1d" in declined[0].why and "\n" not in declined[0].why
     assert fakes.jobs_of(pm, engine()) == ([], [])
+    assert fakes.jobs_of(pm, engine(moe=True)) == ([], [])
+
+
+def test_real_jobs_run_first_on_the_callers_thread_with_launches_running() -> None:
+    """A model forward (``Job.real``) runs serially before the compile-only pool, on the
+    caller's thread, with Triton's launch unpatched; the others inside the patch."""
+    pytest.importorskip("triton")
+    import threading
+
+    from triton.runtime.jit import JITFunction
+
+    seen: list[tuple[str, bool, bool]] = []
+
+    def note(name: str) -> None:
+        patched = JITFunction.run is not original_run
+        seen.append((name, threading.current_thread() is threading.main_thread(), patched))
+
+    original_run = JITFunction.run
+
+    class _Warmer:
+        @hookimpl
+        def tq_warmup_engine_jobs(self, engine: Engine) -> list[Job]:
+            return [
+                Job("launcher", "a", lambda: note("launcher")),
+                Job("forward", "512 tokens", lambda: note("forward 512"), real=True),
+                Job("forward", "600 tokens", lambda: note("forward 600"), real=True),
+            ]
+
+    result = engine_warmup.run(manager(_Warmer()), engine(), False, threads=2)
+    assert seen[:2] == [("forward 512", True, False), ("forward 600", True, False)]
+    assert seen[2][0] == "launcher" and seen[2][2] is True
+    assert result.jobs == {"forward": 2, "launcher": 1} and result.errors == []
 
 
 def test_engine_warmer_threads_run_on_the_callers_device(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from benchmarks.tqbench import serve_jit, serve_prefix
 
 
@@ -70,3 +72,13 @@ def test_the_moe_row_is_a_mixtral_of_the_llamas_attention() -> None:
         "num_key_value_heads": 8,
     }
     assert "mlp_bias" not in moe and llama["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_a_row_named_twice_restarts_only_one_after_another(tmp_path: Path) -> None:
+    """The second start of a row reads its first start's Triton cache: side by side
+    both would start cold, so that is refused before any server starts."""
+    from benchmarks.tqbench import cli
+
+    argv = ["serve-jit", "--rows", "tq,tq", "--side-by-side", "--out", str(tmp_path)]
+    assert cli.main(argv) == 2
+    assert not (tmp_path / "result.json").exists()

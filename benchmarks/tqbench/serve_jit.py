@@ -20,7 +20,9 @@ is ``ROOT/driver-cache``, ``TQ_WARMUP_DRIVER_CACHE_COPY_TO`` one directory all r
 ``TQ_WARMUP_CACHE_PIN`` the value ``tq-warmup verify --print-pin`` gives for ROOT. Each
 row then records the plugin's driver-cache line and its first launches' time.
 ``--side-by-side`` starts the rows at once (each its own port and KV cache bytes): the JIT
-counts are what a row shows, its times are not comparable with a row alone.
+counts are what a row shows, its times are not comparable with a row alone. A row named
+twice in ``--rows`` (one after another only) starts again over the Triton cache its first
+start filled: its ``vLLM kernels`` line is then the warmers' cost from a warm cache.
 """
 
 from __future__ import annotations
@@ -148,7 +150,8 @@ def _workload(srv: Server, model: str, args: argparse.Namespace) -> dict[str, An
 
 
 def run_row(args: argparse.Namespace, name: str, port: int, work: Path, out: Path,
-            children: Children) -> dict[str, Any]:  # fmt: skip
+            children: Children, start: int = 1) -> dict[str, Any]:  # fmt: skip
+    """One server of row ``name``; ``start`` > 1 reuses the row's Triton cache."""
     row = ROWS[name]
     opts = {"model_size": asdict(MODEL_SIZES["small"]), "max_model_len": args.max_model_len}
     model_dir, head_dir = write_models(row.spec, opts, work / name)
@@ -171,9 +174,10 @@ def run_row(args: argparse.Namespace, name: str, port: int, work: Path, out: Pat
     spec = row.spec.speculative_config(str(model_dir), head_dir)
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec)]
-    log = out / f"serve-{name}.log"
+    log = out / (f"serve-{name}.log" if start == 1 else f"serve-{name}-start{start}.log")
     srv = Server(port, args.request_timeout)
-    result: dict[str, Any] = {"row": name, "kv": kv, "spec": spec, "warmers": row.warmers}
+    result: dict[str, Any] = {"row": name, "kv": kv, "spec": spec, "warmers": row.warmers,
+                              "start": start}  # fmt: skip
 
     def workload() -> dict[str, Any]:
         done = _workload(srv, str(model_dir), args)
@@ -229,13 +233,14 @@ def pin_of(root: str) -> tuple[str, str]:
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    header = ["row", "kv", "speculation", "engine warmers", "status", "served", "failed",
-              "JIT after startup", "first launches ms"]  # fmt: skip
+    header = ["row", "start", "kv", "speculation", "engine warmers", "status", "served",
+              "failed", "JIT after startup", "first launches ms", "vLLM kernels"]  # fmt: skip
     cells = [
-        [r["row"], r["kv"], (r.get("spec") or {}).get("method", "-"),
+        [r["row"], "cold" if r.get("start", 1) == 1 else "warm Triton cache", r["kv"],
+         (r.get("spec") or {}).get("method", "-"),
          "on" if r["warmers"] else "off", str(r.get("status")), str(r.get("served", "-")),
          str(r.get("failed", "-")), ", ".join(sorted(set(r.get("jit_after_startup") or []))) or "0",
-         str(r.get("first_launches_ms", "-"))]
+         str(r.get("first_launches_ms", "-")), str(r.get("vllm_kernels", "-"))]
         for r in rows
     ]  # fmt: skip
     return tables.render_markdown(header, cells)
@@ -249,6 +254,10 @@ def cmd_serve_jit(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         print(f"serve-jit: unknown rows {unknown}; known: {', '.join(ROWS)}", file=sys.stderr)
+        return 2
+    if args.side_by_side and len(set(names)) < len(names):
+        print("serve-jit: a row named twice starts again after the first: not side by side",
+              file=sys.stderr)  # fmt: skip
         return 2
     children = Children()
     children.stop_on_sigterm()
@@ -264,7 +273,8 @@ def cmd_serve_jit(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
 
     def one(i: int) -> dict[str, Any]:
-        return run_row(args, names[i], args.port + i, work, out, children)
+        start = names[: i + 1].count(names[i])
+        return run_row(args, names[i], args.port + i, work, out, children, start)
 
     if args.side_by_side:
         with ThreadPoolExecutor(max_workers=len(names)) as pool:

@@ -51,6 +51,12 @@ class Engine:
     jit_monitor_error: bool = False
     """``--jit-monitor-mode error`` (0.25+): a kernel compiled after startup stops the
     engine core, so a kernel no warmer reaches is a WARNING, not an INFO line."""
+    max_tokens: int = 0
+    """``scheduler_config.max_num_batched_tokens``: the most tokens one step runs."""
+    graph_tokens: int = 0
+    """The largest token count a CUDA graph runs (``cudagraph_capture_sizes``), 0 where
+    graphs are off: a step of at most this many tokens is padded to a captured size, whose
+    kernels capture compiled; a longer one runs eagerly at its own size."""
     device: Any = field(compare=False, default=None)
     runner: Any = field(compare=False, default=None)
     """The live model runner: its block tables and model are what serving launches with."""
@@ -67,6 +73,11 @@ class Job:
     """The configuration it covers, for error lines; with ``family`` it names the job,
     so equal jobs of two warmers run once (``engine_warmup.plan``)."""
     run: Callable[[], object] = field(compare=False)
+    real: bool = False
+    """``run`` executes vLLM's code for real, on the caller's thread, before the others and
+    outside ``compat.compile_only_launches``: a model forward (``compat.dummy_run``) can
+    neither share vLLM's one forward context with another thread nor skip its launches
+    (its routing would read memory no kernel wrote)."""
 
 
 @dataclass(frozen=True)

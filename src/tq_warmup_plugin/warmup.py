@@ -30,6 +30,7 @@ from .warmers import (
     triton_jit,
     turboquant,
     vllm_eagle,
+    vllm_fused_moe,
     vllm_logprobs,
     vllm_rejection,
     vllm_slot_mapping,
@@ -65,6 +66,7 @@ def plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
         vllm_logprobs,
         vllm_top_k_top_p,
         vllm_eagle,
+        vllm_fused_moe,
         vllm_unwarmed,
     ):
         pm.register(warmer)

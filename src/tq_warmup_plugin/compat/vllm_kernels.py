@@ -16,10 +16,15 @@ from .releases import Features
 
 __all__ = [
     "CompatError",
+    "MoeExperts",
     "drafter_of",
+    "dummy_run",
     "eagle_helper",
     "engine_of",
+    "graph_tokens",
     "logits_of",
+    "moe_config_function",
+    "moe_experts",
     "sampling_metadata",
     "slot_mapping_tables",
     "spec_decode_metadata",
@@ -61,9 +66,76 @@ def engine_of(worker: Any, feats: Features) -> dict[str, Any]:
             getattr(config, "observability_config", None), "jit_monitor_mode", None
         )
         == "error",
+        max_tokens=int(getattr(config.scheduler_config, "max_num_batched_tokens", 0) or 0)
+        if hasattr(config, "scheduler_config")
+        else 0,
+        graph_tokens=graph_tokens(config),
         device=getattr(runner, "device", None),
         runner=runner,
     )
+
+
+def graph_tokens(config: Any) -> int:
+    """The largest token count a CUDA graph runs: ``max(cudagraph_capture_sizes)`` (all
+    releases), 0 under ``enforce_eager`` or ``cudagraph_mode`` NONE (all releases)."""
+    model = getattr(config, "model_config", None)
+    graphs = getattr(config, "compilation_config", None)
+    if graphs is None or getattr(model, "enforce_eager", False):
+        return 0
+    if getattr(getattr(graphs, "cudagraph_mode", None), "name", "") == "NONE":
+        return 0
+    return int(max(getattr(graphs, "cudagraph_capture_sizes", None) or [0]))
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeExperts:
+    """What vLLM's fused MoE launcher reads from one layer's experts: its weights'
+    shapes and dtype, the global expert count and the experts per token."""
+
+    w13: tuple[int, ...]
+    w2: tuple[int, ...]
+    experts: int
+    top_k: int
+    dtype: str
+
+
+def moe_experts(model: Any) -> list[MoeExperts]:
+    """Each module of ``model`` that holds MoE expert weights: ``w13_weight`` and
+    ``w2_weight`` beside a ``moe_config`` (``FusedMoEConfig``: ``num_experts``,
+    ``experts_per_token``). Where that module is differs: ``FusedMoE`` itself up to
+    0.25, its ``RoutedExperts`` from 0.26 (``fused_moe/layer.py``)."""
+    found = []
+    for module in model.modules():
+        w13 = getattr(module, "w13_weight", None)
+        w2 = getattr(module, "w2_weight", None)
+        moe = getattr(module, "moe_config", None)
+        if w13 is None or w2 is None or moe is None:
+            continue
+        found.append(
+            MoeExperts(
+                w13=tuple(w13.shape),
+                w2=tuple(w2.shape),
+                experts=int(moe.num_experts),
+                top_k=int(moe.experts_per_token),
+                dtype=str(w13.dtype).removeprefix("torch."),
+            )
+        )
+    return found
+
+
+def moe_config_function() -> Any:
+    """vLLM's ``try_get_optimal_moe_config(w1_shape, w2_shape, top_k, dtype, M)``: the
+    Triton config a step of ``M`` tokens launches ``fused_moe_kernel`` with (a tuned JSON
+    of this GPU, else vLLM's defaults). This module and signature in 0.22, 0.26, 0.30 and
+    0.33, the releases its contract test runs."""
+    return importlib.import_module(paths.FUSED_MOE_MODULE).try_get_optimal_moe_config
+
+
+def dummy_run(runner: Any, tokens: int) -> None:
+    """One forward of ``tokens`` tokens without attention, as the worker's own
+    ``compile_or_warm_up_model`` runs its compile sizes (``_dummy_run(size,
+    skip_eplb=True, remove_lora=False)``, V1 and V2 runners, all releases)."""
+    runner._dummy_run(tokens, skip_eplb=True, remove_lora=False)
 
 
 def slot_mapping_tables(runner: Any) -> list[Any]:

@@ -25,6 +25,7 @@ __all__ = [
     "ELASTIC_MODULE",
     "EXTEND_QUERIES_FUNCTION",
     "FLASH_ATTN_MODULE",
+    "FUSED_MOE_MODULE",
     "IMPL_CLASS",
     "KERNEL_MODULES",
     "LAUNCHER_DEFAULT_KV_SPLITS",
@@ -64,6 +65,7 @@ LOGITS_PROCESSOR_MODULE = "vllm.v1.sample.logits_processor"
 V2_LOGPROB_MODULE = "vllm.v1.worker.gpu.sample.logprob"
 TOPK_TOPP_MODULE = "vllm.v1.sample.ops.topk_topp_sampler"
 FLASH_ATTN_MODULE = "vllm.v1.attention.backends.flash_attn"
+FUSED_MOE_MODULE = "vllm.model_executor.layers.fused_moe.fused_moe"
 
 # Modules whose global ``kernel_warmup`` vLLM calls: the defining module, the
 # worker, which binds the name at import (all releases), and elastic EP, which does

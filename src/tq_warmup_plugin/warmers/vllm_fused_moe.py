@@ -1,0 +1,97 @@
+"""vLLM's fused MoE kernel at the step sizes CUDA graph capture does not compile.
+
+A MoE layer on Hopper launches Triton's ``fused_moe_kernel`` twice per step (the gate-up
+and the down GEMM), with a config that follows the step's token count
+(``try_get_optimal_moe_config``). A step of at most the largest captured size is padded
+to a captured one, whose keys capture compiled; a longer step (a prefill chunk) runs
+eagerly at its own size and compiled on first use: ``fused_moe_kernel`` stopped an
+error-mode DeepSeek-V2-Lite (upstream #46167) and compiled late in a hybrid Qwen3-Next
+with MTP (H200, vLLM 0.26.0). vLLM's JIT warmup registry registers no MoE kernel up to
+0.33.
+
+Which sizes: ``fused_moe_kernel``'s key depends on the step's ``tokens`` only through
+its config and two integer arguments, ``num_valid_tokens`` (tokens x top_k) and ``EM``
+(that plus experts x (BLOCK_SIZE_M - 1), or a smaller bound for tiny steps:
+``moe_align_block_size``, ``_prepare_expert_assignment`` in 0.26), which Triton
+specializes on "is 1" and "is a multiple of 16". So :func:`signature` is the config and
+the residue of tokens x top_k mod 16 with the small-step clauses, and one step per
+distinct signature reaches every key of the eager range: 11 steps for a 4-expert top-2
+Mixtral from 513 to 8192 tokens, not 7,680. ``tests/contract/test_contract_fused_moe``
+checks it against every size's key, launched by vLLM's own launcher.
+
+How: each chosen size is one of vLLM's own warmup forwards (``compat.dummy_run``, as
+the worker runs its compile sizes), for real and serially (``Job.real``): a forward
+skipping its launches would route on unwritten memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from functools import partial
+from typing import Any
+
+from .. import compat
+from ..engine import Declined, Engine, Job
+from ..hookspecs import hookimpl
+
+__all__ = ["FAMILY", "signature", "token_counts", "tq_warmup_engine_jobs"]
+
+FAMILY = "fused MoE"
+
+_UNQUANTIZED = ("bfloat16", "float16")
+"""Expert weights vLLM's Triton path reads with ``dtype=None`` in its config lookup;
+quantized experts have their own config names and kernels."""
+
+
+def signature(
+    tokens: int, experts: Sequence[compat.MoeExperts], config_of: Callable[..., Any]
+) -> Hashable:
+    """What every layer's two ``fused_moe_kernel`` keys depend on at a step of ``tokens``."""
+    parts = []
+    for layer in experts:
+        config = config_of(layer.w13, layer.w2, layer.top_k, None, tokens)
+        routed = tokens * layer.top_k
+        parts.append(
+            (
+                tuple(sorted(config.items())),
+                routed % 16,
+                routed == 1,
+                tokens < config.get("BLOCK_SIZE_M", 0),  # EM's small-batch bound
+                routed < layer.experts,  # moe_align_block_size's bound
+                routed * 4 <= layer.experts,  # the naive block assignment
+            )
+        )
+    return tuple(parts)
+
+
+def token_counts(first: int, last: int, signature_of: Callable[[int], Hashable]) -> list[int]:
+    """The smallest step size of each distinct signature in ``first..last``."""
+    seen: dict[Hashable, int] = {}
+    for tokens in range(first, last + 1):
+        seen.setdefault(signature_of(tokens), tokens)
+    return sorted(seen.values())
+
+
+@hookimpl
+def tq_warmup_engine_jobs(engine: Engine) -> Iterable[Job | Declined]:
+    if not engine.moe:
+        return []
+    experts = sorted(set(compat.moe_experts(engine.runner.model)), key=repr)
+    warn = engine.jit_monitor_error
+    if not experts:
+        return [Declined(FAMILY, "no layer holds MoE expert weights (w13_weight, w2_weight)")]
+    quantized = sorted({e.dtype for e in experts} - set(_UNQUANTIZED))
+    if quantized:
+        why = f"experts of dtype {', '.join(quantized)}: their configs are not derived yet"
+        return [Declined(FAMILY, why, warn=warn)]
+    first = engine.graph_tokens + 1
+    if first > engine.max_tokens:
+        why = f"every step fits a CUDA graph (up to {engine.graph_tokens} tokens): capture compiles"
+        return [Declined(FAMILY, why)]
+    config_of = compat.moe_config_function()
+    sizes = token_counts(first, engine.max_tokens, partial(signature, experts=experts,
+                                                            config_of=config_of))  # fmt: skip
+    return [
+        Job(FAMILY, f"{n} tokens", partial(compat.dummy_run, engine.runner, n), real=True)
+        for n in sizes
+    ]
