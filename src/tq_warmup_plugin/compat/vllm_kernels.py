@@ -99,12 +99,14 @@ class MoeExperts:
     dtype: str
 
 
-def moe_experts(model: Any) -> list[MoeExperts]:
-    """Each module of ``model`` that holds MoE expert weights: ``w13_weight`` and
+def moe_experts(runner: Any) -> list[MoeExperts]:
+    """Each module of the runner's model (``get_model()``: without its CUDA graph
+    wrapper, all releases) that holds MoE expert weights: ``w13_weight`` and
     ``w2_weight`` beside a ``moe_config`` (``FusedMoEConfig``: ``num_experts``,
     ``experts_per_token``). Where that module is differs: ``FusedMoE`` itself up to
     0.25, its ``RoutedExperts`` from 0.26 (``fused_moe/layer.py``)."""
     found = []
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
     for module in model.modules():
         w13 = getattr(module, "w13_weight", None)
         w2 = getattr(module, "w2_weight", None)

@@ -76,7 +76,7 @@ def token_counts(first: int, last: int, signature_of: Callable[[int], Hashable])
 def tq_warmup_engine_jobs(engine: Engine) -> Iterable[Job | Declined]:
     if not engine.moe:
         return []
-    experts = sorted(set(compat.moe_experts(engine.runner.model)), key=repr)
+    experts = sorted(set(compat.moe_experts(engine.runner)), key=repr)
     warn = engine.jit_monitor_error
     if not experts:
         return [Declined(FAMILY, "no layer holds MoE expert weights (w13_weight, w2_weight)")]
