@@ -88,13 +88,13 @@ def run(pm: pluggy.PluginManager, engine: Engine, load: bool, threads: int = 1) 
             return f"{job.family} ({job.what}): {error_line(exc)}"
         return None
 
-    real = [job for job in jobs if job.real]
     skipped = [job for job in jobs if not job.real]
-    outcomes = [one(job) for job in real]  # model forwards: serially, launches running
+    real = [job for job in jobs if job.real]
     pool_of = ThreadPoolExecutor(max(1, threads), initializer=compat.pin_to_callers_device())
     with compat.compile_only_launches(load) as met, pool_of as pool:
-        outcomes += pool.map(one, skipped)
-    for job, error in zip(real + skipped, outcomes, strict=True):
+        outcomes = list(pool.map(one, skipped))
+    outcomes += [one(job) for job in real]  # model forwards: serially, launches running
+    for job, error in zip(skipped + real, outcomes, strict=True):
         if error is None:
             result.jobs[job.family] = result.jobs.get(job.family, 0) + 1
         else:

@@ -5,7 +5,7 @@ vLLM's real config lookup (``try_get_optimal_moe_config``, the H200's tuned JSON
 a shape has one), its expert assignment (``_prepare_expert_assignment`` /
 ``moe_align_block_size``) and its launcher (``dispatch_fused_moe_kernel``, or
 ``invoke_fused_moe_kernel`` before it) run on meta tensors, called as ``TritonExperts``
-calls them (the gate-up GEMM, then the down GEMM with the routing weights); Triton's
+calls them (``compat.fused_moe_launch``, the warmer's own launches); Triton's
 ``jit_cache_hook`` records each key and compiles nothing. The stand-ins: the CUDA
 alignment op (``ops.moe_align_block_size``: it fills the buffers vLLM sized, which
 no key reads) and the platform's device name.
@@ -13,7 +13,6 @@ no key reads) and the platform's device name.
 
 from __future__ import annotations
 
-import inspect
 from functools import partial
 from types import SimpleNamespace
 from typing import Any
@@ -45,56 +44,18 @@ def _cpu_stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def experts_of(shape: tuple[int, int, int, int]) -> compat.MoeExperts:
-    e, top_k, hidden, inter = shape
-    return compat.MoeExperts((e, 2 * inter, hidden), (e, hidden, inter), e, top_k, "bfloat16")
-
-
-def launch(layer: compat.MoeExperts, tokens: int) -> None:
-    """One step of one MoE layer through vLLM's launcher, as ``TritonExperts.apply``."""
     import torch
-    import triton.language as tl
 
-    module = __import__(compat.FUSED_MOE_MODULE, fromlist=["_"])
-    meta = partial(torch.empty, device="meta", dtype=torch.bfloat16)
-    _, two_n, k = layer.w13
-    config = module.try_get_optimal_moe_config(layer.w13, layer.w2, layer.top_k, None, tokens)
-    topk_ids = torch.empty(tokens, layer.top_k, dtype=torch.int32, device="meta")
-    if hasattr(module, "_prepare_expert_assignment"):  # 0.26+: with the naive path
-        sorted_ids, expert_ids, padded = module._prepare_expert_assignment(
-            topk_ids, config, tokens, layer.top_k, layer.experts, None
-        )
-    else:
-        from vllm.model_executor.layers.fused_moe.moe_align_block_size import (
-            moe_align_block_size,
-        )
-
-        sorted_ids, expert_ids, padded = moe_align_block_size(
-            topk_ids, config["BLOCK_SIZE_M"], layer.experts, None
-        )
-    weights = torch.empty(tokens, layer.top_k, dtype=torch.float32, device="meta")
-    gemms = [
-        (meta(tokens, k), meta(*layer.w13), meta(tokens, layer.top_k, two_n), False, layer.top_k),
-        (meta(tokens * layer.top_k, two_n // 2), meta(*layer.w2), meta(tokens, layer.top_k, k),
-         True, 1),
-    ]  # fmt: skip
-    launcher = getattr(module, "dispatch_fused_moe_kernel", None) or module.invoke_fused_moe_kernel
-    accepted = inspect.signature(launcher).parameters
-    for a, b, c, routed, top_k in gemms:
-        values: dict[str, Any] = dict(
-            A=a, B=b, C=c, A_scale=None, B_scale=None, B_zp=None, topk_weights=weights,
-            sorted_token_ids=sorted_ids, expert_ids=expert_ids,
-            num_tokens_post_padded=padded, mul_routed_weight=routed, top_k=top_k,
-            config=config, compute_type=tl.bfloat16, use_fp8_w8a8=False,
-            use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False,
-            per_channel_quant=False, block_shape=None, B_bias=None,
-        )  # fmt: skip
-        launcher(**{name: v for name, v in values.items() if name in accepted})
+    e, top_k, hidden, inter = shape
+    w13, w2 = (e, 2 * inter, hidden), (e, hidden, inter)
+    weights = tuple(torch.empty(w, dtype=torch.bfloat16, device="meta") for w in (w13, w2))
+    return compat.MoeExperts(w13, w2, e, top_k, "bfloat16", weights=weights)
 
 
 def keys_at(layer: compat.MoeExperts, sizes: list[int]) -> set[tuple[str, str]]:
     with recorded_keys() as seen:
         for tokens in sizes:
-            launch(layer, tokens)
+            compat.fused_moe_launch(layer, tokens, "meta")
     return {key for key in seen if key[0] == "fused_moe_kernel"}
 
 
@@ -152,22 +113,28 @@ def moe_engine(runner: Any, graph_tokens: int, max_tokens: int = 8192) -> Engine
         features=compat.release_features(compat.installed_vllm_version()),
         runner_v2=False, pooling=False, spec_method=None, spec_tokens=0,
         draft_probs=False, max_logprobs=20, moe=True, graph_tokens=graph_tokens,
-        max_tokens=max_tokens, runner=runner,
+        max_tokens=max_tokens, runner=runner, device="meta",
     )  # fmt: skip
 
 
-def test_the_warmer_runs_vllms_warmup_forward_at_each_chosen_size() -> None:
-    """Past the largest CUDA graph (512), 11 forwards for the serve-jit Mixtral, each the
-    worker's own compile-size call, run for real and serially by the host."""
+def test_the_warmer_launches_then_runs_vllms_warmup_forward_at_each_chosen_size() -> None:
+    """Past the largest CUDA graph (512), the serve-jit Mixtral's 11 sizes: each size's
+    launches side by side (the keys of those sizes, of one layer two modules hold), then
+    the worker's own compile-size forward at each, for real and serially."""
     import torch
 
     runner = _Runner(torch.bfloat16)
     assert vllm_fused_moe in plugin_manager(load_entry_points=False).get_plugins()
-    result = engine_warmup.run(only_this_warmer(), moe_engine(runner, 512), load=False)
+    with recorded_keys() as seen:
+        result = engine_warmup.run(only_this_warmer(), moe_engine(runner, 512), load=False)
     sizes = [tokens for tokens, _ in runner.ran]
-    assert sizes == list(range(513, 524)) and result.jobs["fused MoE"] == 11
-    assert runner.ran[0][1] == {"skip_eplb": True, "remove_lora": False}
-    assert result.errors == []
+    assert sizes == list(range(513, 524)) and runner.ran[0][1] == {
+        "skip_eplb": True,
+        "remove_lora": False,
+    }
+    assert result.jobs == {"fused MoE": 11, "MoE warmup forwards": 11} and result.errors == []
+    layer = experts_of((4, 2, 2048, 1024))
+    assert {k for k in seen if k[0] == "fused_moe_kernel"} == keys_at(layer, sizes)
 
 
 @pytest.mark.parametrize(
