@@ -22,7 +22,7 @@ import pluggy
 
 from . import compat
 from .engine import Declined, Engine, Job
-from .report import error_line
+from .report import CompileCounter, error_line
 
 __all__ = ["EngineResult", "engine_or_reason", "plan", "run"]
 
@@ -40,6 +40,9 @@ class EngineResult:
     declined: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    forwards: tuple[int, int, float] = (0, 0, 0.0)
+    """The real jobs (``Job.real``): how many, the Triton compiles they still made (0
+    where the launches before them covered the path they took), their seconds."""
 
 
 def plan(pm: pluggy.PluginManager, engine: Engine) -> tuple[list[Job], list[Declined], list[str]]:
@@ -93,7 +96,11 @@ def run(pm: pluggy.PluginManager, engine: Engine, load: bool, threads: int = 1) 
     pool_of = ThreadPoolExecutor(max(1, threads), initializer=compat.pin_to_callers_device())
     with compat.compile_only_launches(load) as met, pool_of as pool:
         outcomes = list(pool.map(one, skipped))
-    outcomes += [one(job) for job in real]  # model forwards: serially, launches running
+    if real:  # model forwards: serially, launches running; what they still compiled
+        forwards_start = time.perf_counter()
+        with CompileCounter() as counter:
+            outcomes += [one(job) for job in real]
+        result.forwards = (len(real), counter.compiled, time.perf_counter() - forwards_start)
     for job, error in zip(skipped + real, outcomes, strict=True):
         if error is None:
             result.jobs[job.family] = result.jobs.get(job.family, 0) + 1

@@ -51,6 +51,8 @@ class Report:
     vllm_launches: int = 0
     """Triton launches those jobs turned into compiles and loads."""
     vllm_s: float = 0.0
+    vllm_forwards: tuple[int, int, float] = (0, 0, 0.0)
+    """Of those jobs, the model forwards (``engine_warmup.EngineResult.forwards``)."""
     declined: list[str] = field(default_factory=list)
     """Engine warmers with nothing to do here, and why."""
     errors: list[str] = field(default_factory=list)
@@ -87,6 +89,12 @@ class Report:
                 f"; vLLM kernels: {jobs} ({self.vllm_launches} launches compiled, "
                 f"{self.vllm_s * 1000:.0f} ms)"
             )
+            forwards, compiled, seconds = self.vllm_forwards
+            if forwards:
+                text += (
+                    f"; {forwards} warmup forwards {seconds * 1000:.0f} ms, "
+                    f"{compiled} compiles in them"
+                )
         for note in self.notes:
             text += f"; {note}"
         if self.errors:

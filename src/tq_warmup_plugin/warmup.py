@@ -304,6 +304,7 @@ def _warm_vllm_kernels(
     report.vllm_jobs = done.jobs
     report.vllm_launches = done.kernels
     report.vllm_s = done.seconds
+    report.vllm_forwards = done.forwards
     report.declined = done.declined
     report.errors.extend(done.errors)
     report.failed += len(done.errors)

@@ -133,6 +133,7 @@ def test_the_warmer_launches_then_runs_vllms_warmup_forward_at_each_chosen_size(
         "remove_lora": False,
     }
     assert result.jobs == {"fused MoE": 11, "MoE warmup forwards": 11} and result.errors == []
+    assert result.forwards[:2] == (11, 0)  # the stand-in forward compiles nothing
     layer = experts_of((4, 2, 2048, 1024))
     assert {k for k in seen if k[0] == "fused_moe_kernel"} == keys_at(layer, sizes)
 
