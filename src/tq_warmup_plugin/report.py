@@ -51,8 +51,10 @@ class Report:
     vllm_launches: int = 0
     """Triton launches those jobs turned into compiles and loads."""
     vllm_s: float = 0.0
-    vllm_forwards: tuple[int, int, float] = (0, 0, 0.0)
+    vllm_forwards: int = 0
     """Of those jobs, the model forwards (``engine_warmup.EngineResult.forwards``)."""
+    vllm_forward_compiles: int = 0
+    vllm_forward_s: float = 0.0
     declined: list[str] = field(default_factory=list)
     """Engine warmers with nothing to do here, and why."""
     errors: list[str] = field(default_factory=list)
@@ -89,11 +91,10 @@ class Report:
                 f"; vLLM kernels: {jobs} ({self.vllm_launches} launches compiled, "
                 f"{self.vllm_s * 1000:.0f} ms)"
             )
-            forwards, compiled, seconds = self.vllm_forwards
-            if forwards:
+            if self.vllm_forwards:
                 text += (
-                    f"; {forwards} warmup forwards {seconds * 1000:.0f} ms, "
-                    f"{compiled} compiles in them"
+                    f"; {self.vllm_forwards} warmup forwards {self.vllm_forward_s * 1000:.0f} ms, "
+                    f"{self.vllm_forward_compiles} compiles in them"
                 )
         for note in self.notes:
             text += f"; {note}"

@@ -304,7 +304,7 @@ def _warm_vllm_kernels(
     report.vllm_jobs = done.jobs
     report.vllm_launches = done.kernels
     report.vllm_s = done.seconds
-    report.vllm_forwards = done.forwards
+    report.vllm_forwards, report.vllm_forward_compiles, report.vllm_forward_s = done.forwards
     report.declined = done.declined
     report.errors.extend(done.errors)
     report.failed += len(done.errors)
