@@ -1,18 +1,20 @@
-"""Contract: one step per ``vllm_fused_moe.signature`` reaches every ``fused_moe_kernel``
-key that vLLM's own launcher asks Triton for, over every step size of the range.
+"""Contract: the fused MoE warmer's launches, one step per ``vllm_fused_moe.signature``,
+compile exactly the ``fused_moe_kernel`` keys that serving launches over every step size
+of the range.
 
-vLLM's real config lookup (``try_get_optimal_moe_config``, the H200's tuned JSONs where
-a shape has one), its expert assignment (``_prepare_expert_assignment`` /
-``moe_align_block_size``) and its launcher (``dispatch_fused_moe_kernel``, or
-``invoke_fused_moe_kernel`` before it) run on meta tensors, called as ``TritonExperts``
-calls them (``compat.fused_moe_launch``, the warmer's own launches); Triton's
-``jit_cache_hook`` records each key and compiles nothing. The stand-ins: the CUDA
-alignment op (``ops.moe_align_block_size``: it fills the buffers vLLM sized, which
-no key reads) and the platform's device name.
+Serving is vLLM's own ``TritonExperts.apply`` (the experts a bf16 MoE layer runs on
+Hopper: its config lookup with the H200's tuned JSONs where a shape has one, its
+workspaces, expert assignment and both GEMMs), on meta tensors; the warmer is
+``compat.fused_moe_launch`` at the sizes it chooses. Triton's ``jit_cache_hook``
+records each key and compiles nothing. The stand-ins: the CUDA ops that fill buffers
+no key reads (``ops.moe_align_block_size``, ``ops.moe_sum``, the activation), and the
+platform's device name. On the H200 (0.26.0) a warmer that passed the routing weights
+to the gate-up GEMM, which serving does not, left 4 compiles to its forwards.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from types import SimpleNamespace
 from typing import Any
@@ -39,20 +41,60 @@ def _cpu_stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm import _custom_ops as ops
     from vllm.platforms import current_platform
 
-    monkeypatch.setattr(ops, "moe_align_block_size", lambda *a, **k: None, raising=False)
+    for op in ("moe_align_block_size", "moe_sum"):
+        monkeypatch.setattr(ops, op, lambda *a, **k: None, raising=False)
     monkeypatch.setattr(current_platform, "get_device_name", lambda *a, **k: "NVIDIA H200")
 
 
-def experts_of(shape: tuple[int, int, int, int]) -> compat.MoeExperts:
+def meta(*shape: int, dtype: Any = None) -> Any:
     import torch
 
+    return torch.empty(*shape, dtype=dtype or torch.bfloat16, device="meta")
+
+
+def experts_of(shape: tuple[int, int, int, int]) -> compat.MoeExperts:
     e, top_k, hidden, inter = shape
     w13, w2 = (e, 2 * inter, hidden), (e, hidden, inter)
-    weights = tuple(torch.empty(w, dtype=torch.bfloat16, device="meta") for w in (w13, w2))
-    return compat.MoeExperts(w13, w2, e, top_k, "bfloat16", weights=weights)
+    return compat.MoeExperts(w13, w2, e, top_k, "bfloat16", weights=(meta(*w13), meta(*w2)))
+
+
+def serving_keys(shape: tuple[int, int, int, int], sizes: list[int]) -> set[tuple[str, str]]:
+    """What vLLM's ``TritonExperts.apply`` asks Triton for, one step of each size."""
+    import torch
+    from vllm.model_executor.layers.fused_moe import config as moe
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+
+    e, top_k, hidden, inter = shape
+    required = {f.name for f in dataclasses.fields(moe.FusedMoEConfig)
+                if f.default is dataclasses.MISSING}  # fmt: skip
+    width = "intermediate_size" if "intermediate_size" in required else (
+        "intermediate_size_per_partition")  # 0.22  # fmt: skip
+    config = moe.FusedMoEConfig(
+        num_experts=e, experts_per_token=top_k, hidden_dim=hidden, num_local_experts=e,
+        num_logical_experts=e, activation=MoEActivation.SILU, device="meta",
+        routing_method=moe.RoutingMethodType.Renormalize, in_dtype=torch.bfloat16,
+        moe_parallel_config=moe.FusedMoEParallelConfig.make_no_parallel(), **{width: inter},
+    )  # fmt: skip
+    experts = TritonExperts(config, moe.FUSED_MOE_UNQUANTIZED_CONFIG)
+    experts.activation = lambda *a, **k: None  # type: ignore[method-assign]
+    layer = experts_of(shape)
+    with recorded_keys() as seen:
+        for n in sizes:
+            ws13, ws2, out = experts.workspace_shapes(
+                n, 2 * inter, hidden, top_k, e, e, None, MoEActivation.SILU
+            )
+            experts.apply(
+                meta(*out), meta(n, hidden), *layer.weights,
+                meta(n, top_k, dtype=torch.float32),
+                torch.zeros(n, top_k, dtype=torch.int32, device="meta"), MoEActivation.SILU,
+                e, None, None, None, meta(*ws13), meta(*ws2), None, False,
+            )  # fmt: skip
+    return {key for key in seen if key[0] == "fused_moe_kernel"}
 
 
 def keys_at(layer: compat.MoeExperts, sizes: list[int]) -> set[tuple[str, str]]:
+    """What the warmer's launches ask Triton for."""
     with recorded_keys() as seen:
         for tokens in sizes:
             compat.fused_moe_launch(layer, tokens, "meta")
@@ -69,14 +111,15 @@ def test_one_step_per_signature_reaches_every_key_of_the_range(
     chosen = vllm_fused_moe.token_counts(
         first, last, partial(vllm_fused_moe.signature, experts=[layer], config_of=config_of)
     )
-    every = keys_at(layer, list(range(first, last + 1)))
-    assert keys_at(layer, chosen) == every
+    every = serving_keys(shape, list(range(first, last + 1)))
+    assert serving_keys(shape, chosen) == every  # the sizes: serving reaches nothing more
+    assert keys_at(layer, chosen) == every  # the launches: the keys serving asks for
     assert len(chosen) <= 160 < last - first  # tens of steps, not the range
     # The check can fail: without the residue mod 16, one step per config misses keys.
     coarse = vllm_fused_moe.token_counts(
         first, last, lambda n: str(config_of(layer.w13, layer.w2, layer.top_k, None, n))
     )
-    assert keys_at(layer, coarse) < every
+    assert serving_keys(shape, coarse) < every
 
 
 class _Runner:

@@ -140,12 +140,14 @@ def moe_config_function() -> Any:
 def fused_moe_launch(layer: MoeExperts, tokens: int, device: Any) -> None:
     """Both ``fused_moe_kernel`` launches of one step of ``tokens`` tokens, through vLLM's
     own config lookup, expert assignment and launcher, with the arguments
-    ``TritonExperts.apply`` gives them (0.26, 0.33): the gate-up GEMM into a contiguous
-    ``(tokens, top_k, 2N)`` cache, then the down GEMM of ``(tokens x top_k, N)`` rows with
-    the routing weights. The launcher is ``dispatch_fused_moe_kernel`` (0.26+) or
-    ``invoke_fused_moe_kernel`` (before); each takes the keywords it declares. The
-    expert assignment runs for real on zero routing; under ``compile_only_launches`` the
-    GEMMs only compile and load."""
+    ``TritonExperts.apply`` gives them (0.22-0.33 alike): the gate-up GEMM into a
+    contiguous ``(tokens, top_k, 2N)`` cache without the routing weights, then the down
+    GEMM of ``(tokens x top_k, N)`` rows with them (``topk_weights`` None or a tensor is
+    a different key: passing them to both left 4 compiles to the forwards, H200, 0.26.0).
+    The launcher is ``invoke_fused_moe_triton_kernel``, or ``invoke_fused_moe_kernel``
+    where a release has no such name; each takes the keywords it declares. The expert
+    assignment runs for real on zero routing; under ``compile_only_launches`` the GEMMs
+    only compile and load."""
     import inspect
 
     import torch
@@ -170,17 +172,19 @@ def fused_moe_launch(layer: MoeExperts, tokens: int, device: Any) -> None:
 
     weights = torch.empty(tokens, layer.top_k, dtype=torch.float32, device=device)
     gemms = (
-        (empty(tokens, hidden), w13, empty(tokens, layer.top_k, two_n), False, layer.top_k),
-        (empty(tokens * layer.top_k, two_n // 2), w2, empty(tokens, layer.top_k, hidden), True, 1),
-    )
-    launcher = getattr(module, "dispatch_fused_moe_kernel", None) or module.invoke_fused_moe_kernel
+        (empty(tokens, hidden), w13, empty(tokens, layer.top_k, two_n), None, layer.top_k),
+        (empty(tokens * layer.top_k, two_n // 2), w2, empty(tokens, layer.top_k, hidden),
+         weights, 1),
+    )  # fmt: skip
+    launcher = getattr(module, "invoke_fused_moe_triton_kernel", None)
+    launcher = launcher or module.invoke_fused_moe_kernel
     accepted = inspect.signature(launcher).parameters
     compute = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
-    for a, b, c, routed, top_k in gemms:
+    for a, b, c, routing, top_k in gemms:
         values: dict[str, Any] = dict(
-            A=a, B=b, C=c, A_scale=None, B_scale=None, B_zp=None, topk_weights=weights,
+            A=a, B=b, C=c, A_scale=None, B_scale=None, B_zp=None, topk_weights=routing,
             sorted_token_ids=sorted_ids, expert_ids=expert_ids,
-            num_tokens_post_padded=padded, mul_routed_weight=routed, top_k=top_k,
+            num_tokens_post_padded=padded, mul_routed_weight=routing is not None, top_k=top_k,
             config=config, compute_type=compute, use_fp8_w8a8=False, use_int8_w8a8=False,
             use_int8_w8a16=False, use_int4_w4a16=False, per_channel_quant=False,
             block_shape=None, B_bias=None,
