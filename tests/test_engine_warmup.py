@@ -261,54 +261,6 @@ def test_launches_inside_become_compiles_and_the_patch_is_undone() -> None:
     assert torch.equal(x, torch.zeros(64))
 
 
-def test_two_threads_missing_one_key_inside_compile_it_once() -> None:
-    """Eight threads launch one key and two launch another: two compiles, not ten; the
-    hook that was set before (here a counter, in vLLM the JIT monitor's) still sees each
-    miss, and is back afterwards."""
-    pytest.importorskip("triton")
-    import threading
-
-    import torch
-    from triton import knobs
-    from unrelated_kernel import add_one
-
-    from tq_warmup_plugin.shipped.precompile import use_compile_only_target
-
-    use_compile_only_target(90)
-    add_one.device_caches.clear()
-    compiled: list[str] = []
-    misses: list[str] = []
-
-    def counter(*, key: Any, **_: Any) -> bool:
-        misses.append(str(key))
-        return False
-
-    def post(*, key: Any, **_: Any) -> None:
-        compiled.append(str(key))
-
-    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = counter, post
-    start = threading.Barrier(10)
-
-    def launch(block: int) -> None:
-        start.wait()
-        add_one[(1,)](torch.zeros(64), 64, BLOCK=block)
-
-    try:
-        with compat.compile_only_launches(False) as met:
-            threads = [
-                threading.Thread(target=launch, args=(64 if i < 8 else 32,)) for i in range(10)
-            ]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        assert knobs.runtime.jit_cache_hook is counter
-    finally:
-        knobs.runtime.jit_cache_hook = knobs.runtime.jit_post_compile_hook = None
-    assert len(compiled) == 2 and len(set(compiled)) == 2
-    assert len(misses) >= 2 and met == ["add_one"] * 10
-
-
 def test_strict_mode_fails_startup_on_a_failed_engine_job(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("triton")
     from tq_warmup_plugin.discovery import Discovery
@@ -379,8 +331,8 @@ def test_hybrid_kernels_nobody_warms_are_named_in_one_line(error_mode: bool) -> 
     assert fakes.jobs_of(pm, engine(moe=True)) == ([], [])
 
 
-def test_real_jobs_run_last_on_the_callers_thread_with_launches_running() -> None:
-    """A model forward (``Job.real``) runs serially after the compile-only pool, on the
+def test_real_jobs_run_first_on_the_callers_thread_with_launches_running() -> None:
+    """A model forward (``Job.real``) runs serially before the compile-only pool, on the
     caller's thread, with Triton's launch unpatched; the others inside the patch."""
     pytest.importorskip("triton")
     import threading
@@ -398,15 +350,16 @@ def test_real_jobs_run_last_on_the_callers_thread_with_launches_running() -> Non
         @hookimpl
         def tq_warmup_engine_jobs(self, engine: Engine) -> list[Job]:
             return [
-                Job("forward", "512 tokens", lambda: note("forward 512"), real=True),
                 Job("launcher", "a", lambda: note("launcher")),
+                Job("forward", "512 tokens", lambda: note("forward 512"), real=True),
                 Job("forward", "600 tokens", lambda: note("forward 600"), real=True),
             ]
 
     result = engine_warmup.run(manager(_Warmer()), engine(), False, threads=2)
-    assert seen[0][0] == "launcher" and seen[0][1:] == (False, True)
-    assert seen[1:] == [("forward 512", True, False), ("forward 600", True, False)]
+    assert seen[:2] == [("forward 512", True, False), ("forward 600", True, False)]
+    assert seen[2][0] == "launcher" and seen[2][2] is True
     assert result.jobs == {"forward": 2, "launcher": 1} and result.errors == []
+    assert result.forwards[:2] == (2, 0)
 
 
 def test_engine_warmer_threads_run_on_the_callers_device(monkeypatch: pytest.MonkeyPatch) -> None:

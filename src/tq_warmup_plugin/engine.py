@@ -74,11 +74,10 @@ class Job:
     so equal jobs of two warmers run once (``engine_warmup.plan``)."""
     run: Callable[[], object] = field(compare=False)
     real: bool = False
-    """``run`` executes vLLM's code for real, on the caller's thread, after the others and
+    """``run`` executes vLLM's code for real, on the caller's thread, before the others and
     outside ``compat.compile_only_launches``: a model forward (``compat.dummy_run``) can
     neither share vLLM's one forward context with another thread nor skip its launches
-    (its routing would read memory no kernel wrote). Run last, it finds in memory what
-    the others compiled side by side."""
+    (its routing would read memory no kernel wrote)."""
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,8 @@ class EngineResult:
     errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
     forwards: tuple[int, int, float] = (0, 0, 0.0)
-    """The real jobs (``Job.real``): how many, the Triton compiles they still made (0
-    where the launches before them covered the path they took), their seconds."""
+    """The real jobs (``Job.real``): how many, the Triton compiles they made, their
+    seconds."""
 
 
 def plan(pm: pluggy.PluginManager, engine: Engine) -> tuple[list[Job], list[Declined], list[str]]:
@@ -91,17 +91,18 @@ def run(pm: pluggy.PluginManager, engine: Engine, load: bool, threads: int = 1) 
             return f"{job.family} ({job.what}): {error_line(exc)}"
         return None
 
-    skipped = [job for job in jobs if not job.real]
     real = [job for job in jobs if job.real]
-    pool_of = ThreadPoolExecutor(max(1, threads), initializer=compat.pin_to_callers_device())
-    with compat.compile_only_launches(load) as met, pool_of as pool:
-        outcomes = list(pool.map(one, skipped))
-    if real:  # model forwards: serially, launches running; what they still compiled
+    skipped = [job for job in jobs if not job.real]
+    outcomes = []
+    if real:  # model forwards: serially, launches running, and what they compiled
         forwards_start = time.perf_counter()
         with CompileCounter() as counter:
             outcomes += [one(job) for job in real]
         result.forwards = (len(real), counter.compiled, time.perf_counter() - forwards_start)
-    for job, error in zip(skipped + real, outcomes, strict=True):
+    pool_of = ThreadPoolExecutor(max(1, threads), initializer=compat.pin_to_callers_device())
+    with compat.compile_only_launches(load) as met, pool_of as pool:
+        outcomes += pool.map(one, skipped)
+    for job, error in zip(real + skipped, outcomes, strict=True):
         if error is None:
             result.jobs[job.family] = result.jobs.get(job.family, 0) + 1
         else:

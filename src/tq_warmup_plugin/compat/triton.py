@@ -97,18 +97,12 @@ def compile_only_launches(load: bool) -> Iterator[list[str]]:
     given a few bytes of input, warms the very keys serving asks for, and no output
     buffer of the live runner is written. Yields the names of the kernels it met. The
     patch is on the class, so it is held under a lock and always undone.
-
-    Two threads that miss the same key compile it once (:func:`_first_claim_compiles`):
-    the fused MoE warmer's step sizes share keys (11 sizes, 5 distinct pairs for the
-    serve-jit Mixtral), and each compile is about a second of CPU.
     """
-    from triton import knobs
     from triton.runtime.jit import JITFunction
 
     met: list[str] = []
     with _LAUNCH_PATCH:
         original = JITFunction.run
-        previous = knobs.runtime.jit_cache_hook
 
         def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
             kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
@@ -118,34 +112,10 @@ def compile_only_launches(load: bool) -> Iterator[list[str]]:
             return kernel
 
         JITFunction.run = run
-        knobs.runtime.jit_cache_hook = _first_claim_compiles(previous)
         try:
             yield met
         finally:
             JITFunction.run = original
-            knobs.runtime.jit_cache_hook = previous
-
-
-def _first_claim_compiles(previous: Callable[..., Any] | None) -> Callable[..., bool]:
-    """A ``jit_cache_hook`` (called on each in-memory miss, before the compile; True
-    skips it, 3.6-3.8) under which the first thread to miss a key compiles it and a
-    later one skips it: nothing launches inside ``compile_only_launches``, and the
-    first thread leaves the binary in the cache. A hook already set is asked first."""
-    claimed: set[tuple[str, str, str]] = set()
-    lock = threading.Lock()
-
-    def hook(*, key: Any, fn: Any, **kwargs: Any) -> bool:
-        if previous is not None and previous(key=key, fn=fn, **kwargs):
-            return True
-        device = str(kwargs.get("compile", {}).get("device"))
-        claim = (f"{getattr(fn, 'module', '')}.{getattr(fn, 'name', '')}", device, str(key))
-        with lock:
-            if claim in claimed:
-                return True
-            claimed.add(claim)
-        return False
-
-    return hook
 
 
 def pin_to_callers_device() -> Callable[[], None] | None:

@@ -21,7 +21,6 @@ __all__ = [
     "dummy_run",
     "eagle_helper",
     "engine_of",
-    "fused_moe_launch",
     "graph_tokens",
     "logits_of",
     "moe_config_function",
@@ -98,8 +97,6 @@ class MoeExperts:
     experts: int
     top_k: int
     dtype: str
-    weights: tuple[Any, Any] = dataclasses.field(default=(None, None), compare=False, repr=False)
-    """The live ``w13_weight`` and ``w2_weight`` (:func:`fused_moe_launch` passes them)."""
 
 
 def moe_experts(runner: Any) -> list[MoeExperts]:
@@ -123,7 +120,6 @@ def moe_experts(runner: Any) -> list[MoeExperts]:
                 experts=int(moe.num_experts),
                 top_k=int(moe.experts_per_token),
                 dtype=str(w13.dtype).removeprefix("torch."),
-                weights=(w13, w2),
             )
         )
     return found
@@ -135,61 +131,6 @@ def moe_config_function() -> Any:
     of this GPU, else vLLM's defaults). This module and signature in 0.22, 0.26, 0.30 and
     0.33, the releases its contract test runs."""
     return importlib.import_module(paths.FUSED_MOE_MODULE).try_get_optimal_moe_config
-
-
-def fused_moe_launch(layer: MoeExperts, tokens: int, device: Any) -> None:
-    """Both ``fused_moe_kernel`` launches of one step of ``tokens`` tokens, through vLLM's
-    own config lookup, expert assignment and launcher, with the arguments
-    ``TritonExperts.apply`` gives them (0.22-0.33 alike): the gate-up GEMM into a
-    contiguous ``(tokens, top_k, 2N)`` cache without the routing weights, then the down
-    GEMM of ``(tokens x top_k, N)`` rows with them (``topk_weights`` None or a tensor is
-    a different key: passing them to both left 4 compiles to the forwards, H200, 0.26.0).
-    The launcher is ``invoke_fused_moe_triton_kernel``, or ``invoke_fused_moe_kernel``
-    where a release has no such name; each takes the keywords it declares. The expert
-    assignment runs for real on zero routing; under ``compile_only_launches`` the GEMMs
-    only compile and load."""
-    import inspect
-
-    import torch
-    import triton.language as tl
-
-    module = importlib.import_module(paths.FUSED_MOE_MODULE)
-    w13, w2 = layer.weights
-    dtype = getattr(torch, layer.dtype)
-    _, two_n, hidden = layer.w13
-    config = module.try_get_optimal_moe_config(layer.w13, layer.w2, layer.top_k, None, tokens)
-    topk_ids = torch.zeros(tokens, layer.top_k, dtype=torch.int32, device=device)
-    if hasattr(module, "_prepare_expert_assignment"):  # 0.26+: with the naive assignment
-        sorted_ids, expert_ids, padded = module._prepare_expert_assignment(
-            topk_ids, config, tokens, layer.top_k, layer.experts, None
-        )
-    else:
-        align = importlib.import_module(paths.MOE_ALIGN_MODULE).moe_align_block_size
-        sorted_ids, expert_ids, padded = align(topk_ids, config["BLOCK_SIZE_M"], layer.experts)
-
-    def empty(*shape: int) -> Any:
-        return torch.empty(*shape, dtype=dtype, device=device)
-
-    weights = torch.empty(tokens, layer.top_k, dtype=torch.float32, device=device)
-    gemms = (
-        (empty(tokens, hidden), w13, empty(tokens, layer.top_k, two_n), None, layer.top_k),
-        (empty(tokens * layer.top_k, two_n // 2), w2, empty(tokens, layer.top_k, hidden),
-         weights, 1),
-    )  # fmt: skip
-    launcher = getattr(module, "invoke_fused_moe_triton_kernel", None)
-    launcher = launcher or module.invoke_fused_moe_kernel
-    accepted = inspect.signature(launcher).parameters
-    compute = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
-    for a, b, c, routing, top_k in gemms:
-        values: dict[str, Any] = dict(
-            A=a, B=b, C=c, A_scale=None, B_scale=None, B_zp=None, topk_weights=routing,
-            sorted_token_ids=sorted_ids, expert_ids=expert_ids,
-            num_tokens_post_padded=padded, mul_routed_weight=routing is not None, top_k=top_k,
-            config=config, compute_type=compute, use_fp8_w8a8=False, use_int8_w8a8=False,
-            use_int8_w8a16=False, use_int4_w4a16=False, per_channel_quant=False,
-            block_shape=None, B_bias=None,
-        )  # fmt: skip
-        launcher(**{name: v for name, v in values.items() if name in accepted})
 
 
 def dummy_run(runner: Any, tokens: int) -> None:

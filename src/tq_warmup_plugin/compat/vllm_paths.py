@@ -33,7 +33,6 @@ __all__ = [
     "MODEL_CONFIG_MODULE",
     "MODEL_REGISTRY_MODULE",
     "MODEL_UTILS_MODULE",
-    "MOE_ALIGN_MODULE",
     "SAMPLING_METADATA_MODULE",
     "SPEC_METADATA_MODULE",
     "SPEC_UTILS_MODULE",
@@ -67,7 +66,6 @@ V2_LOGPROB_MODULE = "vllm.v1.worker.gpu.sample.logprob"
 TOPK_TOPP_MODULE = "vllm.v1.sample.ops.topk_topp_sampler"
 FLASH_ATTN_MODULE = "vllm.v1.attention.backends.flash_attn"
 FUSED_MOE_MODULE = "vllm.model_executor.layers.fused_moe.fused_moe"
-MOE_ALIGN_MODULE = "vllm.model_executor.layers.fused_moe.moe_align_block_size"
 
 # Modules whose global ``kernel_warmup`` vLLM calls: the defining module, the
 # worker, which binds the name at import (all releases), and elastic EP, which does

@@ -17,16 +17,17 @@ specializes on "is 1" and "is a multiple of 16". So :func:`signature` is the con
 the residue of tokens x top_k mod 16 with the small-step clauses, and one step per
 distinct signature reaches every key of the eager range: 11 steps for a 4-expert top-2
 Mixtral from 513 to 8192 tokens, not 7,680. ``tests/contract/test_contract_fused_moe``
-checks it against every size's key, launched by vLLM's own launcher.
+checks it against the keys vLLM's own ``TritonExperts.apply`` asks for at every size.
 
-How: for each chosen size, each distinct layer's two launches go through vLLM's own
-launcher under ``compile_only_launches``, side by side with the other jobs
-(``compat.fused_moe_launch``); then one of vLLM's own warmup forwards at that size
-(``compat.dummy_run``, as the worker runs its compile sizes) runs for real and serially
-(``Job.real``): the path serving takes, which finds those keys in memory, and compiles
-whatever the launcher's mirror of ``TritonExperts`` missed. A forward cannot skip its
-launches: it would route on unwritten memory. Serially, the 10 keys of the serve-jit
-Mixtral took 13.9 s of a cold start (H200, 0.26.0).
+How: each chosen size is one of vLLM's own warmup forwards (``compat.dummy_run``, as
+the worker runs its compile sizes), for real and serially (``Job.real``): a forward
+skipping its launches would route on unwritten memory. On the H200 (0.26.0, the
+serve-jit Mixtral) the 11 forwards compiled its 10 keys in 13.9 s of a cold start and
+took 1.0 s from a warm Triton cache; an error-mode server then served its mix with 0
+JIT events. Compiling those keys side by side first, through vLLM's launcher, cut the
+cold start to 9.4 s, but that version was not seen to finish a server's startup on a
+fresh machine (its runs' own startup timeouts passed during CUDA graph capture) and
+is not shipped.
 """
 
 from __future__ import annotations
@@ -39,10 +40,9 @@ from .. import compat
 from ..engine import Declined, Engine, Job
 from ..hookspecs import hookimpl
 
-__all__ = ["FAMILY", "FORWARDS", "signature", "token_counts", "tq_warmup_engine_jobs"]
+__all__ = ["FAMILY", "signature", "token_counts", "tq_warmup_engine_jobs"]
 
 FAMILY = "fused MoE"
-FORWARDS = "MoE warmup forwards"
 
 _UNQUANTIZED = ("bfloat16", "float16")
 """Expert weights vLLM's Triton path reads with ``dtype=None`` in its config lookup;
@@ -97,14 +97,7 @@ def tq_warmup_engine_jobs(engine: Engine) -> Iterable[Job | Declined]:
     config_of = compat.moe_config_function()
     sizes = token_counts(first, engine.max_tokens, partial(signature, experts=experts,
                                                             config_of=config_of))  # fmt: skip
-    device = engine.device
-    launches = [
-        Job(FAMILY, f"{n} tokens, {e.w13}", partial(compat.fused_moe_launch, e, n, device))
-        for n in sizes
-        for e in experts
-    ]
-    forwards = [
-        Job(FORWARDS, f"{n} tokens", partial(compat.dummy_run, engine.runner, n), real=True)
+    return [
+        Job(FAMILY, f"{n} tokens", partial(compat.dummy_run, engine.runner, n), real=True)
         for n in sizes
     ]
-    return launches + forwards
