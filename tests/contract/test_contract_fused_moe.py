@@ -180,3 +180,22 @@ def test_the_warmer_declines_in_one_line(dtype: str, graph_tokens: int, reason: 
     )
     assert jobs == [] and errors == [] and len(declined) == 1
     assert reason in declined[0].why and "\n" not in declined[0].why
+
+
+@pytest.mark.parametrize(
+    ("mode", "eager", "expected"),
+    [("FULL_AND_PIECEWISE", False, 512), ("NONE", False, 0), ("FULL_AND_PIECEWISE", True, 0)],
+)
+def test_the_eager_range_starts_past_vllms_largest_captured_size(
+    mode: str, eager: bool, expected: int
+) -> None:
+    """``compat.graph_tokens`` on vLLM's own ``CompilationConfig``: a step up to the
+    largest captured size is padded into a graph; with graphs off every size is eager."""
+    from vllm.config import CompilationConfig, CUDAGraphMode
+
+    graphs = CompilationConfig(
+        cudagraph_capture_sizes=[1, 2, 4, 8, 16, 512], cudagraph_mode=CUDAGraphMode[mode]
+    )
+    config = SimpleNamespace(compilation_config=graphs,
+                             model_config=SimpleNamespace(enforce_eager=eager))  # fmt: skip
+    assert compat.graph_tokens(config) == expected
