@@ -10,24 +10,23 @@ with MTP (H200, vLLM 0.26.0). vLLM's JIT warmup registry registers no MoE kernel
 0.33.
 
 Which sizes: ``fused_moe_kernel``'s key depends on the step's ``tokens`` only through
-its config and two integer arguments, ``num_valid_tokens`` (tokens x top_k) and ``EM``
-(that plus experts x (BLOCK_SIZE_M - 1), or a smaller bound for tiny steps:
-``moe_align_block_size``, ``_prepare_expert_assignment`` in 0.26), which Triton
-specializes on "is 1" and "is a multiple of 16". So :func:`signature` is the config and
-the residue of tokens x top_k mod 16 with the small-step clauses, and one step per
-distinct signature reaches every key of the eager range: 11 steps for a 4-expert top-2
-Mixtral from 513 to 8192 tokens, not 7,680. ``tests/contract/test_contract_fused_moe``
-checks it against the keys vLLM's own ``TritonExperts.apply`` asks for at every size.
+its config and two integer arguments, ``num_valid_tokens`` (tokens x top_k) and each
+GEMM's ``EM`` (:func:`em`), which Triton specializes on "is 1" and "is a multiple of
+16". So :func:`signature` is the config and those classes, and one step per distinct
+signature reaches every key of the eager range: for a 4-expert top-2 Mixtral from 513 to
+8192 tokens, 5 steps reach its 10 keys (Mixtral-8x7B's shape with the H200's tuned
+configs: 6 steps, 12 keys), not 7,680. ``tests/contract/test_contract_fused_moe`` checks
+the choice against the keys vLLM's own ``TritonExperts.apply`` asks for at every size.
 
 How: each chosen size is one of vLLM's own warmup forwards (``compat.dummy_run``, as
 the worker runs its compile sizes), for real and serially (``Job.real``): a forward
 skipping its launches would route on unwritten memory. On the H200 (0.26.0, the
-serve-jit Mixtral) the 11 forwards compiled its 10 keys in 13.9 s of a cold start and
-took 1.0 s from a warm Triton cache; an error-mode server then served its mix with 0
-JIT events. Compiling those keys side by side first, through vLLM's launcher, cut the
-cold start to 9.4 s, but that version was not seen to finish a server's startup on a
-fresh machine (its runs' own startup timeouts passed during CUDA graph capture) and
-is not shipped.
+serve-jit Mixtral) 11 forwards (one per residue of tokens x top_k mod 16, the choice
+before :func:`em`) compiled its 10 keys in 13.9 s of a cold start and took 1.0 s from a
+warm Triton cache; an error-mode server then served its mix with 0 JIT events.
+Compiling those keys side by side first, through vLLM's launcher, cut the cold start to
+9.4 s, but that version was not seen to finish a server's startup on a fresh machine
+(its runs' own startup timeouts passed during CUDA graph capture) and is not shipped.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from .. import compat
 from ..engine import Declined, Engine, Job
 from ..hookspecs import hookimpl
 
-__all__ = ["FAMILY", "signature", "token_counts", "tq_warmup_engine_jobs"]
+__all__ = ["FAMILY", "em", "int_class", "signature", "token_counts", "tq_warmup_engine_jobs"]
 
 FAMILY = "fused MoE"
 
@@ -49,24 +48,46 @@ _UNQUANTIZED = ("bfloat16", "float16")
 quantized experts have their own config names and kernels."""
 
 
+def int_class(value: int) -> str:
+    """How Triton 3.6-3.8 specializes an integer argument: 1, a multiple of 16, or
+    neither (its ``D`` divisibility mark)."""
+    return "1" if value == 1 else "16" if value % 16 == 0 else ""
+
+
+def em(tokens: int, top_k: int, experts: int, block_m: int, rows: int) -> int:
+    """``EM``, the sorted-row bound one ``fused_moe_kernel`` launch gets, for a launch
+    whose ``A`` has ``rows`` rows (the gate-up GEMM: ``tokens``; the down GEMM: tokens x
+    top_k): ``moe_align_block_size``'s buffer (routed + experts x (BLOCK_SIZE_M - 1),
+    at most routed x BLOCK_SIZE_M when routed < experts), the launcher's small-batch
+    bound (``rows < BLOCK_SIZE_M``), or routed x BLOCK_SIZE_M on the naive assignment
+    (routed x 4 <= experts). The same in 0.22, 0.26, 0.30 and 0.33
+    (``moe_align_block_size.py``, ``invoke_fused_moe_triton_kernel``,
+    ``_prepare_expert_assignment``); the contract test holds it to vLLM's own."""
+    routed = tokens * top_k
+    if routed * 4 <= experts:
+        return routed * block_m
+    padded = routed + experts * (block_m - 1)
+    if routed < experts:
+        padded = min(padded, routed * block_m)
+    return min(padded, routed * block_m) if rows < block_m else padded
+
+
 def signature(
     tokens: int, experts: Sequence[compat.MoeExperts], config_of: Callable[..., Any]
 ) -> Hashable:
-    """What every layer's two ``fused_moe_kernel`` keys depend on at a step of ``tokens``."""
+    """What every layer's two ``fused_moe_kernel`` keys depend on at a step of ``tokens``:
+    the config, and Triton's class of each integer argument that follows the step
+    (``num_valid_tokens``, each GEMM's ``EM``) and of the naive assignment."""
     parts = []
     for layer in experts:
         config = config_of(layer.w13, layer.w2, layer.top_k, None, tokens)
+        block_m = int(config.get("BLOCK_SIZE_M", 16))
         routed = tokens * layer.top_k
-        parts.append(
-            (
-                tuple(sorted(config.items())),
-                routed % 16,
-                routed == 1,
-                tokens < config.get("BLOCK_SIZE_M", 0),  # EM's small-batch bound
-                routed < layer.experts,  # moe_align_block_size's bound
-                routed * 4 <= layer.experts,  # the naive block assignment
-            )
-        )
+        gate_up = em(tokens, layer.top_k, layer.experts, block_m, rows=tokens)
+        down = em(tokens, layer.top_k, layer.experts, block_m, rows=routed)
+        naive = routed * 4 <= layer.experts
+        parts.append((tuple(sorted(config.items())), int_class(routed), int_class(gate_up),
+                      int_class(down), naive))  # fmt: skip
     return tuple(parts)
 
 
