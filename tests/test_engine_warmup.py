@@ -386,3 +386,22 @@ def test_engine_warmer_threads_run_on_the_callers_device(monkeypatch: pytest.Mon
     result = engine_warmup.run(manager(OnDevice()), engine(), False, threads=2)
     assert result.errors == [] and result.jobs == {"device": 4}
     assert seen and set(seen.values()) == {1} and threading.get_ident() not in seen
+
+
+def test_the_engine_reads_the_step_sizes_and_microbatching_from_the_config() -> None:
+    """``max_num_batched_tokens``, the largest captured size and ``use_ubatching``: what
+    the fused MoE warmer's eager range and its microbatch decline read."""
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(max_logprobs=20, enforce_eager=False),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=8192),
+        compilation_config=SimpleNamespace(cudagraph_capture_sizes=[1, 2, 512]),
+        parallel_config=SimpleNamespace(use_ubatching=True),
+        speculative_config=None,
+    )
+    worker = SimpleNamespace(vllm_config=config, model_runner=SimpleNamespace())
+    read = Engine(**compat.engine_of(worker, compat.features((0, 26))))
+    assert (read.max_tokens, read.graph_tokens, read.micro_batches) == (8192, 512, True)
+    config.parallel_config.use_ubatching = False
+    config.model_config.enforce_eager = True
+    read = Engine(**compat.engine_of(worker, compat.features((0, 26))))
+    assert (read.max_tokens, read.graph_tokens, read.micro_batches) == (8192, 0, False)

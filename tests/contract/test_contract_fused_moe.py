@@ -140,12 +140,12 @@ def only_this_warmer() -> Any:
     return pm
 
 
-def moe_engine(runner: Any, graph_tokens: int, max_tokens: int = 8192) -> Engine:
+def moe_engine(runner: Any, graph_tokens: int, ubatch: bool = False) -> Engine:
     return Engine(
         features=compat.release_features(compat.installed_vllm_version()),
         runner_v2=False, pooling=False, spec_method=None, spec_tokens=0,
         draft_probs=False, max_logprobs=20, moe=True, graph_tokens=graph_tokens,
-        max_tokens=max_tokens, runner=runner, device="meta",
+        max_tokens=8192, runner=runner, device="meta", micro_batches=ubatch,
     )  # fmt: skip
 
 
@@ -168,16 +168,20 @@ def test_the_warmer_runs_vllms_warmup_forward_at_each_chosen_size() -> None:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "graph_tokens", "reason"),
-    [("float8_e4m3fn", 512, "experts of dtype float8_e4m3fn"), ("bfloat16", 8192, "CUDA graph")],
+    ("dtype", "graph_tokens", "ubatch", "reason"),
+    [
+        ("float8_e4m3fn", 512, False, "experts of dtype float8_e4m3fn"),
+        ("bfloat16", 8192, False, "CUDA graph"),
+        ("bfloat16", 512, True, "microbatches"),
+    ],
 )
-def test_the_warmer_declines_in_one_line(dtype: str, graph_tokens: int, reason: str) -> None:
+def test_the_warmer_declines_in_one_line(
+    dtype: str, graph_tokens: int, ubatch: bool, reason: str
+) -> None:
     import torch
 
-    runner = _Runner(getattr(torch, dtype))
-    jobs, declined, errors = engine_warmup.plan(
-        only_this_warmer(), moe_engine(runner, graph_tokens)
-    )
+    engine = moe_engine(_Runner(getattr(torch, dtype)), graph_tokens, ubatch)
+    jobs, declined, errors = engine_warmup.plan(only_this_warmer(), engine)
     assert jobs == [] and errors == [] and len(declined) == 1
     assert reason in declined[0].why and "\n" not in declined[0].why
 

@@ -12,6 +12,7 @@ import importlib
 from typing import Any
 
 from . import vllm_paths as paths
+from .live import ubatching
 from .releases import Features
 
 __all__ = [
@@ -70,6 +71,7 @@ def engine_of(worker: Any, feats: Features) -> dict[str, Any]:
         if hasattr(config, "scheduler_config")
         else 0,
         graph_tokens=graph_tokens(config),
+        micro_batches=ubatching(config),
         device=getattr(runner, "device", None),
         runner=runner,
     )

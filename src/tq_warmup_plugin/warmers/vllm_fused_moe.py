@@ -111,6 +111,9 @@ def tq_warmup_engine_jobs(engine: Engine) -> Iterable[Job | Declined]:
     if quantized:
         why = f"experts of dtype {', '.join(quantized)}: their configs are not derived yet"
         return [Declined(FAMILY, why, warn=warn)]
+    if engine.micro_batches:
+        why = "microbatches (--enable-dbo, --ubatch-size) run its layers at sizes not derived yet"
+        return [Declined(FAMILY, why, warn=warn)]
     first = engine.graph_tokens + 1
     if first > engine.max_tokens:
         why = f"every step fits a CUDA graph (up to {engine.graph_tokens} tokens): capture compiles"
