@@ -219,6 +219,17 @@ class StubCounter:
         pass
 
 
+def bare_manager(*warmers: object) -> pluggy.PluginManager:
+    """A manager of the hook specs and only these warmers (no built-in one)."""
+    from tq_warmup_plugin import hookspecs
+
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    for warmer in warmers:
+        pm.register(warmer)
+    return pm
+
+
 def manager(*warmers: object) -> pluggy.PluginManager:
     """The built-in warmers and these (bound at import: tests may patch the module's)."""
     pm = plugin_manager(load_entry_points=False)

@@ -45,16 +45,7 @@ def engine(version: compat.Version = (0, 26), **fields: Any) -> Engine:
     return Engine(**values)
 
 
-def manager(*plugins: object) -> Any:
-    import pluggy
-
-    from tq_warmup_plugin import hookspecs
-
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
-    pm.add_hookspecs(hookspecs)
-    for plugin in plugins:
-        pm.register(plugin)
-    return pm
+manager = fakes.bare_manager
 
 
 def families(items: list[Declined]) -> dict[str, str]:

@@ -18,6 +18,7 @@ from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
+import fakes
 import pytest
 from realvllm import activate_compile_only_driver, recorded_keys
 
@@ -129,17 +130,6 @@ class _Runner:
         self.ran.append((tokens, kwargs))
 
 
-def only_this_warmer() -> Any:
-    import pluggy
-
-    from tq_warmup_plugin import hookspecs
-
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
-    pm.add_hookspecs(hookspecs)
-    pm.register(vllm_fused_moe)
-    return pm
-
-
 def moe_engine(runner: Any, graph_tokens: int, ubatch: bool = False) -> Engine:
     return Engine(
         features=compat.release_features(compat.installed_vllm_version()),
@@ -157,7 +147,9 @@ def test_the_warmer_runs_vllms_warmup_forward_at_each_chosen_size() -> None:
 
     runner = _Runner(torch.bfloat16)
     assert vllm_fused_moe in plugin_manager(load_entry_points=False).get_plugins()
-    result = engine_warmup.run(only_this_warmer(), moe_engine(runner, 512), load=False)
+    result = engine_warmup.run(
+        fakes.bare_manager(vllm_fused_moe), moe_engine(runner, 512), load=False
+    )
     sizes = [tokens for tokens, _ in runner.ran]
     assert sizes == [513, 514, 516, 520, 522] and runner.ran[0][1] == {
         "skip_eplb": True,
@@ -181,7 +173,7 @@ def test_the_warmer_declines_in_one_line(
     import torch
 
     engine = moe_engine(_Runner(getattr(torch, dtype)), graph_tokens, ubatch)
-    jobs, declined, errors = engine_warmup.plan(only_this_warmer(), engine)
+    jobs, declined, errors = engine_warmup.plan(fakes.bare_manager(vllm_fused_moe), engine)
     assert jobs == [] and errors == [] and len(declined) == 1
     assert reason in declined[0].why and "\n" not in declined[0].why
 

@@ -67,9 +67,9 @@ def engine_of(worker: Any, feats: Features) -> dict[str, Any]:
             getattr(config, "observability_config", None), "jit_monitor_mode", None
         )
         == "error",
-        max_tokens=int(getattr(config.scheduler_config, "max_num_batched_tokens", 0) or 0)
-        if hasattr(config, "scheduler_config")
-        else 0,
+        max_tokens=int(
+            getattr(getattr(config, "scheduler_config", None), "max_num_batched_tokens", 0) or 0
+        ),
         graph_tokens=graph_tokens(config),
         micro_batches=ubatching(config),
         device=getattr(runner, "device", None),
