@@ -60,25 +60,9 @@ def clear_vllm_kernel_caches() -> None:
 
 
 def block_table(block_size: int, max_len: int = 4096, tokens: int = 2048, reqs: int = 8) -> Any:
-    """A V1 ``BlockTable`` as ``MultiGroupBlockTable`` builds one for a single
-    attention group (0.26+: rows padded to a multiple of 128 // block size)."""
-    import torch
-    from vllm.v1.worker.block_table import BlockTable
-
-    blocks = -(-max_len // block_size)
-    if compat.release_features(compat.installed_vllm_version()).version >= (0, 26):
-        step = 128 // block_size
-        blocks = -(-blocks // step) * step
-    return BlockTable(
-        block_size=block_size,
-        max_num_reqs=reqs,
-        max_num_blocks_per_req=blocks,
-        max_num_batched_tokens=tokens,
-        pin_memory=False,
-        device=torch.device("cpu"),
-        kernel_block_size=block_size,
-        cp_kv_cache_interleave_size=1,
-    )
+    """A V1 ``BlockTable`` as the runner's ``MultiGroupBlockTable`` builds it for a single
+    attention group (the plugin's own ``compat.cpu_block_tables``)."""
+    return compat.cpu_block_tables(block_size, max_len, reqs, tokens)[0]
 
 
 @contextlib.contextmanager

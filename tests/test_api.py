@@ -28,6 +28,7 @@ NAME = tq_warmup_plugin.__name__
 # since issue 21 ``compat`` is a package of four modules (the same names, by concern).
 REGISTER_MODULES = {
     NAME,
+    f"{NAME}.ahead",
     f"{NAME}.compat",
     f"{NAME}.compat.live",
     f"{NAME}.compat.releases",

@@ -30,7 +30,8 @@ def test_ok_line_has_every_count() -> None:
     report.launches, report.launch_s = 6, 0.1714
     assert report.line().endswith("workspace 3.0 MiB; 1234 ms; 6 first launches 171 ms")
     report.vllm_jobs, report.vllm_launches, report.vllm_s = {"fused MoE": 11}, 22, 3.21
-    assert report.line().endswith("; vLLM kernels: fused MoE 11 (22 launches compiled, 3210 ms)")
+    report.vllm_compiles = 4
+    assert report.line().endswith("; vLLM kernels: fused MoE 11 (22 launches, 4 compiled, 3210 ms)")
     report.vllm_forwards, report.vllm_forward_compiles, report.vllm_forward_s = 11, 0, 0.4049
     assert report.line().endswith("3210 ms); 11 warmup forwards 405 ms, 0 compiles in them")
 

@@ -69,6 +69,9 @@ class Row:
     MoE layers run Triton's ``fused_moe_kernel`` on Hopper. Not Llama 4: its chunked local
     layers cannot share a KV cache group with TurboQuant's on 0.20-0.27 (startup failed
     in vLLM's grouping on the H200, 0.26.0, 2026-12-02, ``benchmarks/results/llama4/``)."""
+    ahead: bool = True
+    """The compile-ahead child (``TQ_WARMUP_AHEAD``); off, the warmers compile in
+    ``kernel_warmup`` as before it existed."""
 
 
 _NGRAM = SpecConfig("ngram", "ngram", 3)
@@ -87,6 +90,9 @@ ROWS: dict[str, Row] = {
     "tq-mtp-off": Row("tq", SpecConfig("mtp", "mtp", 1), warmers=False),
     "tq-moe": Row("tq", SpecConfig("plain"), moe=True),
     "tq-moe-off": Row("tq", SpecConfig("plain"), warmers=False, moe=True),
+    "tq-ngram-noahead": Row("tq", _NGRAM, ahead=False),
+    "tq-noahead": Row("tq", SpecConfig("plain"), ahead=False),
+    "tq-moe-noahead": Row("tq", SpecConfig("plain"), moe=True, ahead=False),
 }
 
 
@@ -160,6 +166,7 @@ def run_row(args: argparse.Namespace, name: str, port: int, work: Path, out: Pat
         (model_dir / "config.json").write_text(json.dumps(config, indent=1))
     env = serve_env(args, work / name / "triton", Path(args.stub))
     env["TQ_WARMUP_VLLM_KERNELS"] = "1" if row.warmers else "0"
+    env["TQ_WARMUP_AHEAD"] = "1" if row.ahead else "0"
     if args.driver_cache:
         env.update(
             TQ_WARMUP_DRIVER_CACHE=str(Path(args.driver_cache) / "driver-cache"),
@@ -176,7 +183,7 @@ def run_row(args: argparse.Namespace, name: str, port: int, work: Path, out: Pat
         argv += ["--speculative-config", json.dumps(spec)]
     log = out / (f"serve-{name}.log" if start == 1 else f"serve-{name}-start{start}.log")
     srv = Server(port, args.request_timeout)
-    result: dict[str, Any] = {"row": name, "kv": kv, "spec": spec, "warmers": row.warmers,
+    result: dict[str, Any] = {"row": name, "kv": kv, "spec": spec, "warmers": row.warmers, "ahead": row.ahead,
                               "start": start}  # fmt: skip
 
     def workload() -> dict[str, Any]:
@@ -215,7 +222,7 @@ def row_facts(plugin_lines: list[str]) -> dict[str, Any]:
             facts.setdefault("driver_cache_line", line[line.find("tq-warmup:") :])
         m = re.search(r"vLLM kernels: (.*)", line)
         if m:
-            facts.setdefault("vllm_kernels", m[1][:300])
+            facts.setdefault("vllm_kernels", m[1][:500])
     return facts
 
 

@@ -28,9 +28,10 @@ import pluggy
 from . import compat, launches, planning, safe_io, warmup
 from .cli_flags import Parser, arch, command, geometry_flags, report_conflicts, whole
 from .cli_inputs import CliError, geometries, geometries_from_report
+from .engine import Engine, Job
 from .geometry import Geometry
 from .planning import Planned
-from .report import Report
+from .report import CompileCounter, Report
 from .settings import load, parse
 from .shipped import manifest, pins
 
@@ -80,10 +81,44 @@ def _boundary(planned: Planned) -> dict[str, tuple[int, int, int]]:
     return {"boundary": (g.num_heads, g.num_kv_heads, g.head_size)} if planned.boundary else {}
 
 
+def _engine(args: argparse.Namespace, planned: Planned) -> tuple[Engine | None, str]:
+    """The engine the plan's worker would read (``engine_plan``), or None and why not."""
+    from .engine_plan import cpu_engine, request_for, runs_v2
+
+    if not planned.vocab_size:
+        return None, "need --model or --vocab-size for their keys"
+    spec = args.speculative_config
+    method = None if spec is None else str(spec["method"])
+    v2 = runs_v2(planned.geometry.features, method, planned.moe, args.runner)
+    request = request_for(planned.geometry, planned.vocab_size, spec, args.max_logprobs, v2)
+    return cpu_engine(request), f"{'V2' if v2 else 'V1'} runner" + (
+        f", {method} k={spec['num_speculative_tokens']}" if spec else ", no speculative decoding"
+    )
+
+
+def _engine_jobs(
+    args: argparse.Namespace, planned: Planned, pm: pluggy.PluginManager
+) -> tuple[Engine | None, str, list[Job], list[str]]:
+    """The engine, its description, its offline jobs and the lines of what is not planned."""
+    from .engine_plan import jobs
+
+    engine, what = _engine(args, planned)
+    if engine is None:
+        return None, what, [], []
+    todo, declined, errors = jobs(pm, engine)
+    notes = [f"{d.family}: {d.why}" for d in declined] + errors
+    if planned.moe:
+        notes.append("fused MoE: model forwards, warmed at startup")
+    return engine, what, todo, notes
+
+
 def inspect(args: argparse.Namespace) -> int:
     """Print the keys startup would warm, per path, deduplicated."""
-    the_plan, named, planned = _plan(args, warmup.plugin_manager())
+    pm = warmup.plugin_manager()
+    the_plan, named, planned = _plan(args, pm)
     geometry = planned.geometry
+    engine, engine_text, engine_jobs, engine_notes = _engine_jobs(args, planned, pm)
+    described = [f"{job.family}: {job.what}" for job in engine_jobs]
     per_path: dict[str, list[str]] = {}
     for key, paths in the_plan.paths.items():
         for path in paths:
@@ -97,6 +132,11 @@ def inspect(args: argparse.Namespace) -> int:
             "paths": per_path,
             "launches": first_launches,
             "geometry": geometry.to_dict(),
+            "vllm_kernels": {
+                "engine": engine_text if engine else None,
+                "jobs": described,
+                "not_planned": engine_notes if engine else [engine_text],
+            },
         }
         print(json.dumps(out, indent=2))
         return 0
@@ -114,6 +154,12 @@ def inspect(args: argparse.Namespace) -> int:
             print(f"  {text}")
     print(f"\nfirst launches on the GPU (TQ_WARMUP_LAUNCH): {len(first_launches)}")
     for text in first_launches:
+        print(f"  {text}")
+    if engine is None:
+        print(f"\nvLLM's own kernels: not planned: {engine_text}")
+        return 0
+    print(f"\nvLLM's own kernels ({engine_text}): {len(described)} jobs")
+    for text in described + [f"not here: {note}" for note in engine_notes]:
         print(f"  {text}")
     return 0
 
@@ -200,6 +246,7 @@ def precompile(args: argparse.Namespace) -> int:
     pm = warmup.plugin_manager()
     the_plan, named, planned = _plan(args, pm)
 
+    from .engine_plan import build
     from .shipped.precompile import (
         InstallError,
         cache_keys_for,
@@ -219,11 +266,21 @@ def precompile(args: argparse.Namespace) -> int:
             os.environ["TRITON_CACHE_DIR"] = str(stage)
             compile_start = time.perf_counter()
             key_dirs = warmup.compile_into(report, pm, the_plan.keys, load().threads, _progress)
+            engine, engine_text, engine_jobs, _ = _engine_jobs(args, planned, pm)
+            built: list[str] = []
+            if engine is not None:
+                _stage(f"vLLM's own kernels ({engine_text}): {len(engine_jobs)} jobs")
+                with CompileCounter() as counter:
+                    done, failed = build(pm, engine)
+                key_dirs = set(key_dirs) | counter.dirs
+                built = [f"{job.family}: {job.what}" for job in done]
+                report.errors.extend(failed)
             compile_s = time.perf_counter() - compile_start
             plan = {
                 "kv_cache_dtype": planned.geometry.cache_dtype,
                 "geometries": [g.to_dict() for g in named.values()],
                 "keys": [warmup.describe(k) for k in the_plan.keys],
+                "vllm_kernels": built,
             }
             manifest_file = install(cache_dir, stage, key_dirs, plan, target)
         except (InstallError, OSError) as exc:  # a full disk: one line, nothing installed
@@ -232,7 +289,8 @@ def precompile(args: argparse.Namespace) -> int:
             return 1
     print(
         f"tq-warmup: {len(the_plan.keys)} keys for sm{args.arch} in {cache_dir}: "
-        f"{report.compiled} built, {report.loaded} already there, {report.failed} failed "
+        f"{report.compiled} built, {report.loaded} already there, {report.failed} failed; "
+        f"vLLM's own kernels: {len(built)} jobs "
         f"(compile {compile_s:.1f} s, {time.perf_counter() - start:.1f} s in all with the "
         f"vLLM import; vLLM {installed['vllm']}, Triton {installed['triton']}; "
         f"manifest {manifest_file.name})"

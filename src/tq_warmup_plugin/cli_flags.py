@@ -8,6 +8,7 @@ Parsing only: what a flag's value means is decided where it is used (``planning`
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -24,6 +25,7 @@ __all__ = [
     "geometry_flags",
     "report_conflicts",
     "scale",
+    "speculative_config",
     "whole",
 ]
 
@@ -39,6 +41,22 @@ def whole(minimum: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def speculative_config(text: str) -> dict[str, object]:
+    """vLLM's ``--speculative-config`` JSON object, checked as vLLM's engine would need it
+    for its kernels: a method and one or more draft tokens."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:80]!r} is not JSON") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("it is not a JSON object")
+    try:
+        compat.speculative_fields(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def scale(text: str) -> float:
@@ -165,3 +183,15 @@ def geometry_flags(p: argparse.ArgumentParser) -> None:
         help="vLLM's --enable-dbo (or --ubatch-size over 1): microbatches' unaligned views",
     )
     p.add_argument("--vllm-version", help="release to plan for (default: installed)")
+    p.add_argument(
+        "--speculative-config",
+        type=speculative_config,
+        help="vLLM's --speculative-config JSON: also plan vLLM's own kernels it reaches "
+        "(the rejection sampler, top-k/top-p); they are planned only with a vocabulary",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=whole(1),
+        help="the logits' width vLLM's sampler kernels are keyed by (default: model's)",
+    )
+    p.add_argument("--max-logprobs", type=whole(0), default=20, help="vLLM's --max-logprobs")

@@ -91,7 +91,7 @@ def geometries(args: argparse.Namespace) -> tuple[dict[str, Geometry], Planned]:
         found, layers, version = geometries_from_report(args.geometry_json)
         named = {f"geometry{i}": g for i, g in enumerate(found)}
         note = f"startup report of vLLM {version}"
-        return named, Planned(found[0], layers, True, note)
+        return named, Planned(found[0], layers, True, note, vocab_size=args.vocab_size or 0)
     request = plan_request(args)
     with contextlib.ExitStack() as stack:  # vLLM reads --model's config in here
         model = None if args.model is None else stack.enter_context(model_dir(args.model))

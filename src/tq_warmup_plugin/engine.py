@@ -81,6 +81,10 @@ class Job:
     outside ``compat.compile_only_launches``: a model forward (``compat.dummy_run``) can
     neither share vLLM's one forward context with another thread nor skip its launches
     (its routing would read memory no kernel wrote)."""
+    offline: bool = True
+    """Its keys can be built without the worker, on vLLM's CPU objects (``engine_plan``:
+    ``precompile``, the compile-ahead child): a launch of Triton kernels on a few bytes.
+    Not a real job, nor one whose kernels ``torch.compile`` generates for the device."""
 
 
 @dataclass(frozen=True)

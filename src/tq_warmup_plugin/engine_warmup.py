@@ -37,6 +37,9 @@ class EngineResult:
     """Jobs run per family (``slot mapping 1``, ``rejection sampler 3``)."""
     kernels: int = 0
     """Triton launches met, each compiled, found in memory or loaded from disk."""
+    compiled: int = 0
+    """Of them, the Triton compiles (the rest were in memory or on disk: a shipped layer,
+    the compile-ahead child's keys, an earlier start)."""
     declined: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -100,8 +103,9 @@ def run(pm: pluggy.PluginManager, engine: Engine, load: bool, threads: int = 1) 
             outcomes += [one(job) for job in real]
         result.forwards = (len(real), counter.compiled, time.perf_counter() - forwards_start)
     pool_of = ThreadPoolExecutor(max(1, threads), initializer=compat.pin_to_callers_device())
-    with compat.compile_only_launches(load) as met, pool_of as pool:
+    with CompileCounter() as counter, compat.compile_only_launches(load) as met, pool_of as pool:
         outcomes += pool.map(one, skipped)
+    result.compiled = counter.compiled
     for job, error in zip(real + skipped, outcomes, strict=True):
         if error is None:
             result.jobs[job.family] = result.jobs.get(job.family, 0) + 1

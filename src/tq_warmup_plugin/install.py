@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-from . import compat, guards, patching
+from . import ahead, compat, guards, patching
 from .settings import Settings
 
 # A child of vLLM's "vllm" logger inherits its handlers and format.
@@ -85,6 +85,8 @@ def _hook_warmup(source: ModuleType, settings: Settings) -> None:
 def patches(settings: Settings) -> dict[str, list[Patch]]:
     """What to do to which vLLM module once it has executed, in order."""
     todo: dict[str, list[Patch]] = {compat.WARMUP_MODULE: [lambda m: _hook_warmup(m, settings)]}
+    if settings.vllm_kernels and settings.ahead:
+        todo.setdefault(ahead.MODULE, []).append(lambda m: ahead.install(m, settings))
     for guard in guards.active(settings):
         todo.setdefault(guard.MODULE, []).append(guard.install)
     return todo
@@ -138,6 +140,9 @@ def uninstall() -> None:
         module = sys.modules.get(guard.MODULE)
         if module is not None:
             guard.remove(module)
+    worker_module = sys.modules.get(ahead.MODULE)
+    if worker_module is not None:
+        ahead.remove(worker_module)
     patching.unwrap_function(patching.loaded(compat.CALL_SITE_MODULES), "kernel_warmup")
 
 

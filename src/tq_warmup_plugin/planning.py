@@ -164,6 +164,10 @@ class ModelShape(NamedTuple):
     attention_chunk: int | None = None
     """``ModelConfig.attention_chunk_size`` (the text config's, all releases): Llama 4 runs
     its RoPE layers as ``ChunkedLocalAttention`` with it; None without one."""
+    vocab_size: int = 0
+    """``get_vocab_size()``: the width of the logits vLLM's samplers get."""
+    moe: bool = False
+    """``ModelConfig.is_moe``: its experts warm only in a worker (model forwards)."""
 
 
 def _dtype_text(value: Any) -> str | None:
@@ -332,6 +336,8 @@ def model_shape(
             max_model_len=int(model_config.max_model_len),
             scale=model_scale(str(getattr(text, "model_type", "")), text),
             attention_chunk=getattr(model_config, "attention_chunk_size", None) or None,
+            vocab_size=int(model_config.get_vocab_size()),
+            moe=bool(getattr(model_config, "is_moe", False)),
         )
 
 
@@ -357,6 +363,10 @@ class Planned(NamedTuple):
     """Where the shape came from, for the printed plan."""
     local: Geometry | None = None
     """The geometry of the model's chunked local attention layers (Llama 4), if any."""
+    vocab_size: int = 0
+    """The logits' width (``--vocab-size`` or the model's), 0 where neither says it."""
+    moe: bool = False
+    """The model has experts (``ModelConfig.is_moe``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,6 +398,8 @@ class PlanRequest:
     """The target SM as one number (90: H100/H200)."""
     enable_dbo: bool = False
     attention_chunk_size: int | None = None
+    vocab_size: int | None = None
+    """The logits' width vLLM's sampler kernels are keyed by; None: the model's."""
 
 
 def _features(request: PlanRequest) -> Features:
@@ -494,4 +506,6 @@ def plan_geometry(request: PlanRequest, model_dir: str | None) -> Planned:
         raise PlanError(f"not a TurboQuant geometry: {exc}") from None
     if local is not None:
         note += f"; chunked local attention of {chunk} tokens"
-    return Planned(geometry, layers, bool(skip) or shape is None, note, local)
+    vocab = request.vocab_size or (shape.vocab_size if shape else 0)
+    moe = bool(shape and shape.moe)
+    return Planned(geometry, layers, bool(skip) or shape is None, note, local, vocab, moe)

@@ -51,6 +51,8 @@ class Report:
     vllm_launches: int = 0
     """Triton launches those jobs turned into compiles and loads."""
     vllm_s: float = 0.0
+    vllm_compiles: int = 0
+    """Of ``vllm_launches``, those Triton compiled here (the rest came from disk)."""
     vllm_forwards: int = 0
     """Of those jobs, the model forwards (``engine_warmup.EngineResult.forwards``)."""
     vllm_forward_compiles: int = 0
@@ -88,8 +90,8 @@ class Report:
         if self.vllm_jobs:
             jobs = ", ".join(f"{family} {n}" for family, n in self.vllm_jobs.items())
             text += (
-                f"; vLLM kernels: {jobs} ({self.vllm_launches} launches compiled, "
-                f"{self.vllm_s * 1000:.0f} ms)"
+                f"; vLLM kernels: {jobs} ({self.vllm_launches} launches, "
+                f"{self.vllm_compiles} compiled, {self.vllm_s * 1000:.0f} ms)"
             )
             if self.vllm_forwards:
                 text += (

@@ -78,6 +78,9 @@ class Settings(NamedTuple):
         that a TurboQuant server reaches and vLLM's warmup leaves out (slot mapping at
         TurboQuant's block size, the rejection sampler's greedy and random batches,
         logprobs; ``engine_warmup``).
+    ahead: ``TQ_WARMUP_AHEAD`` (default on): with ``vllm_kernels``, a CPU-only child
+        started at ``load_model`` builds those kernels' keys while the worker loads its
+        model (``ahead``), so a cold worker does not compile them in ``kernel_warmup``.
     """
 
     enabled: bool = True
@@ -93,6 +96,7 @@ class Settings(NamedTuple):
     driver_cache_copy_to: str | None = None
     driver_cache_override: bool = False
     vllm_kernels: bool = True
+    ahead: bool = True
 
 
 _FLAG_VALUES = "1, true, on, yes / 0, false, off, no (any case)"
@@ -184,6 +188,7 @@ def parse(env: Mapping[str, str] | None = None) -> tuple[Settings, list[str]]:
         driver_cache_copy_to=_directory(env, "TQ_WARMUP_DRIVER_CACHE_COPY_TO", problems),
         driver_cache_override=_flag(env, "TQ_WARMUP_DRIVER_CACHE_OVERRIDE", False, problems),
         vllm_kernels=_flag(env, "TQ_WARMUP_VLLM_KERNELS", True, problems),
+        ahead=_flag(env, "TQ_WARMUP_AHEAD", True, problems),
     )
     return settings, problems
 

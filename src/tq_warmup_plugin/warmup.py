@@ -20,7 +20,7 @@ from typing import Any, Generic, TypeVar
 
 import pluggy
 
-from . import compat, engine_warmup, hookspecs, launches, spec_problem, workspace
+from . import ahead, compat, engine_warmup, hookspecs, launches, spec_problem, workspace
 from .discovery import discover
 from .geometry import Geometry
 from .guards import draft_seq_lens, prefix_fast_path
@@ -219,6 +219,7 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
     if found.note:
         report.notes.append(found.note)
     if not found.geometries:
+        _reap_ahead(report)
         report.status = "skipped"
         report.reason = "no TurboQuant attention layers in this worker"
         if found.flydsl:  # they exist, but run none of the warmed kernels
@@ -283,6 +284,14 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
     return report
 
 
+def _reap_ahead(report: Report) -> None:
+    """The compile-ahead child's line (``ahead``), once it has ended: before the engine
+    warmers, which then find its keys on disk, or where they do not run."""
+    line = ahead.wait()
+    if line:
+        report.notes.append(line)
+
+
 def _warm_vllm_kernels(
     report: Report,
     worker: Any,
@@ -294,6 +303,7 @@ def _warm_vllm_kernels(
     """vLLM's own kernels this TurboQuant worker reaches (``engine_warmup``); loaded on
     the GPU only where the layers live on one (the CLI and CPU tests compile only). A
     plugin manager without engine warmers reads nothing of the runner."""
+    _reap_ahead(report)
     if not pm.hook.tq_warmup_engine_jobs.get_hookimpls():
         return
     engine, why = engine_warmup.engine_or_reason(worker, feats)
@@ -303,6 +313,7 @@ def _warm_vllm_kernels(
     done = engine_warmup.run(pm, engine, getattr(device, "type", None) == "cuda", threads)
     report.vllm_jobs = done.jobs
     report.vllm_launches = done.kernels
+    report.vllm_compiles = done.compiled
     report.vllm_s = done.seconds
     report.vllm_forwards, report.vllm_forward_compiles, report.vllm_forward_s = done.forwards
     report.declined = done.declined

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from collections.abc import Mapping
 from typing import Any
 
 from . import vllm_paths as paths
@@ -18,6 +19,7 @@ from .releases import Features
 __all__ = [
     "CompatError",
     "MoeExperts",
+    "cpu_block_tables",
     "drafter_of",
     "dummy_run",
     "eagle_helper",
@@ -29,6 +31,8 @@ __all__ = [
     "sampling_metadata",
     "slot_mapping_tables",
     "spec_decode_metadata",
+    "speculative_fields",
+    "speculative_of",
     "top_k_top_p_function",
     "topk_logprobs_function",
 ]
@@ -45,20 +49,15 @@ def engine_of(worker: Any, feats: Features) -> dict[str, Any]:
     ``model_config.max_logprobs``, ``is_moe``, ``is_hybrid`` and ``is_pooling_model``
     under the same names)."""
     config = worker.vllm_config
-    spec = getattr(config, "speculative_config", None)
-    method = getattr(spec, "method", None) if spec is not None else None
+    method, tokens, probs = speculative_of(config)
     runner = worker.model_runner
     return dict(
         features=feats,
         runner_v2=bool(getattr(worker, "use_v2_model_runner", False)),
         pooling=bool(getattr(runner, "is_pooling_model", False)),
-        spec_method=None if method is None else str(method),
-        spec_tokens=int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec else 0,
-        # 0.26 gpu_model_runner._dummy_sampler_run:6252; the attributes are new in 0.25
-        # (before, draft probabilities were never passed: getattr's default).
-        draft_probs=spec is not None
-        and getattr(spec, "rejection_sample_method", "standard") == "standard"
-        and getattr(spec, "draft_sample_method", "greedy") == "probabilistic",
+        spec_method=method,
+        spec_tokens=tokens,
+        draft_probs=probs,
         max_logprobs=int(getattr(config.model_config, "max_logprobs", 20)),
         moe=bool(getattr(config.model_config, "is_moe", False)),
         hybrid=bool(getattr(config.model_config, "is_hybrid", False)),
@@ -75,6 +74,42 @@ def engine_of(worker: Any, feats: Features) -> dict[str, Any]:
         device=getattr(runner, "device", None),
         runner=runner,
     )
+
+
+_SPEC_FIELDS = (
+    "method", "num_speculative_tokens", "rejection_sample_method", "draft_sample_method"
+)  # fmt: skip
+
+
+def speculative_fields(config: Mapping[str, object] | None) -> tuple[str | None, int, bool]:
+    """Method, draft tokens, and whether the rejection sampler gets the draft's
+    probabilities, from a ``SpeculativeConfig``'s fields or the ``--speculative-config``
+    JSON object, with vLLM's defaults: 0.26 ``_dummy_sampler_run`` passes them for
+    ``rejection_sample_method`` "standard" (the default) and ``draft_sample_method``
+    "probabilistic" (default "greedy"); these fields are new in 0.25, and before, draft
+    probabilities were never passed. None: no speculative decoding. A config without a
+    method or with fewer than one draft token raises ValueError (one line)."""
+    if not config:
+        return None, 0, False
+    method = config.get("method")
+    if not isinstance(method, str) or not method:
+        raise ValueError('a speculative config needs a "method" (ngram, eagle, mtp, ...)')
+    tokens = config.get("num_speculative_tokens")
+    if type(tokens) is not int or tokens < 1:
+        raise ValueError('a speculative config needs "num_speculative_tokens" of 1 or more')
+    probs = (
+        config.get("rejection_sample_method", "standard") == "standard"
+        and config.get("draft_sample_method", "greedy") == "probabilistic"
+    )
+    return method, tokens, probs
+
+
+def speculative_of(vllm_config: Any) -> tuple[str | None, int, bool]:
+    """``speculative_fields`` of a ``VllmConfig``'s ``speculative_config`` (all releases)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return None, 0, False
+    return speculative_fields({k: getattr(spec, k) for k in _SPEC_FIELDS if hasattr(spec, k)})
 
 
 def graph_tokens(config: Any) -> int:
@@ -148,6 +183,33 @@ def slot_mapping_tables(runner: Any) -> list[Any]:
     0.26+ mark mamba-like groups ``slot_mapping_mode == NONE``; they map nothing."""
     tables = runner.input_batch.block_table.block_tables
     return [t for t in tables if _mode(t) != "none"]
+
+
+def cpu_block_tables(
+    block_size: int, max_model_len: int, max_num_reqs: int, max_num_batched_tokens: int
+) -> list[Any]:
+    """The block tables vLLM's own ``MultiGroupBlockTable`` builds for one attention group,
+    on the CPU: a worker's V1 runner makes it with ``cdiv(max_model_len, block_size)``
+    blocks a row and rounds the row itself (0.26+). Its constructor's keywords differ:
+    0.20-0.25 take ``max_model_len``, 0.33 dropped ``kernel_block_sizes``; each is passed
+    only where the release's signature has it."""
+    import inspect
+
+    import torch
+
+    cls = importlib.import_module(paths.BLOCK_TABLE_MODULE).MultiGroupBlockTable
+    offered = dict(
+        max_num_reqs=max_num_reqs,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        pin_memory=False,
+        device=torch.device("cpu"),
+        block_sizes=[block_size],
+        kernel_block_sizes=[block_size],
+        max_num_blocks=[-(-max_model_len // block_size)],
+    )
+    accepted = inspect.signature(cls.__init__).parameters
+    return list(cls(**{k: v for k, v in offered.items() if k in accepted}).block_tables)
 
 
 def _mode(table: Any) -> object:

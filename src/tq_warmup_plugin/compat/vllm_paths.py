@@ -33,12 +33,15 @@ __all__ = [
     "MODEL_CONFIG_MODULE",
     "MODEL_REGISTRY_MODULE",
     "MODEL_UTILS_MODULE",
+    "REJECTION_MODULE",
+    "SAMPLER_MODULE",
     "SAMPLING_METADATA_MODULE",
     "SPEC_METADATA_MODULE",
     "SPEC_UTILS_MODULE",
     "STAGE2_MODULE",
     "STORE_MODULE",
     "TOPK_TOPP_MODULE",
+    "TOPK_TOPP_TRITON_MODULE",
     "TQ_CONFIG_MODULE",
     "TQ_DTYPE_PREFIX",
     "UBATCH_VIEWS_V1",
@@ -64,6 +67,9 @@ SAMPLING_METADATA_MODULE = "vllm.v1.sample.metadata"
 LOGITS_PROCESSOR_MODULE = "vllm.v1.sample.logits_processor"
 V2_LOGPROB_MODULE = "vllm.v1.worker.gpu.sample.logprob"
 TOPK_TOPP_MODULE = "vllm.v1.sample.ops.topk_topp_sampler"
+TOPK_TOPP_TRITON_MODULE = "vllm.v1.sample.ops.topk_topp_triton"  # 0.26+
+SAMPLER_MODULE = "vllm.v1.sample.sampler"
+REJECTION_MODULE = "vllm.v1.sample.rejection_sampler"
 FLASH_ATTN_MODULE = "vllm.v1.attention.backends.flash_attn"
 FUSED_MOE_MODULE = "vllm.model_executor.layers.fused_moe.fused_moe"
 

@@ -1,0 +1,195 @@
+"""The compile-ahead child: vLLM's own kernel keys built while the worker loads its model.
+
+Why: from a cold Triton cache the engine warmers' compiles cost a TurboQuant worker 7.2 s
+(V1 with ngram) and 8.7 s (V2) of startup on the H200 (vLLM 0.26.0, one server on 16 CPUs,
+``benchmarks/results/serve-jit`` run J), over the 5 s a worker may add. Threads do not help
+much: Triton's compiler holds the GIL for most of a compile (its AST walk and MLIR passes;
+the 6 top-k/top-p keys took 4.59 s on one thread and 3.53 s on two, 2 CPUs). But those keys
+depend only on engine arguments a worker knows before it loads its model
+(``engine_plan.EngineRequest``), and the worker then spends seconds to minutes on weights,
+``torch.compile``, profiling and the KV cache. So ``Worker.load_model`` starts one child
+``python -m tq_warmup_plugin.ahead``: CPU only (``CUDA_VISIBLE_DEVICES=""``: no CUDA
+context, no GPU memory), at a lower priority, with the worker's own environment, so it
+compiles into the Triton cache the worker reads (its ``TRITON_CACHE_DIR``, its
+``TRITON_CACHE_MANAGER`` and shipped layers), for the worker's GPU architecture, the very
+keys ``precompile`` builds. ``kernel_warmup`` waits for it (at most ``WAIT_S``), and the
+engine warmers then find those keys on disk; what it missed or did not reach, they compile
+as before. Nothing it does can stop vLLM starting: a child that fails, hangs or cannot start
+costs only its one line in the report. ``TQ_WARMUP_AHEAD=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from . import compat, patching
+from .settings import Settings
+
+if TYPE_CHECKING:  # register() imports this module: the rest comes when a worker starts
+    import subprocess
+
+    from .engine_plan import EngineRequest
+
+__all__ = [
+    "CHILD_MODULE",
+    "MODULE",
+    "WAIT_S",
+    "Child",
+    "install",
+    "remove",
+    "request_of",
+    "start",
+    "wait",
+]
+
+MODULE = compat.WORKER_MODULE
+"""The module whose ``Worker.load_model`` starts the child (all releases)."""
+WAIT_S = 30.0
+"""How long ``kernel_warmup`` waits for a child still compiling. It started at
+``load_model``; its import and compiles took 5-6 s on 2 CPUs (``engine_plan.build`` of a V1
+ngram and a V2 worker's keys, vLLM 0.26.0), so a child not done by then is stuck."""
+CHILD_MODULE = "tq_warmup_plugin.ahead_child"
+"""What the child runs (``python -m``)."""
+OUTPUT_LIMIT = 1 << 16
+"""The most bytes of the child's one JSON line that are read."""
+
+
+@dataclass
+class Child:
+    """The child of this worker process, while it runs and once it has ended."""
+
+    process: subprocess.Popen[bytes] | None
+    started: float
+    why: str = ""
+    """Why there is no child (it could not start), else empty."""
+
+
+_child: Child | None = None
+
+
+def request_of(worker: Any, feats: compat.Features) -> EngineRequest | None:
+    """The engine arguments of a worker that is about to load its model, or None where the
+    engine warmers would warm nothing (no TurboQuant KV cache, a pooling model). The block
+    size is final here: vLLM aligns TurboQuant's in the engine's config (0.25+
+    ``Platform._align_heterogeneous_kv_block_size``, before the workers start)."""
+    from .engine_plan import EngineRequest
+
+    config = worker.vllm_config
+    cache = config.cache_config
+    if not str(getattr(cache, "cache_dtype", "")).startswith(compat.TQ_DTYPE_PREFIX):
+        return None
+    model = config.model_config
+    if getattr(model, "runner_type", "generate") == "pooling":
+        return None
+    method, tokens, probs = compat.speculative_of(config)
+    scheduler = config.scheduler_config
+    return EngineRequest(
+        features=feats,
+        runner_v2=bool(getattr(worker, "use_v2_model_runner", False)),
+        vocab_size=int(model.get_vocab_size()),
+        model_dtype=str(model.dtype).removeprefix("torch."),
+        block_size=int(cache.block_size),
+        max_model_len=int(model.max_model_len),
+        max_num_seqs=int(scheduler.max_num_seqs),
+        max_num_batched_tokens=int(scheduler.max_num_batched_tokens),
+        spec_method=method,
+        spec_tokens=tokens,
+        draft_probs=probs,
+        max_logprobs=int(getattr(model, "max_logprobs", 20)),
+    )
+
+
+def _arch() -> int:
+    """The current GPU's SM as one number (90 for an H200): the child's compile target."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    return int(major) * 10 + int(minor)
+
+
+def start(worker: Any) -> None:
+    """Start this worker's child, once; any failure is its one line, never an exception."""
+    global _child
+    if _child is not None:
+        return
+    import subprocess
+
+    from .report import error_line
+
+    started = time.perf_counter()
+    try:
+        feats = compat.release_features(compat.installed_vllm_version() or "")
+        request = request_of(worker, feats)
+        if request is None:
+            return
+        argument = json.dumps({"request": request.to_dict(), "arch": _arch()})
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+        process = subprocess.Popen(
+            [sys.executable, "-m", CHILD_MODULE, argument],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+    except Exception as exc:
+        _child = Child(None, started, f"did not start: {error_line(exc)}")
+        return
+    _child = Child(process, started)
+
+
+def wait(timeout: float = WAIT_S) -> str:
+    """Wait for the child (at most ``timeout`` seconds; a child still running then is
+    killed) and say in one line what it did; empty where no child was started."""
+    global _child
+    child, _child = _child, None
+    if child is None:
+        return ""
+    if child.process is None:
+        return f"compile-ahead child {child.why}"
+    import subprocess
+
+    process = child.process
+    begin = time.perf_counter()
+    try:
+        out, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        return f"compile-ahead child killed: still running after {timeout:.0f} s of warmup"
+    waited = time.perf_counter() - begin
+    try:
+        result = json.loads(out[:OUTPUT_LIMIT].decode("utf-8", "replace") or "null")
+        built, errors, seconds = int(result["built"]), list(result["errors"]), result["seconds"]
+    except (ValueError, TypeError, KeyError):
+        return f"compile-ahead child exited {process.returncode} without its result"
+    text = f"compile-ahead child: {built} jobs in {float(seconds):.1f} s, waited {waited:.1f} s"
+    if errors:
+        text += f", {len(errors)} failed (first: {str(errors[0])[:200]})"
+    return text
+
+
+def install(module: ModuleType, settings: Settings) -> None:
+    """Wrap ``Worker.load_model`` to start the child first."""
+    cls = getattr(module, "Worker", None)
+    original = getattr(cls, "load_model", None)
+    if cls is None or original is None or patching.is_ours(original):
+        return
+
+    @patching.wraps(original)
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        start(self)
+        return original(self, *args, **kwargs)
+
+    patching.replace(cls, "load_model", load_model)
+
+
+def remove(module: ModuleType) -> None:
+    cls = getattr(module, "Worker", None)
+    if cls is not None:
+        patching.restore(cls, "load_model")

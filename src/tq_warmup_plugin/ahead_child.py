@@ -1,0 +1,46 @@
+"""The compile-ahead child's process (``ahead``): ``python -m tq_warmup_plugin.ahead_child
+JSON`` builds one worker's offline engine jobs (``engine_plan``) for its GPU architecture
+into the Triton cache its environment names, and prints one JSON line: the jobs built, the
+error lines, the seconds. Its own module, so that nothing the worker imports loads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The child: build the request's offline jobs for the target, print one JSON line."""
+    argv = sys.argv[1:] if argv is None else argv
+    began = time.perf_counter()
+    with contextlib.suppress(OSError):
+        os.nice(10)  # the worker beside it comes first
+    sys.stdout.flush()
+    real_stdout = os.dup(1)
+    os.dup2(2, 1)  # vLLM's import talks on stdout; the result line is ours alone
+    try:
+        from .engine_plan import EngineRequest, build, cpu_engine
+        from .shipped.precompile import use_compile_only_target
+        from .warmup import plugin_manager
+
+        given = json.loads(argv[0])
+        use_compile_only_target(int(given["arch"]))
+        engine = cpu_engine(EngineRequest.from_dict(given["request"]))
+        done, errors = build(plugin_manager(), engine)
+        result = {"built": len(done), "errors": errors}
+    except Exception as exc:  # one line, as the worker's own errors are
+        result = {"built": 0, "errors": [f"{type(exc).__name__}: {exc}".splitlines()[0]]}
+    result["seconds"] = time.perf_counter() - began
+    os.write(real_stdout, (json.dumps(result) + "\n").encode())
+    return 0 if not result["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

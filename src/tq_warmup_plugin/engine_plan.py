@@ -1,0 +1,230 @@
+"""vLLM's own kernels without a worker: the engine warmers' jobs on vLLM's CPU objects.
+
+A worker's engine warmers (``engine_warmup``) compile the keys vLLM's own kernels launch
+with (slot mapping, the rejection sampler, top-k/top-p, logprobs). ``inspect`` and
+``precompile --speculative-config`` list and build the same keys offline, so that a shipped
+layer serves them, and the compile-ahead child (``ahead``) builds them beside a worker that
+is still loading its model. All three describe the engine by vLLM's engine arguments
+(``EngineRequest``) and run the very warmers a worker runs, on a runner of vLLM's own CPU
+objects: its ``MultiGroupBlockTable``, ``Sampler`` and ``RejectionSampler``, and logits of the
+model's vocabulary and dtype. A job that needs the live worker (a model forward, a graph
+``torch.compile`` builds for the device, a drafter) is declined in one line: it runs at
+startup, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+from collections.abc import Iterator, Mapping
+from types import SimpleNamespace
+from typing import Any
+
+import pluggy
+
+from . import compat, engine_warmup
+from .compat import Features
+from .engine import Declined, Engine, Job
+from .report import error_line
+
+__all__ = [
+    "H100_SMS",
+    "V2_SPEC_METHODS",
+    "EngineRequest",
+    "build",
+    "cpu_engine",
+    "jobs",
+    "request_for",
+    "runs_v2",
+]
+
+H100_SMS = 132
+"""The SM count of an H100/H200, for launchers that size a grid by it (``_topk_topp_kernel``:
+``min(SMs, batch)`` programs, the grid only, not the key) on a host without the GPU."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRequest:
+    """The engine arguments vLLM's own kernel keys depend on, by vLLM's names."""
+
+    features: Features
+    runner_v2: bool
+    vocab_size: int
+    model_dtype: str
+    """``bfloat16`` or ``float16``: the logits' dtype (the V2 sampler keeps it on 0.26)."""
+    block_size: int
+    """The block size the V1 runner's block table has (TurboQuant's effective one)."""
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    spec_method: str | None = None
+    spec_tokens: int = 0
+    draft_probs: bool = False
+    max_logprobs: int = 20
+
+    def to_dict(self) -> dict[str, Any]:
+        fields = dataclasses.asdict(self)
+        fields["features"] = ".".join(map(str, self.features.version))
+        return fields
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EngineRequest:
+        """The inverse of ``to_dict``; a missing or mistyped field raises ValueError."""
+        known = {f.name: f.type for f in dataclasses.fields(cls)}
+        if set(data) != set(known):
+            raise ValueError(f"engine request fields {sorted(data)} are not {sorted(known)}")
+        values = dict(data)
+        values["features"] = compat.release_features(str(values["features"]))
+        for name in ("vocab_size", "block_size", "max_model_len", "max_num_seqs",
+                     "max_num_batched_tokens", "spec_tokens", "max_logprobs"):  # fmt: skip
+            if type(values[name]) is not int:
+                raise ValueError(f"engine request {name}={values[name]!r} is not an integer")
+        return cls(**values)
+
+
+V2_SPEC_METHODS = frozenset({"eagle", "eagle3", "mtp", "dflash", "dspark"})
+"""Speculative methods the V2 runner runs; for any other (ngram, draft_model) vLLM falls
+back to V1 (0.26 ``VllmConfig._get_v2_model_runner_unsupported_features``)."""
+
+
+def runs_v2(feats: Features, spec_method: str | None, moe: bool, runner: str | None) -> bool:
+    """Whether a worker runs the V2 model runner: ``--runner`` where given, else the
+    release's default (0.25+) unless vLLM falls back to V1 for a MoE model or a speculative
+    method V2 does not run (0.26 ``VllmConfig.use_v2_model_runner``). A worker reads the
+    answer from its own config; a plan that guesses wrong misses keys, which the worker then
+    compiles (cost, never a wrong result)."""
+    if runner is not None:
+        return runner == "v2"
+    if not feats.v2_runner_default or moe:
+        return False
+    return spec_method is None or spec_method in V2_SPEC_METHODS
+
+
+def request_for(
+    geometry: Any,
+    vocab_size: int,
+    spec: Mapping[str, object] | None,
+    max_logprobs: int,
+    runner_v2: bool,
+) -> EngineRequest:
+    """The engine arguments of a planned TurboQuant geometry (``planning.Planned``)."""
+    method, tokens, probs = compat.speculative_fields(spec)
+    return EngineRequest(
+        features=geometry.features,
+        runner_v2=runner_v2,
+        vocab_size=vocab_size,
+        model_dtype=geometry.model_dtype,
+        block_size=geometry.block_size,
+        max_model_len=geometry.max_model_len,
+        max_num_seqs=geometry.max_num_seqs,
+        max_num_batched_tokens=geometry.max_num_batched_tokens,
+        spec_method=method,
+        spec_tokens=tokens,
+        draft_probs=probs,
+        max_logprobs=max_logprobs,
+    )
+
+
+class _Logits:
+    """The model as the warmers see it: ``compute_logits`` of the vocabulary's width."""
+
+    def __init__(self, vocab: int, dtype: Any) -> None:
+        self.vocab, self.dtype = vocab, dtype
+
+    def compute_logits(self, hidden: Any) -> Any:
+        import torch
+
+        return torch.zeros(hidden.shape[0], self.vocab, dtype=self.dtype)
+
+
+def cpu_engine(request: EngineRequest) -> Engine:
+    """The ``Engine`` a worker of these arguments reads, on a runner of vLLM's own CPU
+    objects (no drafter: its helpers warm at startup)."""
+    import torch
+
+    sampler = importlib.import_module(compat.SAMPLER_MODULE).Sampler()
+    rejection = importlib.import_module(compat.REJECTION_MODULE).RejectionSampler
+    dtype = getattr(torch, request.model_dtype)
+    tables = compat.cpu_block_tables(
+        request.block_size, request.max_model_len, request.max_num_seqs,
+        request.max_num_batched_tokens,
+    )  # fmt: skip
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(
+            block_table=SimpleNamespace(block_tables=tables), vocab_size=request.vocab_size
+        ),
+        sampler=sampler,
+        rejection_sampler=rejection(sampler) if request.spec_method else None,
+        model=_Logits(request.vocab_size, dtype),
+        model_config=SimpleNamespace(get_hidden_size=lambda: 1, dtype=dtype),
+        device=torch.device("cpu"),
+        drafter=None,
+    )
+    return Engine(
+        features=request.features,
+        runner_v2=request.runner_v2,
+        pooling=False,
+        spec_method=request.spec_method,
+        spec_tokens=request.spec_tokens,
+        draft_probs=request.draft_probs,
+        max_logprobs=request.max_logprobs,
+        max_tokens=request.max_num_batched_tokens,
+        device=runner.device,
+        runner=runner,
+    )
+
+
+def jobs(pm: pluggy.PluginManager, engine: Engine) -> tuple[list[Job], list[Declined], list[str]]:
+    """The warmers' offline jobs for ``engine``; a job that needs the worker is one
+    decline per family (it runs at startup)."""
+    planned, declined, errors = engine_warmup.plan(pm, engine)
+    offline = [job for job in planned if job.offline and not job.real]
+    later: dict[str, int] = {}
+    for job in planned:
+        if not (job.offline and not job.real):
+            later[job.family] = later.get(job.family, 0) + 1
+    declined += [
+        Declined(family, f"{n} job{'s' * (n > 1)} need the worker: warmed at startup")
+        for family, n in later.items()
+    ]
+    return offline, declined, errors
+
+
+@contextlib.contextmanager
+def _sm_count(count: int) -> Iterator[None]:
+    """``num_compute_units`` answers ``count`` for the top-k/top-p launcher, which reads it
+    for its grid (0.26+; absent before), where the CPU platform cannot say it."""
+    try:
+        module = importlib.import_module(compat.TOPK_TOPP_TRITON_MODULE)
+    except ImportError:
+        yield
+        return
+    original = getattr(module, "num_compute_units", None)
+    if original is None:
+        yield
+        return
+    setattr(module, "num_compute_units", lambda index=None: count)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(module, "num_compute_units", original)  # noqa: B010
+
+
+def build(
+    pm: pluggy.PluginManager, engine: Engine, sms: int = H100_SMS
+) -> tuple[list[Job], list[str]]:
+    """Compile every offline job's keys into Triton's cache (``TRITON_CACHE_DIR``), serially
+    (the caller may be a worker's neighbour: it takes one CPU); the jobs done and one
+    error line per job that failed."""
+    todo, _, errors = jobs(pm, engine)
+    done: list[Job] = []
+    with _sm_count(sms), compat.compile_only_launches(load=False):
+        for job in todo:
+            try:
+                job.run()
+            except Exception as exc:
+                errors.append(f"{job.family} ({job.what}): {error_line(exc)}")
+            else:
+                done.append(job)
+    return done, errors

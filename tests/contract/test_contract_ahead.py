@@ -1,0 +1,107 @@
+"""Contract: the compile-ahead child and ``precompile`` build, on vLLM's own CPU objects, the
+keys the engine warmers then launch in the worker, so the worker compiles none of them.
+
+The child runs for real (``python -m tq_warmup_plugin.ahead_child``: vLLM's import, Triton's
+compile for sm90) into a fresh Triton cache; then the warmers run in this process on the
+contract runner of ``test_contract_vllm_kernels`` (the keys that module holds to serving),
+with Triton's compile listener counting compiles and disk loads; over an empty cache the
+same launches compile, so the count can fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import fakes
+import pytest
+from realvllm import block_table, clear_vllm_kernel_caches
+from test_contract_vllm_kernels import VOCAB, engine, fake_runner, feats
+from test_contract_vllm_kernels import _driver as _driver  # autouse: sm90, the SM count
+
+import tq_warmup_plugin
+from tq_warmup_plugin import compat, engine_plan
+from tq_warmup_plugin.report import CompileCounter
+from tq_warmup_plugin.warmup import plugin_manager
+
+pytestmark = pytest.mark.real_vllm
+
+MAX_LEN, TOKENS, REQS = 4096, 2048, 8  # realvllm.block_table's defaults
+
+
+def request(block_size: int, k: int) -> engine_plan.EngineRequest:
+    return engine_plan.EngineRequest(
+        features=feats(),
+        runner_v2=False,
+        vocab_size=VOCAB,
+        model_dtype="bfloat16",
+        block_size=block_size,
+        max_model_len=MAX_LEN,
+        max_num_seqs=REQS,
+        max_num_batched_tokens=TOKENS,
+        spec_method="ngram" if k else None,
+        spec_tokens=k,
+    )
+
+
+def run_child(req: engine_plan.EngineRequest, cache: Path) -> dict[str, Any]:
+    src = str(Path(tq_warmup_plugin.__file__).parents[1])
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "PYTHONPATH": src}
+    argument = json.dumps({"request": req.to_dict(), "arch": 90})
+    done = subprocess.run(
+        [sys.executable, "-m", "tq_warmup_plugin.ahead_child", argument],
+        env=env,
+        capture_output=True,
+        timeout=600,
+    )
+    result: dict[str, Any] = json.loads(done.stdout.decode().splitlines()[-1])
+    assert done.returncode == (1 if result["errors"] else 0)
+    return result
+
+
+def warm_in_process(block_size: int, k: int) -> CompileCounter:
+    """The worker's side: every offline job of the warmers on the contract runner."""
+    eng = engine(fake_runner([block_table(block_size, MAX_LEN, TOKENS, REQS)]), k=k)
+    jobs, _ = fakes.jobs_of(plugin_manager(load_entry_points=False), eng)
+    clear_vllm_kernel_caches()  # an earlier test's binaries in memory would hide a miss
+    with CompileCounter() as counter, compat.compile_only_launches(load=False):
+        for job in jobs:
+            if job.offline and not job.real:
+                job.run()
+    return counter
+
+
+def test_after_the_child_the_warmers_compile_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = tmp_path / "triton"
+    result = run_child(request(32, 3), cache)
+    assert result["errors"] == []
+    offline, _, _ = engine_plan.jobs(
+        plugin_manager(load_entry_points=False), engine_plan.cpu_engine(request(32, 3))
+    )
+    assert result["built"] == len(offline) > 0
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    counter = warm_in_process(32, 3)
+    assert counter.loaded > 0
+    assert counter.compiled == 0
+    # The count can fail: over an empty cache the same launches compile.
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "empty"))
+    assert warm_in_process(32, 3).compiled == counter.loaded
+
+
+def test_the_offline_engine_plans_what_the_worker_plans() -> None:
+    """Same jobs (family and configuration) from the CPU engine as from the contract
+    runner, but the V1 sampler's torch.compile'd logprobs, which need the worker."""
+    pm = plugin_manager(load_entry_points=False)
+    offline, declined, errors = engine_plan.jobs(pm, engine_plan.cpu_engine(request(32, 3)))
+    live, _ = fakes.jobs_of(pm, engine(fake_runner([block_table(32, MAX_LEN, TOKENS, REQS)])))
+    assert errors == []
+    assert [(j.family, j.what) for j in offline] == [
+        (j.family, j.what) for j in live if j.offline and not j.real
+    ]
+    assert any(d.family == "logprobs" and "worker" in d.why for d in declined)

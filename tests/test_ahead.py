@@ -1,0 +1,148 @@
+"""The compile-ahead child's lifecycle in the worker (``ahead``): what it is told, that its
+failures are one line each and never an exception, and that its hook is undone.
+
+The child here is a stand-in script on ``PYTHONPATH`` (``CHILD_MODULE`` points at it); the
+real child's keys are held to the warmers' in ``contract/test_contract_ahead.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tq_warmup_plugin import ahead, compat, patching
+from tq_warmup_plugin.engine_plan import EngineRequest
+from tq_warmup_plugin.settings import Settings
+
+
+def vllm_config(cache_dtype: str = "turboquant_4bit_nc", spec: Any = None) -> Any:
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(cache_dtype=cache_dtype, block_size=32),
+        model_config=SimpleNamespace(
+            runner_type="generate",
+            get_vocab_size=lambda: 128256,
+            dtype="torch.bfloat16",
+            max_model_len=4096,
+            max_logprobs=20,
+        ),
+        scheduler_config=SimpleNamespace(max_num_seqs=256, max_num_batched_tokens=8192),
+        speculative_config=spec,
+    )
+
+
+def worker(**kwargs: Any) -> Any:
+    return SimpleNamespace(vllm_config=vllm_config(**kwargs), use_v2_model_runner=False)
+
+
+FEATS = compat.release_features("0.26.0")
+
+
+def test_the_request_is_the_workers_engine_arguments() -> None:
+    spec = SimpleNamespace(method="ngram", num_speculative_tokens=3)
+    req = ahead.request_of(worker(spec=spec), FEATS)
+    assert req == EngineRequest(
+        features=FEATS,
+        runner_v2=False,
+        vocab_size=128256,
+        model_dtype="bfloat16",
+        block_size=32,
+        max_model_len=4096,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        spec_method="ngram",
+        spec_tokens=3,
+    )
+    assert EngineRequest.from_dict(json.loads(json.dumps(req.to_dict()))) == req
+
+
+def test_no_child_without_turboquant() -> None:
+    assert ahead.request_of(worker(cache_dtype="auto"), FEATS) is None
+
+
+@pytest.mark.parametrize(
+    "bad", [{}, {"vocab_size": "1"}, {"vocab_size": True}, {"extra": 1}], ids=repr
+)
+def test_a_mangled_request_is_refused(bad: dict[str, Any]) -> None:
+    req = ahead.request_of(worker(), FEATS)
+    assert req is not None
+    data = req.to_dict()
+    data = {} if not bad else {**data, **bad}
+    with pytest.raises(ValueError):
+        EngineRequest.from_dict(data)
+
+
+@pytest.fixture
+def child(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A stand-in child module; the test writes its body to the returned file."""
+    monkeypatch.setattr(ahead, "_arch", lambda: 90)
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
+    monkeypatch.setattr(ahead, "CHILD_MODULE", "fake_ahead_child")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setattr(ahead, "_child", None)
+    yield tmp_path / "fake_ahead_child.py"
+    ahead.wait(1)
+
+
+def test_the_childs_result_is_one_line(child: Path) -> None:
+    child.write_text(
+        "import json, sys, os\n"
+        "given = json.loads(sys.argv[1])\n"
+        "assert os.environ['CUDA_VISIBLE_DEVICES'] == '' and given['arch'] == 90\n"
+        "print(json.dumps({'built': given['request']['spec_tokens'], 'errors': [],"
+        " 'seconds': 1.5}))\n"
+    )
+    ahead.start(worker(spec=SimpleNamespace(method="ngram", num_speculative_tokens=4)))
+    line = ahead.wait(60)
+    assert line.startswith("compile-ahead child: 4 jobs in 1.5 s, waited ")
+    assert ahead.wait() == ""  # reaped once
+
+
+def test_a_child_that_fails_or_hangs_is_one_line(child: Path) -> None:
+    child.write_text("import time; time.sleep(30)\n")
+    ahead.start(worker())
+    assert ahead.wait(0.5) == "compile-ahead child killed: still running after 0 s of warmup"
+    child.write_text("print('not json'); raise SystemExit(3)\n")
+    ahead.start(worker())
+    assert ahead.wait(60) == "compile-ahead child exited 3 without its result"
+    child.write_text(
+        "import json; print(json.dumps({'built': 1, 'errors': ['top-k/top-p: boom'],"
+        " 'seconds': 2}))\n"
+    )
+    ahead.start(worker())
+    assert ahead.wait(60).endswith(", 1 failed (first: top-k/top-p: boom)")
+
+
+def test_a_child_that_cannot_start_is_one_line(
+    child: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "executable", str(child.parent / "no-such-python"))
+    ahead.start(worker())
+    assert ahead.wait().startswith("compile-ahead child did not start: FileNotFoundError")
+
+
+def test_load_model_starts_it_and_the_hook_is_undone(monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[Any] = []
+    monkeypatch.setattr(ahead, "start", started.append)
+
+    class Worker:
+        def load_model(self, *, load_dummy_weights: bool = False) -> str:
+            return f"loaded {load_dummy_weights}"
+
+    module = ModuleType("fake_gpu_worker")
+    module.Worker = Worker  # type: ignore[attr-defined]
+    ahead.install(module, Settings())
+    ahead.install(module, Settings())  # idempotent: one wrapper
+    w = Worker()
+    assert w.load_model(load_dummy_weights=True) == "loaded True"
+    assert started == [w]
+    assert patching.original_of(Worker.__dict__["load_model"]) is not None
+    ahead.remove(module)
+    assert not patching.is_ours(Worker.__dict__["load_model"])
+    w.load_model()
+    assert started == [w]
