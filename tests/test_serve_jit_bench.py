@@ -41,8 +41,10 @@ def test_jit_lines_reads_warn_and_error_forms() -> None:
 def test_every_warmed_row_has_an_unwarmed_twin_or_is_a_reference() -> None:
     rows = serve_jit.ROWS
     for name, row in rows.items():
-        if row.kv == "tq" and row.warmers:
+        if row.kv == "tq" and row.warmers and row.ahead:
             assert f"{name}-off" in rows and not rows[f"{name}-off"].warmers
+        if not row.ahead:  # the child's twin: the same server with it
+            assert rows[name.removesuffix("-noahead")].ahead
 
 
 def test_row_facts_reads_the_plugin_lines() -> None:

@@ -183,8 +183,8 @@ def run_row(args: argparse.Namespace, name: str, port: int, work: Path, out: Pat
         argv += ["--speculative-config", json.dumps(spec)]
     log = out / (f"serve-{name}.log" if start == 1 else f"serve-{name}-start{start}.log")
     srv = Server(port, args.request_timeout)
-    result: dict[str, Any] = {"row": name, "kv": kv, "spec": spec, "warmers": row.warmers, "ahead": row.ahead,
-                              "start": start}  # fmt: skip
+    result: dict[str, Any] = {"row": name, "kv": kv, "spec": spec, "warmers": row.warmers,
+                              "ahead": row.ahead, "start": start}  # fmt: skip
 
     def workload() -> dict[str, Any]:
         done = _workload(srv, str(model_dir), args)
