@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # register() imports this module: the rest comes when a worke
 __all__ = [
     "CHILD_MODULE",
     "MODULE",
+    "PROCESSES",
     "WAIT_S",
     "Child",
     "install",
@@ -54,6 +55,9 @@ WAIT_S = 30.0
 """How long ``kernel_warmup`` waits for a child still compiling. It started at
 ``load_model``; its import and compiles took 5-6 s on 2 CPUs (``engine_plan.build`` of a V1
 ngram and a V2 worker's keys, vLLM 0.26.0), so a child not done by then is stuck."""
+PROCESSES = 4
+"""The child's compile processes, at most half the CPUs: the worker beside it is loading
+its model (the same bound the worker's own compile threads have, ``DEFAULT_THREADS``)."""
 CHILD_MODULE = "tq_warmup_plugin.ahead_child"
 """What the child runs (``python -m``)."""
 OUTPUT_LIMIT = 1 << 16
@@ -128,7 +132,10 @@ def start(worker: Any) -> None:
         request = request_of(worker, feats)
         if request is None:
             return
-        argument = json.dumps({"request": request.to_dict(), "arch": _arch()})
+        processes = max(1, min(PROCESSES, (os.cpu_count() or 1) // 2))
+        argument = json.dumps(
+            {"request": request.to_dict(), "arch": _arch(), "processes": processes}
+        )
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
         process = subprocess.Popen(
             [sys.executable, "-m", CHILD_MODULE, argument],

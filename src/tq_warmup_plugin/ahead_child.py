@@ -33,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         given = json.loads(argv[0])
         use_compile_only_target(int(given["arch"]))
         engine = cpu_engine(EngineRequest.from_dict(given["request"]))
-        done, errors = build(plugin_manager(), engine)
+        done, errors = build(plugin_manager(), engine, processes=int(given["processes"]))
         result = {"built": len(done), "errors": errors}
     except Exception as exc:  # one line, as the worker's own errors are
         result = {"built": 0, "errors": [f"{type(exc).__name__}: {exc}".splitlines()[0]]}

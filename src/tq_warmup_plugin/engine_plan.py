@@ -135,12 +135,19 @@ class _Logits:
     def compute_logits(self, hidden: Any) -> Any:
         import torch
 
-        return torch.zeros(hidden.shape[0], self.vocab, dtype=self.dtype)
+        return torch.zeros(hidden.shape[0], self.vocab, dtype=self.dtype, device=hidden.device)
 
 
 def cpu_engine(request: EngineRequest) -> Engine:
     """The ``Engine`` a worker of these arguments reads, on a runner of vLLM's own CPU
-    objects (no drafter: its helpers warm at startup)."""
+    objects (no drafter: its helpers warm at startup).
+
+    Its device, where the launchers' tensors live, is ``meta``: a GPU's tensor without the
+    GPU. Not the CPU: vLLM's top-k/top-p launcher picks its tiles by the device type
+    (``BLOCK_SIZE`` 256 on a CPU, 8192 on a GPU, ``topk_topp_triton.py`` 0.26:940), so CPU
+    logits built keys no GPU asks for (seen on the H200, 0.26.0: the child's 6 top-k/top-p
+    keys all compiled again in the worker). A meta tensor's address is 0, which Triton
+    classes as aligned, as a GPU allocation is."""
     import torch
 
     sampler = importlib.import_module(compat.SAMPLER_MODULE).Sampler()
@@ -158,7 +165,7 @@ def cpu_engine(request: EngineRequest) -> Engine:
         rejection_sampler=rejection(sampler) if request.spec_method else None,
         model=_Logits(request.vocab_size, dtype),
         model_config=SimpleNamespace(get_hidden_size=lambda: 1, dtype=dtype),
-        device=torch.device("cpu"),
+        device=torch.device("meta"),
         drafter=None,
     )
     return Engine(
@@ -211,20 +218,41 @@ def _sm_count(count: int) -> Iterator[None]:
         setattr(module, "num_compute_units", original)  # noqa: B010
 
 
+_FORKED: list[Job] = []
+"""The jobs a forked compile process runs by index (a job does not pickle; a fork has it)."""
+
+
+def _run_one(job: Job) -> str | None:
+    try:
+        job.run()
+    except Exception as exc:
+        return f"{job.family} ({job.what}): {error_line(exc)}"
+    return None
+
+
+def _run_forked(index: int) -> str | None:
+    return _run_one(_FORKED[index])
+
+
 def build(
-    pm: pluggy.PluginManager, engine: Engine, sms: int = H100_SMS
+    pm: pluggy.PluginManager, engine: Engine, sms: int = H100_SMS, processes: int = 1
 ) -> tuple[list[Job], list[str]]:
-    """Compile every offline job's keys into Triton's cache (``TRITON_CACHE_DIR``), serially
-    (the caller may be a worker's neighbour: it takes one CPU); the jobs done and one
-    error line per job that failed."""
+    """Compile every offline job's keys into Triton's cache (``TRITON_CACHE_DIR``); the jobs
+    done and one error line per job that failed. ``processes`` over 1 forks that many
+    (the compile-ahead child, which has no GPU and no thread but its own): Triton holds the
+    GIL for most of a compile, so only processes compile side by side."""
     todo, _, errors = jobs(pm, engine)
-    done: list[Job] = []
     with _sm_count(sms), compat.compile_only_launches(load=False):
-        for job in todo:
+        if processes > 1 and len(todo) > 1:
+            import multiprocessing
+
+            _FORKED[:] = todo
             try:
-                job.run()
-            except Exception as exc:
-                errors.append(f"{job.family} ({job.what}): {error_line(exc)}")
-            else:
-                done.append(job)
-    return done, errors
+                with multiprocessing.get_context("fork").Pool(min(processes, len(todo))) as pool:
+                    outcomes = pool.map(_run_forked, range(len(todo)), chunksize=1)
+            finally:
+                _FORKED.clear()
+        else:
+            outcomes = [_run_one(job) for job in todo]
+    errors += [line for line in outcomes if line is not None]
+    return [job for job, line in zip(todo, outcomes, strict=True) if line is None], errors

@@ -51,7 +51,7 @@ def request(block_size: int, k: int) -> engine_plan.EngineRequest:
 def run_child(req: engine_plan.EngineRequest, cache: Path) -> dict[str, Any]:
     src = str(Path(tq_warmup_plugin.__file__).parents[1])
     env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "PYTHONPATH": src}
-    argument = json.dumps({"request": req.to_dict(), "arch": 90})
+    argument = json.dumps({"request": req.to_dict(), "arch": 90, "processes": 2})
     done = subprocess.run(
         [sys.executable, "-m", "tq_warmup_plugin.ahead_child", argument],
         env=env,
@@ -65,7 +65,10 @@ def run_child(req: engine_plan.EngineRequest, cache: Path) -> dict[str, Any]:
 
 def warm_in_process(block_size: int, k: int) -> CompileCounter:
     """The worker's side: every offline job of the warmers on the contract runner."""
-    eng = engine(fake_runner([block_table(block_size, MAX_LEN, TOKENS, REQS)]), k=k)
+    # The meta device stands in for the GPU's: vLLM's top-k/top-p launcher tiles a CPU
+    # tensor otherwise than any other (0.26+), and a worker's logits are on its GPU.
+    tables = [block_table(block_size, MAX_LEN, TOKENS, REQS)]
+    eng = engine(fake_runner(tables, device="meta"), k=k)
     jobs, _ = fakes.jobs_of(plugin_manager(load_entry_points=False), eng)
     clear_vllm_kernel_caches()  # an earlier test's binaries in memory would hide a miss
     with CompileCounter() as counter, compat.compile_only_launches(load=False):

@@ -49,10 +49,10 @@ class _Model:
     def compute_logits(self, hidden: Any) -> Any:
         import torch
 
-        return torch.randn(hidden.shape[0], VOCAB, dtype=hidden.dtype)
+        return torch.randn(hidden.shape[0], VOCAB, dtype=hidden.dtype, device=hidden.device)
 
 
-def fake_runner(tables: list[Any], spec: bool = True) -> Any:
+def fake_runner(tables: list[Any], spec: bool = True, device: str = "cpu") -> Any:
     import torch
     from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
@@ -64,7 +64,7 @@ def fake_runner(tables: list[Any], spec: bool = True) -> Any:
         rejection_sampler=RejectionSampler(sampler) if spec else None,
         model=_Model(),
         model_config=SimpleNamespace(get_hidden_size=lambda: 64, dtype=torch.bfloat16),
-        device=torch.device("cpu"),
+        device=torch.device(device),
     )
 
 
