@@ -118,6 +118,14 @@ def test_a_child_that_fails_or_hangs_is_one_line(child: Path) -> None:
     assert ahead.wait(60).endswith(", 1 failed (first: top-k/top-p: boom)")
 
 
+def test_no_child_for_the_v2_runner(child: Path) -> None:
+    child.write_text("raise SystemExit(0)\n")
+    w = worker()
+    w.use_v2_model_runner = True
+    ahead.start(w)
+    assert ahead.wait() == ""
+
+
 def test_a_child_that_cannot_start_is_one_line(
     child: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -53,8 +53,8 @@ MODULE = compat.WORKER_MODULE
 """The module whose ``Worker.load_model`` starts the child (all releases)."""
 WAIT_S = 30.0
 """How long ``kernel_warmup`` waits for a child still compiling. It started at
-``load_model``; its import and compiles took 5-6 s on 2 CPUs (``engine_plan.build`` of a V1
-ngram and a V2 worker's keys, vLLM 0.26.0), so a child not done by then is stuck."""
+``load_model``, and took 25-28 s in all on the H200 beside a starting worker (vLLM 0.26.0,
+16 CPUs, 4 compile processes: most of it vLLM's import), so one not done by then is stuck."""
 PROCESSES = 4
 """The child's compile processes, at most half the CPUs: the worker beside it is loading
 its model (the same bound the worker's own compile threads have, ``DEFAULT_THREADS``)."""
@@ -130,7 +130,10 @@ def start(worker: Any) -> None:
     try:
         feats = compat.release_features(compat.installed_vllm_version() or "")
         request = request_of(worker, feats)
-        if request is None:
+        if request is None or request.runner_v2:
+            # V2 workers reached kernel_warmup 15 s after load_model, before the child's
+            # 25-28 s: it cost 11.3 s there where the in-process compiles took 8.8 s (H200,
+            # 0.26.0, serve-jit runs M-N); V1 workers gained (ngram: 3.4 s, 7.5 s without).
             return
         processes = max(1, min(PROCESSES, (os.cpu_count() or 1) // 2))
         argument = json.dumps(

@@ -6,7 +6,6 @@ error lines, the seconds. Its own module, so that nothing the worker imports loa
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -20,8 +19,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The child: build the request's offline jobs for the target, print one JSON line."""
     argv = sys.argv[1:] if argv is None else argv
     began = time.perf_counter()
-    with contextlib.suppress(OSError):
-        os.nice(10)  # the worker beside it comes first
     sys.stdout.flush()
     real_stdout = os.dup(1)
     os.dup2(2, 1)  # vLLM's import talks on stdout; the result line is ours alone
