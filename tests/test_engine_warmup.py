@@ -396,3 +396,37 @@ def test_the_engine_reads_the_step_sizes_and_microbatching_from_the_config() -> 
     config.model_config.enforce_eager = True
     read = Engine(**compat.engine_of(worker, compat.features((0, 26))))
     assert (read.max_tokens, read.graph_tokens, read.micro_batches) == (8192, 0, False)
+
+
+def test_the_compile_ahead_child_is_reaped_after_the_warmers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The warmers do not wait for the child: they run first (finding on disk what it
+    built), and a child still running is stopped after them (``ahead``)."""
+    pytest.importorskip("triton")
+    from tq_warmup_plugin import ahead
+    from tq_warmup_plugin.discovery import Discovery
+
+    order: list[str] = []
+
+    class Records:
+        @hookimpl
+        def tq_warmup_engine_jobs(self, engine: Engine) -> list[Job]:
+            return [Job("mine", "one", lambda: order.append("job"))]
+
+    def reaped(timeout: float = 0.0) -> str:
+        order.append("reaped")
+        return "compile-ahead child: 1 jobs in 1.0 s"
+
+    monkeypatch.setattr(ahead, "wait", reaped)
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
+    monkeypatch.setattr(compat, "workspace_manager", lambda feats: None)
+    monkeypatch.setattr(warmup, "discover", lambda worker, feats: found)
+    monkeypatch.setattr(warmup, "compile_all", lambda pm, todo, threads, progress: [])
+    monkeypatch.setattr(warmup, "CompileCounter", fakes.StubCounter)
+    monkeypatch.setattr(compat, "engine_of", lambda worker, feats: engine().__dict__)
+    found = Discovery(geometries={"layers.0.attn": fakes.geometry()})
+    worker = SimpleNamespace(use_v2_model_runner=False, vllm_config=None)
+    report = warmup.run(worker, Settings(launch=False), manager(Records()))
+    assert order == ["job", "reaped"]
+    assert report.line().endswith("; compile-ahead child: 1 jobs in 1.0 s")

@@ -8,14 +8,20 @@ the 6 top-k/top-p keys took 4.59 s on one thread and 3.53 s on two, 2 CPUs). But
 depend only on engine arguments a worker knows before it loads its model
 (``engine_plan.EngineRequest``), and the worker then spends seconds to minutes on weights,
 ``torch.compile``, profiling and the KV cache. So ``Worker.load_model`` starts one child
-``python -m tq_warmup_plugin.ahead``: CPU only (``CUDA_VISIBLE_DEVICES=""``: no CUDA
-context, no GPU memory), at a lower priority, with the worker's own environment, so it
-compiles into the Triton cache the worker reads (its ``TRITON_CACHE_DIR``, its
-``TRITON_CACHE_MANAGER`` and shipped layers), for the worker's GPU architecture, the very
-keys ``precompile`` builds. ``kernel_warmup`` waits for it (at most ``WAIT_S``), and the
-engine warmers then find those keys on disk; what it missed or did not reach, they compile
-as before. Nothing it does can stop vLLM starting: a child that fails, hangs or cannot start
-costs only its one line in the report. ``TQ_WARMUP_AHEAD=0`` turns it off.
+``python -m tq_warmup_plugin.ahead_child``: CPU only (``CUDA_VISIBLE_DEVICES=""``: no CUDA
+context, no GPU memory), with the worker's own environment, so it compiles into the Triton
+cache the worker reads (its ``TRITON_CACHE_DIR``, ``TRITON_CACHE_MANAGER`` and shipped
+layers), for the worker's GPU architecture, the very keys ``precompile`` builds, in forked
+processes, last job first.
+
+The engine warmers do not wait for it. They run as before and find on disk what it has
+built; what it has not, they compile, first job first, so the two meet in the middle; then a
+child still running is killed. The warmers' time is thus at most what it was without the
+child (and the CPUs it shares); the child's own time was 25-28 s on the H200 beside a
+starting worker, most of it vLLM's import (vLLM 0.26.0, serve-jit runs M-N), so it is done
+for a worker that loads a real model and not for a restart over a warm cache, where nothing
+is left to compile. Nothing it does can stop vLLM starting: a child that fails or cannot
+start costs its one line in the report. ``TQ_WARMUP_AHEAD=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -40,7 +46,6 @@ __all__ = [
     "CHILD_MODULE",
     "MODULE",
     "PROCESSES",
-    "WAIT_S",
     "Child",
     "install",
     "remove",
@@ -51,10 +56,6 @@ __all__ = [
 
 MODULE = compat.WORKER_MODULE
 """The module whose ``Worker.load_model`` starts the child (all releases)."""
-WAIT_S = 30.0
-"""How long ``kernel_warmup`` waits for a child still compiling. It started at
-``load_model``, and took 25-28 s in all on the H200 beside a starting worker (vLLM 0.26.0,
-16 CPUs, 4 compile processes: most of it vLLM's import), so one not done by then is stuck."""
 PROCESSES = 4
 """The child's compile processes, at most half the CPUs: the worker beside it is loading
 its model (the same bound the worker's own compile threads have, ``DEFAULT_THREADS``)."""
@@ -130,10 +131,7 @@ def start(worker: Any) -> None:
     try:
         feats = compat.release_features(compat.installed_vllm_version() or "")
         request = request_of(worker, feats)
-        if request is None or request.runner_v2:
-            # V2 workers reached kernel_warmup 15 s after load_model, before the child's
-            # 25-28 s: it cost 11.3 s there where the in-process compiles took 8.8 s (H200,
-            # 0.26.0, serve-jit runs M-N); V1 workers gained (ngram: 3.4 s, 7.5 s without).
+        if request is None:
             return
         processes = max(1, min(PROCESSES, (os.cpu_count() or 1) // 2))
         argument = json.dumps(
@@ -153,9 +151,10 @@ def start(worker: Any) -> None:
     _child = Child(process, started)
 
 
-def wait(timeout: float = WAIT_S) -> str:
-    """Wait for the child (at most ``timeout`` seconds; a child still running then is
-    killed) and say in one line what it did; empty where no child was started."""
+def wait(timeout: float = 0.0) -> str:
+    """Reap the child and say in one line what it did (empty where none was started). One
+    still running after ``timeout`` seconds is killed: the engine warmers ran first and
+    compiled whatever it had not built yet, so what is left of its work is theirs twice."""
     global _child
     child, _child = _child, None
     if child is None:
@@ -165,20 +164,19 @@ def wait(timeout: float = WAIT_S) -> str:
     import subprocess
 
     process = child.process
-    begin = time.perf_counter()
     try:
         out, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         process.kill()
         process.communicate()
-        return f"compile-ahead child killed: still running after {timeout:.0f} s of warmup"
-    waited = time.perf_counter() - begin
+        ran = time.perf_counter() - child.started
+        return f"compile-ahead child stopped after {ran:.1f} s: the worker's own warmers were done"
     try:
         result = json.loads(out[:OUTPUT_LIMIT].decode("utf-8", "replace") or "null")
         built, errors, seconds = int(result["built"]), list(result["errors"]), result["seconds"]
     except (ValueError, TypeError, KeyError):
         return f"compile-ahead child exited {process.returncode} without its result"
-    text = f"compile-ahead child: {built} jobs in {float(seconds):.1f} s, waited {waited:.1f} s"
+    text = f"compile-ahead child: {built} jobs in {float(seconds):.1f} s"
     if errors:
         text += f", {len(errors)} failed (first: {str(errors[0])[:200]})"
     return text

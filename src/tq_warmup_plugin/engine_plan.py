@@ -246,12 +246,13 @@ def build(
         if processes > 1 and len(todo) > 1:
             import multiprocessing
 
-            _FORKED[:] = todo
+            _FORKED[:] = todo[::-1]  # last first: a worker's warmers start at the first
             try:
                 with multiprocessing.get_context("fork").Pool(min(processes, len(todo))) as pool:
                     outcomes = pool.map(_run_forked, range(len(todo)), chunksize=1)
             finally:
                 _FORKED.clear()
+            outcomes = outcomes[::-1]
         else:
             outcomes = [_run_one(job) for job in todo]
     errors += [line for line in outcomes if line is not None]

@@ -285,8 +285,8 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
 
 
 def _reap_ahead(report: Report) -> None:
-    """The compile-ahead child's line (``ahead``), once it has ended: before the engine
-    warmers, which then find its keys on disk, or where they do not run."""
+    """The compile-ahead child's line (``ahead``): after the engine warmers, which found on
+    disk what it had built (a child still running then is stopped), or where none run."""
     line = ahead.wait()
     if line:
         report.notes.append(line)
@@ -303,14 +303,16 @@ def _warm_vllm_kernels(
     """vLLM's own kernels this TurboQuant worker reaches (``engine_warmup``); loaded on
     the GPU only where the layers live on one (the CLI and CPU tests compile only). A
     plugin manager without engine warmers reads nothing of the runner."""
-    _reap_ahead(report)
     if not pm.hook.tq_warmup_engine_jobs.get_hookimpls():
+        _reap_ahead(report)
         return
     engine, why = engine_warmup.engine_or_reason(worker, feats)
     if engine is None:
+        _reap_ahead(report)
         report.errors.append(why)
         return
     done = engine_warmup.run(pm, engine, getattr(device, "type", None) == "cuda", threads)
+    _reap_ahead(report)
     report.vllm_jobs = done.jobs
     report.vllm_launches = done.kernels
     report.vllm_compiles = done.compiled
