@@ -108,3 +108,75 @@ def test_the_offline_engine_plans_what_the_worker_plans() -> None:
         (j.family, j.what) for j in live if j.offline and not j.real
     ]
     assert any(d.family == "logprobs" and "worker" in d.why for d in declined)
+
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3}'
+# The contract runner's engine, as ``tq-warmup`` flags (a bf16 model: its TurboQuant block is
+# 32 on every release, what ``request(32, 3)`` and the runner's table have).
+FLAGS = ["--kv-cache-dtype", "turboquant_4bit_nc", "--head-size", "128", "--num-heads", "16",
+         "--num-kv-heads", "8", "--dtype", "bfloat16", "--max-model-len", str(MAX_LEN),
+         "--max-num-seqs", str(REQS), "--max-num-batched-tokens", str(TOKENS),
+         "--vocab-size", str(VOCAB), "--runner", "v1", "--block-size", "32"]  # fmt: skip
+
+
+def test_inspect_lists_vllms_own_kernels(capsys: pytest.CaptureFixture[str]) -> None:
+    from tq_warmup_plugin import cli
+
+    assert cli.main(["inspect", *FLAGS, "--speculative-config", NGRAM, "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["vllm_kernels"]
+    assert planned["engine"] == "V1 runner, ngram k=3"
+    assert "top-k/top-p: float32, top-p, 17 rows" in planned["jobs"]
+    rejection = [j for j in planned["jobs"] if j.startswith("rejection sampler")]
+    assert len(rejection) == (0 if feats().registry_warms_rejection_sampler else 3)
+    assert "logprobs: 1 job need the worker: warmed at startup" in planned["not_planned"]
+    assert cli.main(["inspect", *FLAGS, "--json"]) == 0  # no speculation: no verify batches
+    plain = json.loads(capsys.readouterr().out)["vllm_kernels"]["jobs"]
+    assert plain and not any(j.startswith("rejection sampler") for j in plain)
+    no_vocab = [f for i, f in enumerate(FLAGS) if "--vocab-size" not in FLAGS[i - 1 : i + 1]]
+    assert cli.main(["inspect", *no_vocab, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["vllm_kernels"]["not_planned"] == [
+        "need --model or --vocab-size for their keys"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("spec", "why"),
+    [('{"method": "ngram"}', '"num_speculative_tokens" of 1 or more'),
+     ("[3]", "not a JSON object"), ("{nope", "is not JSON"),
+     ('{"num_speculative_tokens": 2}', 'needs a "method"')],
+)  # fmt: skip
+def test_a_bad_speculative_config_is_one_line(
+    spec: str, why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tq_warmup_plugin import cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["inspect", *FLAGS, "--speculative-config", spec])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and why in err and len(err.strip().splitlines()) == 1
+
+
+def test_precompile_ships_them_and_the_worker_compiles_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tq_warmup_plugin.shipped import manifest
+
+    layer = tmp_path / "layer"
+    src = str(Path(tq_warmup_plugin.__file__).parents[1])
+    argv = [sys.executable, "-m", "tq_warmup_plugin.cli", "precompile", *FLAGS,
+            "--speculative-config", NGRAM, "--cache-dir", str(layer)]  # fmt: skip
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": src}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    offline, _, _ = engine_plan.jobs(
+        plugin_manager(load_entry_points=False), engine_plan.cpu_engine(request(32, 3))
+    )
+    assert f"vLLM's own kernels: {len(offline)} jobs" in done.stdout
+    (file,) = manifest.manifest_files(layer)
+    listed = manifest.read(file)
+    assert len(json.loads(file.read_text())["vllm_kernels"]) == len(offline)  # the plan
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(layer))  # the layer as Triton's own cache
+    monkeypatch.delenv("TRITON_CACHE_MANAGER", raising=False)
+    counter = warm_in_process(32, 3)
+    assert counter.compiled == 0 and counter.loaded > 0
+    assert counter.dirs <= set(listed.files)  # every key it loaded, the manifest vouches for
