@@ -252,19 +252,28 @@ def test_launches_inside_become_compiles_and_the_patch_is_undone() -> None:
     assert torch.equal(x, torch.zeros(64))
 
 
-def test_strict_mode_fails_startup_on_a_failed_engine_job(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def one_layer_worker(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A worker of one TurboQuant layer whose keys compile to nothing, on 0.26, whose
+    engine is ``engine()``: what ``warmup.run`` does around the engine warmers."""
     pytest.importorskip("triton")
     from tq_warmup_plugin.discovery import Discovery
 
+    found = Discovery(geometries={"layers.0.attn": fakes.geometry()})
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
     monkeypatch.setattr(compat, "workspace_manager", lambda feats: None)
     monkeypatch.setattr(warmup, "discover", lambda worker, feats: found)
     monkeypatch.setattr(warmup, "compile_all", lambda pm, todo, threads, progress: [])
     monkeypatch.setattr(warmup, "CompileCounter", fakes.StubCounter)
     monkeypatch.setattr(compat, "engine_of", lambda worker, feats: engine().__dict__)
+    return SimpleNamespace(use_v2_model_runner=False, vllm_config=None)
+
+
+def test_strict_mode_fails_startup_on_a_failed_engine_job(
+    one_layer_worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(warmup, "plugin_manager", lambda: manager(Warmers()))
-    found = Discovery(geometries={"layers.0.attn": fakes.geometry()})
-    worker = SimpleNamespace(use_v2_model_runner=False, vllm_config=None)
+    worker = one_layer_worker
     report = warmup.run(worker, Settings(launch=False))
     assert report.status == "ok" and report.errors == ["mine (broken): ValueError: no such buffer"]
     assert report.vllm_jobs == {"mine": 1} and "vLLM kernels: mine 1" in report.line()
@@ -399,13 +408,11 @@ def test_the_engine_reads_the_step_sizes_and_microbatching_from_the_config() -> 
 
 
 def test_the_compile_ahead_child_is_reaped_after_the_warmers(
-    monkeypatch: pytest.MonkeyPatch,
+    one_layer_worker: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The warmers do not wait for the child: they run first (finding on disk what it
     built), and a child still running is stopped after them (``ahead``)."""
-    pytest.importorskip("triton")
     from tq_warmup_plugin import ahead
-    from tq_warmup_plugin.discovery import Discovery
 
     order: list[str] = []
 
@@ -419,14 +426,6 @@ def test_the_compile_ahead_child_is_reaped_after_the_warmers(
         return "compile-ahead child: 1 jobs in 1.0 s"
 
     monkeypatch.setattr(ahead, "wait", reaped)
-    monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
-    monkeypatch.setattr(compat, "workspace_manager", lambda feats: None)
-    monkeypatch.setattr(warmup, "discover", lambda worker, feats: found)
-    monkeypatch.setattr(warmup, "compile_all", lambda pm, todo, threads, progress: [])
-    monkeypatch.setattr(warmup, "CompileCounter", fakes.StubCounter)
-    monkeypatch.setattr(compat, "engine_of", lambda worker, feats: engine().__dict__)
-    found = Discovery(geometries={"layers.0.attn": fakes.geometry()})
-    worker = SimpleNamespace(use_v2_model_runner=False, vllm_config=None)
-    report = warmup.run(worker, Settings(launch=False), manager(Records()))
+    report = warmup.run(one_layer_worker, Settings(launch=False), manager(Records()))
     assert order == ["job", "reaped"]
     assert report.line().endswith("; compile-ahead child: 1 jobs in 1.0 s")

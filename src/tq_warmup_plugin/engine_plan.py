@@ -26,7 +26,6 @@ import pluggy
 from . import compat, engine_warmup
 from .compat import Features
 from .engine import Declined, Engine, Job
-from .report import error_line
 
 __all__ = [
     "H100_SMS",
@@ -168,14 +167,10 @@ def cpu_engine(request: EngineRequest) -> Engine:
         device=torch.device("meta"),
         drafter=None,
     )
+    shared = ("features", "runner_v2", "spec_method", "spec_tokens", "draft_probs", "max_logprobs")
     return Engine(
-        features=request.features,
-        runner_v2=request.runner_v2,
+        **{name: getattr(request, name) for name in shared},
         pooling=False,
-        spec_method=request.spec_method,
-        spec_tokens=request.spec_tokens,
-        draft_probs=request.draft_probs,
-        max_logprobs=request.max_logprobs,
         max_tokens=request.max_num_batched_tokens,
         device=runner.device,
         runner=runner,
@@ -222,16 +217,8 @@ _FORKED: list[Job] = []
 """The jobs a forked compile process runs by index (a job does not pickle; a fork has it)."""
 
 
-def _run_one(job: Job) -> str | None:
-    try:
-        job.run()
-    except Exception as exc:
-        return f"{job.family} ({job.what}): {error_line(exc)}"
-    return None
-
-
 def _run_forked(index: int) -> str | None:
-    return _run_one(_FORKED[index])
+    return engine_warmup.run_job(_FORKED[index])
 
 
 def build(
@@ -254,6 +241,6 @@ def build(
                 _FORKED.clear()
             outcomes = outcomes[::-1]
         else:
-            outcomes = [_run_one(job) for job in todo]
+            outcomes = [engine_warmup.run_job(job) for job in todo]
     errors += [line for line in outcomes if line is not None]
     return [job for job, line in zip(todo, outcomes, strict=True) if line is None], errors

@@ -24,7 +24,7 @@ from . import compat
 from .engine import Declined, Engine, Job
 from .report import CompileCounter, error_line
 
-__all__ = ["EngineResult", "engine_or_reason", "plan", "run"]
+__all__ = ["EngineResult", "engine_or_reason", "plan", "run", "run_job"]
 
 logger = logging.getLogger("vllm.tq_warmup_plugin")
 
@@ -46,6 +46,15 @@ class EngineResult:
     forwards: tuple[int, int, float] = (0, 0, 0.0)
     """The real jobs (``Job.real``): how many, the Triton compiles they made, their
     seconds."""
+
+
+def run_job(job: Job) -> str | None:
+    """Run one job; the error line of a job that raised, else None."""
+    try:
+        job.run()
+    except Exception as exc:
+        return f"{job.family} ({job.what}): {error_line(exc)}"
+    return None
 
 
 def plan(pm: pluggy.PluginManager, engine: Engine) -> tuple[list[Job], list[Declined], list[str]]:
@@ -87,24 +96,17 @@ def run(pm: pluggy.PluginManager, engine: Engine, load: bool, threads: int = 1) 
         logger.log(level, "tq-warmup: %s: not warmed: %s", item.family, item.why)
         result.declined.append(f"{item.family}: {item.why}")
 
-    def one(job: Job) -> str | None:
-        try:
-            job.run()
-        except Exception as exc:
-            return f"{job.family} ({job.what}): {error_line(exc)}"
-        return None
-
     real = [job for job in jobs if job.real]
     skipped = [job for job in jobs if not job.real]
     outcomes = []
     if real:  # model forwards: serially, launches running, and what they compiled
         forwards_start = time.perf_counter()
         with CompileCounter() as counter:
-            outcomes += [one(job) for job in real]
+            outcomes += [run_job(job) for job in real]
         result.forwards = (len(real), counter.compiled, time.perf_counter() - forwards_start)
     pool_of = ThreadPoolExecutor(max(1, threads), initializer=compat.pin_to_callers_device())
     with CompileCounter() as counter, compat.compile_only_launches(load) as met, pool_of as pool:
-        outcomes += pool.map(one, skipped)
+        outcomes += pool.map(run_job, skipped)
     result.compiled = counter.compiled
     for job, error in zip(real + skipped, outcomes, strict=True):
         if error is None:
