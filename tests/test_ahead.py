@@ -120,6 +120,12 @@ def test_a_child_that_fails_or_hangs_is_one_line(child: Path) -> None:
     assert ahead.wait(60).endswith(", 1 failed (first: top-k/top-p: boom)")
 
 
+def test_no_child_without_a_cuda_target(child: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ahead, "_arch", lambda: None)  # ROCm
+    ahead.start(worker())
+    assert ahead.wait() == ""
+
+
 def test_a_child_that_cannot_start_is_one_line(
     child: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

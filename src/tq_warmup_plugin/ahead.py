@@ -110,10 +110,13 @@ def request_of(worker: Any, feats: compat.Features) -> EngineRequest | None:
     )
 
 
-def _arch() -> int:
-    """The current GPU's SM as one number (90 for an H200): the child's compile target."""
+def _arch() -> int | None:
+    """The current GPU's SM as one number (90 for an H200): the child's compile target;
+    None on ROCm, whose targets the compile-only driver does not build."""
     import torch
 
+    if getattr(torch.version, "hip", None):
+        return None
     major, minor = torch.cuda.get_device_capability()
     return int(major) * 10 + int(minor)
 
@@ -131,12 +134,11 @@ def start(worker: Any) -> None:
     try:
         feats = compat.release_features(compat.installed_vllm_version() or "")
         request = request_of(worker, feats)
-        if request is None:
+        arch = _arch() if request is not None else None
+        if request is None or arch is None:
             return
         processes = max(1, min(PROCESSES, (os.cpu_count() or 1) // 2))
-        argument = json.dumps(
-            {"request": request.to_dict(), "arch": _arch(), "processes": processes}
-        )
+        argument = json.dumps({"request": request.to_dict(), "arch": arch, "processes": processes})
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
         process = subprocess.Popen(
             [sys.executable, "-m", CHILD_MODULE, argument],
