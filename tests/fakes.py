@@ -213,6 +213,7 @@ class StubCounter:
     def __enter__(self) -> StubCounter:
         self.compiled, self.shipped, self.loaded = 3, 2, 4
         self.dirs: set[str] = set()
+        self.names: dict[str, int] = {}
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -32,6 +32,10 @@ def test_ok_line_has_every_count() -> None:
     report.vllm_jobs, report.vllm_launches, report.vllm_s = {"fused MoE": 11}, 22, 3.21
     report.vllm_compiles = 4
     assert report.line().endswith("; vLLM kernels: fused MoE 11 (22 launches, 4 compiled, 3210 ms)")
+    report.vllm_compiled = {"_ranks_kernel": 1, "fused_moe_kernel": 3}
+    assert report.line().endswith(
+        "(22 launches, 4 compiled: fused_moe_kernel x3, _ranks_kernel, 3210 ms)"
+    )
     report.vllm_forwards, report.vllm_forward_compiles, report.vllm_forward_s = 11, 0, 0.4049
     assert report.line().endswith("3210 ms); 11 warmup forwards 405 ms, 0 compiles in them")
 

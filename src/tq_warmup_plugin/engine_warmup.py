@@ -40,6 +40,8 @@ class EngineResult:
     compiled: int = 0
     """Of them, the Triton compiles (the rest were in memory or on disk: a shipped layer,
     the compile-ahead child's keys, an earlier start)."""
+    compiled_names: dict[str, int] = field(default_factory=dict)
+    """Those compiles per kernel name."""
     declined: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -107,7 +109,7 @@ def run(pm: pluggy.PluginManager, engine: Engine, load: bool, threads: int = 1) 
     pool_of = ThreadPoolExecutor(max(1, threads), initializer=compat.pin_to_callers_device())
     with CompileCounter() as counter, compat.compile_only_launches(load) as met, pool_of as pool:
         outcomes += pool.map(run_job, skipped)
-    result.compiled = counter.compiled
+    result.compiled, result.compiled_names = counter.compiled, dict(counter.names)
     for job, error in zip(real + skipped, outcomes, strict=True):
         if error is None:
             result.jobs[job.family] = result.jobs.get(job.family, 0) + 1

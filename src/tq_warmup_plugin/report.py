@@ -53,6 +53,9 @@ class Report:
     vllm_s: float = 0.0
     vllm_compiles: int = 0
     """Of ``vllm_launches``, those Triton compiled here (the rest came from disk)."""
+    vllm_compiled: dict[str, int] = field(default_factory=dict)
+    """Those compiles per kernel name: what neither a shipped layer nor the compile-ahead
+    child had built."""
     vllm_forwards: int = 0
     """Of those jobs, the model forwards (``engine_warmup.EngineResult.forwards``)."""
     vllm_forward_compiles: int = 0
@@ -91,7 +94,8 @@ class Report:
             jobs = ", ".join(f"{family} {n}" for family, n in self.vllm_jobs.items())
             text += (
                 f"; vLLM kernels: {jobs} ({self.vllm_launches} launches, "
-                f"{self.vllm_compiles} compiled, {self.vllm_s * 1000:.0f} ms)"
+                f"{self.vllm_compiles} compiled{_names(self.vllm_compiled)}, "
+                f"{self.vllm_s * 1000:.0f} ms)"
             )
             if self.vllm_forwards:
                 text += (
@@ -106,6 +110,14 @@ class Report:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+
+def _names(counts: dict[str, int]) -> str:
+    """``: _topk_topp_kernel x6, _ranks_kernel`` (most first), or nothing."""
+    if not counts:
+        return ""
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    return ": " + ", ".join(name if n == 1 else f"{name} x{n}" for name, n in ranked)
 
 
 class CompileCounter:
@@ -125,6 +137,8 @@ class CompileCounter:
         self.loaded = 0
         self.dirs: set[str] = set()
         """Names of the Triton cache key directories of every kernel compiled or loaded."""
+        self.names: dict[str, int] = {}
+        """Compiles per kernel name (``src.name``), for the report of what still compiled."""
         self._lock = threading.Lock()
         self._previous: Any = None
         self._in_layer: Callable[[str], bool] = lambda path: False
@@ -137,6 +151,8 @@ class CompileCounter:
                 self.dirs.add(os.path.basename(os.path.dirname(paths[0])))
             if not cache_hit:
                 self.compiled += 1
+                name = str(getattr(kwargs.get("src"), "name", "?"))
+                self.names[name] = self.names.get(name, 0) + 1
             elif shipped:
                 self.shipped += 1
             else:

@@ -315,7 +315,7 @@ def _warm_vllm_kernels(
     _reap_ahead(report)
     report.vllm_jobs = done.jobs
     report.vllm_launches = done.kernels
-    report.vllm_compiles = done.compiled
+    report.vllm_compiles, report.vllm_compiled = done.compiled, done.compiled_names
     report.vllm_s = done.seconds
     report.vllm_forwards, report.vllm_forward_compiles, report.vllm_forward_s = done.forwards
     report.declined = done.declined
