@@ -8,7 +8,9 @@ real child's keys are held to the warmers' in ``contract/test_contract_ahead.py`
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -124,6 +126,45 @@ def test_no_child_without_a_cuda_target(child: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(ahead, "_arch", lambda: None)  # ROCm
     ahead.start(worker())
     assert ahead.wait() == ""
+
+
+def test_a_stopped_child_takes_its_compile_processes_with_it(
+    child: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real child's ``die_with_parent`` in a stand-in that forks a compile process the
+    way ``engine_plan.build`` does (a Pool initializer) and hangs: stopping the child
+    kills that process too."""
+    src = str(Path(ahead.__file__).parents[1])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(child.parent), src]))
+    pid_file = child.parent / "grandchild.pid"
+    child.write_text(
+        "import multiprocessing, os, time\n"
+        "from tq_warmup_plugin.ahead_child import die_with_parent\n"
+        "def work(_):\n"
+        f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        "    time.sleep(60)\n"
+        "die_with_parent()\n"
+        "pool = multiprocessing.get_context('fork').Pool(1, initializer=die_with_parent)\n"
+        "pool.map(work, [0])\n"
+    )
+    ahead.start(worker())
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    grandchild = int(pid_file.read_text())
+    assert ahead.wait(0.1).startswith("compile-ahead child stopped after ")
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grandchild)
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting for its reaper)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
 
 
 def test_a_child_that_cannot_start_is_one_line(

@@ -6,19 +6,32 @@ error lines, the seconds. Its own module, so that nothing the worker imports loa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
 from collections.abc import Sequence
 
-__all__ = ["main"]
+__all__ = ["die_with_parent", "main"]
+
+
+def die_with_parent() -> None:
+    """Be killed with the process that started this one (Linux ``PR_SET_PDEATHSIG``), so
+    that no compile outlives its worker, nor the child that the worker stopped: the child
+    sets it for itself and for each compile process it forks. Elsewhere, nothing."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The child: build the request's offline jobs for the target, print one JSON line."""
     argv = sys.argv[1:] if argv is None else argv
     began = time.perf_counter()
+    die_with_parent()
     sys.stdout.flush()
     real_stdout = os.dup(1)
     os.dup2(2, 1)  # vLLM's import talks on stdout; the result line is ours alone
@@ -30,7 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         given = json.loads(argv[0])
         use_compile_only_target(int(given["arch"]))
         engine = cpu_engine(EngineRequest.from_dict(given["request"]))
-        done, errors = build(plugin_manager(), engine, processes=int(given["processes"]))
+        processes = int(given["processes"])
+        done, errors = build(plugin_manager(), engine, processes=processes, each=die_with_parent)
         result = {"built": len(done), "errors": errors}
     except Exception as exc:  # one line, as the worker's own errors are
         result = {"built": 0, "errors": [f"{type(exc).__name__}: {exc}".splitlines()[0]]}

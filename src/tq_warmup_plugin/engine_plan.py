@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -222,12 +222,17 @@ def _run_forked(index: int) -> str | None:
 
 
 def build(
-    pm: pluggy.PluginManager, engine: Engine, sms: int = H100_SMS, processes: int = 1
+    pm: pluggy.PluginManager,
+    engine: Engine,
+    sms: int = H100_SMS,
+    processes: int = 1,
+    each: Callable[[], None] | None = None,
 ) -> tuple[list[Job], list[str]]:
     """Compile every offline job's keys into Triton's cache (``TRITON_CACHE_DIR``); the jobs
     done and one error line per job that failed. ``processes`` over 1 forks that many
     (the compile-ahead child, which has no GPU and no thread but its own): Triton holds the
-    GIL for most of a compile, so only processes compile side by side."""
+    GIL for most of a compile, so only processes compile side by side; ``each`` runs first
+    in each of them."""
     todo, _, errors = jobs(pm, engine)
     with _sm_count(sms), compat.compile_only_launches(load=False):
         if processes > 1 and len(todo) > 1:
@@ -235,7 +240,8 @@ def build(
 
             _FORKED[:] = todo[::-1]  # last first: a worker's warmers start at the first
             try:
-                with multiprocessing.get_context("fork").Pool(min(processes, len(todo))) as pool:
+                context = multiprocessing.get_context("fork")
+                with context.Pool(min(processes, len(todo)), initializer=each) as pool:
                     outcomes = pool.map(_run_forked, range(len(todo)), chunksize=1)
             finally:
                 _FORKED.clear()
