@@ -118,7 +118,7 @@ def inspect(args: argparse.Namespace) -> int:
     the_plan, named, planned = _plan(args, pm)
     geometry = planned.geometry
     engine, engine_text, engine_jobs, engine_notes = _engine_jobs(args, planned, pm)
-    described = [f"{job.family}: {job.what}" for job in engine_jobs]
+    vllm_jobs = [f"{job.family}: {job.what}" for job in engine_jobs]
     per_path: dict[str, list[str]] = {}
     for key, paths in the_plan.paths.items():
         for path in paths:
@@ -134,7 +134,7 @@ def inspect(args: argparse.Namespace) -> int:
             "geometry": geometry.to_dict(),
             "vllm_kernels": {
                 "engine": engine_text if engine else None,
-                "jobs": described,
+                "jobs": vllm_jobs,
                 "not_planned": engine_notes if engine else [engine_text],
             },
         }
@@ -158,8 +158,8 @@ def inspect(args: argparse.Namespace) -> int:
     if engine is None:
         print(f"\nvLLM's own kernels: not planned: {engine_text}")
         return 0
-    print(f"\nvLLM's own kernels ({engine_text}): {len(described)} jobs")
-    for text in described + [f"not here: {note}" for note in engine_notes]:
+    print(f"\nvLLM's own kernels ({engine_text}): {len(vllm_jobs)} jobs")
+    for text in vllm_jobs + [f"not here: {note}" for note in engine_notes]:
         print(f"  {text}")
     return 0
 

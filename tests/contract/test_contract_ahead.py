@@ -130,6 +130,11 @@ def test_inspect_lists_vllms_own_kernels(capsys: pytest.CaptureFixture[str]) -> 
     rejection = [j for j in planned["jobs"] if j.startswith("rejection sampler")]
     assert len(rejection) == (0 if feats().registry_warms_rejection_sampler else 3)
     assert "logprobs: 1 job need the worker: warmed at startup" in planned["not_planned"]
+    assert cli.main(["inspect", *FLAGS, "--speculative-config", NGRAM]) == 0
+    text = capsys.readouterr().out
+    listed = text[text.index("\nvLLM's own kernels (V1 runner, ngram k=3): ") :].splitlines()
+    assert listed[1] == f"vLLM's own kernels (V1 runner, ngram k=3): {len(planned['jobs'])} jobs"
+    assert listed[2 : 2 + len(planned["jobs"])] == [f"  {job}" for job in planned["jobs"]]
     assert cli.main(["inspect", *FLAGS, "--json"]) == 0  # no speculation: no verify batches
     plain = json.loads(capsys.readouterr().out)["vllm_kernels"]["jobs"]
     assert plain and not any(j.startswith("rejection sampler") for j in plain)
