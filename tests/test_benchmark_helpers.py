@@ -503,3 +503,16 @@ def test_gemm_shapes_summary_is_a_row_per_run_file(tmp_path: Path) -> None:
     )
     with pytest.raises(SystemExit, match="no run files"):
         cli.main(["gemm-shapes", "--summarize", str(tmp_path / "empty")])
+
+
+def test_ahead_cost_table_gives_each_child_its_ratio_to_one_process() -> None:
+    from benchmarks.tqbench.ahead_cost import table
+
+    rows = [
+        {"engine": "V1", "processes": 1, "built": 10, "seconds": 20.0},
+        {"engine": "V1", "processes": 4, "built": 10, "seconds": 10.0},
+    ]
+    lines = table(7.25, rows).splitlines()
+    assert lines[1].split()[-1] == "7.2"  # the import, no ratio
+    assert lines[2].split()[-2:] == ["20.0", "1.00"]
+    assert lines[3].split()[-2:] == ["10.0", "0.50"]

@@ -36,6 +36,7 @@ COMMAND_MODULES = (
     "spec",
     "shipped",
     "register_cost",
+    "ahead_cost",
     "layer_check_cost",
     "gemm_shapes",
     "driver_cache_proof",
