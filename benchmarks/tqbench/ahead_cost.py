@@ -77,13 +77,13 @@ def child_seconds(engine: dict[str, Any], processes: int) -> dict[str, Any]:
 
 def table(import_s: float, rows: list[dict[str, Any]]) -> str:
     """The printed table: the import, then each engine's child at 1 and N processes."""
-    lines = [f"{'phase':<44}{'seconds':>9}{'vs 1':>7}", f"{'import (fresh interpreter)':<44}"
+    lines = [f"{'phase':<52}{'seconds':>9}{'vs 1':>7}", f"{'import (fresh interpreter)':<52}"
              f"{import_s:>9.1f}{'':>7}"]  # fmt: skip
     serial = {r["engine"]: r["seconds"] for r in rows if r["processes"] == 1}
     for r in rows:
         name = f"child, {r['engine']}, {r['processes']} process(es), {r['built']} jobs"
         ratio = r["seconds"] / serial[r["engine"]] if serial.get(r["engine"]) else float("nan")
-        lines.append(f"{name:<44}{r['seconds']:>9.1f}{ratio:>7.2f}")
+        lines.append(f"{name:<52}{r['seconds']:>9.1f}{ratio:>7.2f}")
     return "\n".join(lines)
 
 

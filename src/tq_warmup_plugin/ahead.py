@@ -2,9 +2,11 @@
 
 Why: from a cold Triton cache the engine warmers' compiles cost a TurboQuant worker 7.2 s
 (V1 with ngram) and 8.7 s (V2) of startup on the H200 (vLLM 0.26.0, one server on 16 CPUs,
-``benchmarks/results/serve-jit`` run J), over the 5 s a worker may add. Threads do not help
-much: Triton's compiler holds the GIL for most of a compile (its AST walk and MLIR passes;
-the 6 top-k/top-p keys took 4.59 s on one thread and 3.53 s on two, 2 CPUs). But those keys
+``benchmarks/results/serve-jit`` run J), over the 5 s a worker may add. Triton holds the GIL
+for most of a compile (its AST walk and MLIR passes), so the worker's threads help little,
+and processes do: the child's V1 ngram keys took 27.1 s in one compile process and 16.1 s
+in two (2 CPUs, vLLM 0.26.0, ``python -m benchmarks.tqbench ahead-cost``,
+``benchmarks/results/ahead-cost.json``). But those keys
 depend only on engine arguments a worker knows before it loads its model
 (``engine_plan.EngineRequest``), and the worker then spends seconds to minutes on weights,
 ``torch.compile``, profiling and the KV cache. So ``Worker.load_model`` starts one child
