@@ -13,6 +13,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from .report import error_line
+
 __all__ = ["die_with_parent", "main"]
 
 
@@ -47,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         done, errors = build(plugin_manager(), engine, processes=processes, each=die_with_parent)
         result = {"built": len(done), "errors": errors}
     except Exception as exc:  # one line, as the worker's own errors are
-        result = {"built": 0, "errors": [f"{type(exc).__name__}: {exc}".splitlines()[0]]}
+        result = {"built": 0, "errors": [error_line(exc)]}
     result["seconds"] = time.perf_counter() - began
     os.write(real_stdout, (json.dumps(result) + "\n").encode())
     return 0 if not result["errors"] else 1
