@@ -205,7 +205,19 @@ def _with_workspace_sizes(
 
 
 def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None) -> Report:
-    """Warm every TurboQuant kernel key this worker's runtime will launch."""
+    """Warm every TurboQuant kernel key this worker's runtime will launch, then reap the
+    compile-ahead child (``ahead``): after the engine warmers, which found on disk what it
+    had built (a child still running then is stopped), and on every other way out too."""
+    try:
+        report = _run(worker, settings, pm)
+    finally:
+        line = ahead.wait()
+    if line:
+        report.notes.append(line)
+    return report
+
+
+def _run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None) -> Report:
     start = time.perf_counter()
     version_text = compat.installed_vllm_version() or ""
     try:
@@ -219,7 +231,6 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
     if found.note:
         report.notes.append(found.note)
     if not found.geometries:
-        _reap_ahead(report)
         report.status = "skipped"
         report.reason = "no TurboQuant attention layers in this worker"
         if found.flydsl:  # they exist, but run none of the warmed kernels
@@ -284,14 +295,6 @@ def run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None = None)
     return report
 
 
-def _reap_ahead(report: Report) -> None:
-    """The compile-ahead child's line (``ahead``): after the engine warmers, which found on
-    disk what it had built (a child still running then is stopped), or where none run."""
-    line = ahead.wait()
-    if line:
-        report.notes.append(line)
-
-
 def _warm_vllm_kernels(
     report: Report,
     worker: Any,
@@ -304,15 +307,12 @@ def _warm_vllm_kernels(
     the GPU only where the layers live on one (the CLI and CPU tests compile only). A
     plugin manager without engine warmers reads nothing of the runner."""
     if not pm.hook.tq_warmup_engine_jobs.get_hookimpls():
-        _reap_ahead(report)
         return
     engine, why = engine_warmup.engine_or_reason(worker, feats)
     if engine is None:
-        _reap_ahead(report)
         report.errors.append(why)
         return
     done = engine_warmup.run(pm, engine, getattr(device, "type", None) == "cuda", threads)
-    _reap_ahead(report)
     report.vllm_jobs = done.jobs
     report.vllm_launches = done.kernels
     report.vllm_compiles, report.vllm_compiled = done.compiled, done.compiled_names
