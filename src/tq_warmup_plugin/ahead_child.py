@@ -38,16 +38,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     real_stdout = os.dup(1)
     os.dup2(2, 1)  # vLLM's import talks on stdout; the result line is ours alone
     try:
-        from .engine_plan import EngineRequest, build, cpu_engine
+        from .engine_plan import EngineRequest, build, cpu_engine, jobs
         from .shipped.precompile import use_compile_only_target
         from .warmup import plugin_manager
 
         given = json.loads(argv[0])
         use_compile_only_target(int(given["arch"]))
         engine = cpu_engine(EngineRequest.from_dict(given["request"]))
+        todo, _, errors = jobs(plugin_manager(), engine)
         processes = int(given["processes"])
-        done, errors = build(plugin_manager(), engine, processes=processes, each=die_with_parent)
-        result = {"built": len(done), "errors": errors}
+        done, failed = build(todo, processes=processes, each=die_with_parent)
+        result = {"built": len(done), "errors": errors + failed}
     except Exception as exc:  # one line, as the worker's own errors are
         result = {"built": 0, "errors": [error_line(exc)]}
     result["seconds"] = time.perf_counter() - began

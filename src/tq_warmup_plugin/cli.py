@@ -98,18 +98,19 @@ def _engine(args: argparse.Namespace, planned: Planned) -> tuple[Engine | None, 
 
 def _engine_jobs(
     args: argparse.Namespace, planned: Planned, pm: pluggy.PluginManager
-) -> tuple[Engine | None, str, list[Job], list[str]]:
-    """The engine, its description, its offline jobs and the lines of what is not planned."""
+) -> tuple[Engine | None, str, list[Job], list[str], list[str]]:
+    """The engine, its description, its offline jobs, the lines of what is not planned and
+    one error line per warmer that raised while planning."""
     from .engine_plan import jobs
 
     engine, what = _engine(args, planned)
     if engine is None:
-        return None, what, [], []
+        return None, what, [], [], []
     todo, declined, errors = jobs(pm, engine)
-    notes = [f"{d.family}: {d.why}" for d in declined] + errors
+    notes = [f"{d.family}: {d.why}" for d in declined]
     if planned.moe:
         notes.append("fused MoE: model forwards, warmed at startup")
-    return engine, what, todo, notes
+    return engine, what, todo, notes, errors
 
 
 def inspect(args: argparse.Namespace) -> int:
@@ -117,7 +118,8 @@ def inspect(args: argparse.Namespace) -> int:
     pm = warmup.plugin_manager()
     the_plan, named, planned = _plan(args, pm)
     geometry = planned.geometry
-    engine, engine_text, engine_jobs, engine_notes = _engine_jobs(args, planned, pm)
+    engine, engine_text, engine_jobs, declined, errors = _engine_jobs(args, planned, pm)
+    engine_notes = declined + errors
     vllm_jobs = [f"{job.family}: {job.what}" for job in engine_jobs]
     per_path: dict[str, list[str]] = {}
     for key, paths in the_plan.paths.items():
@@ -266,15 +268,15 @@ def precompile(args: argparse.Namespace) -> int:
             os.environ["TRITON_CACHE_DIR"] = str(stage)
             compile_start = time.perf_counter()
             key_dirs = warmup.compile_into(report, pm, the_plan.keys, load().threads, _progress)
-            engine, engine_text, engine_jobs, _ = _engine_jobs(args, planned, pm)
+            engine, engine_text, engine_jobs, _, errors = _engine_jobs(args, planned, pm)
             built: list[str] = []
             if engine is not None:
                 _stage(f"vLLM's own kernels ({engine_text}): {len(engine_jobs)} jobs")
                 with CompileCounter() as counter:
-                    done, failed = build(pm, engine)
+                    done, failed = build(engine_jobs)
                 key_dirs = set(key_dirs) | counter.dirs
                 built = [f"{job.family}: {job.what}" for job in done]
-                report.errors.extend(failed)
+                report.errors.extend(errors + failed)
             compile_s = time.perf_counter() - compile_start
             plan = {
                 "kv_cache_dtype": planned.geometry.cache_dtype,

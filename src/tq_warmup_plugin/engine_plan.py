@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from types import SimpleNamespace
 from typing import Any
@@ -182,10 +183,7 @@ def jobs(pm: pluggy.PluginManager, engine: Engine) -> tuple[list[Job], list[Decl
     decline per family (it runs at startup)."""
     planned, declined, errors = engine_warmup.plan(pm, engine)
     offline = [job for job in planned if job.offline and not job.real]
-    later: dict[str, int] = {}
-    for job in planned:
-        if not (job.offline and not job.real):
-            later[job.family] = later.get(job.family, 0) + 1
+    later = Counter(job.family for job in planned if job.real or not job.offline)
     declined += [
         Declined(family, f"{n} job{'s' * (n > 1)} need the worker: warmed at startup")
         for family, n in later.items()
@@ -222,18 +220,16 @@ def _run_forked(index: int) -> str | None:
 
 
 def build(
-    pm: pluggy.PluginManager,
-    engine: Engine,
+    todo: list[Job],
     sms: int = H100_SMS,
     processes: int = 1,
     each: Callable[[], None] | None = None,
 ) -> tuple[list[Job], list[str]]:
-    """Compile every offline job's keys into Triton's cache (``TRITON_CACHE_DIR``); the jobs
-    done and one error line per job that failed. ``processes`` over 1 forks that many
+    """Compile the keys of offline jobs (``jobs``) into Triton's cache (``TRITON_CACHE_DIR``);
+    the jobs done and one error line per job that failed. ``processes`` over 1 forks that many
     (the compile-ahead child, which has no GPU and no thread but its own): Triton holds the
     GIL for most of a compile, so only processes compile side by side; ``each`` runs first
     in each of them."""
-    todo, _, errors = jobs(pm, engine)
     with _sm_count(sms), compat.compile_only_launches(load=False):
         if processes > 1 and len(todo) > 1:
             import multiprocessing
@@ -248,5 +244,5 @@ def build(
             outcomes = outcomes[::-1]
         else:
             outcomes = [engine_warmup.run_job(job) for job in todo]
-    errors += [line for line in outcomes if line is not None]
+    errors = [line for line in outcomes if line is not None]
     return [job for job, line in zip(todo, outcomes, strict=True) if line is None], errors
