@@ -41,7 +41,9 @@ def test_jit_lines_reads_warn_and_error_forms() -> None:
 def test_every_warmed_row_has_an_unwarmed_twin_or_is_a_reference() -> None:
     rows = serve_jit.ROWS
     for name, row in rows.items():
-        if row.kv == "tq" and row.warmers and row.ahead:
+        if row.layer:  # its twin: the same server over an empty Triton cache
+            assert not rows[name.removesuffix("-layer")].layer
+        elif row.kv == "tq" and row.warmers and row.ahead:
             assert f"{name}-off" in rows and not rows[f"{name}-off"].warmers
         if not row.ahead:  # the child's twin: the same server with it
             assert rows[name.removesuffix("-noahead")].ahead
@@ -58,6 +60,12 @@ def test_row_facts_reads_the_plugin_lines() -> None:
     assert facts["first_launches"] == 4 and facts["first_launches_ms"] == 357
     assert facts["driver_cache_line"].startswith("tq-warmup: driver cache")
     assert facts["vllm_kernels"].startswith("49 launches")
+    assert "warmup_ms" not in facts  # that line has no total
+    report = ("tq-warmup: 4 TurboQuant layers, 6 distinct kernel keys (decode 2): 0 compiled, "
+              "6 from the shipped cache, 0 from Triton's disk cache, 0 failed; workspace "
+              "16.4 MiB; 212 ms; 22 first launches 466 ms")  # fmt: skip
+    facts = serve_jit.row_facts([report])
+    assert (facts["from_layer"], facts["warmup_ms"], facts["first_launches_ms"]) == (6, 212, 466)
     assert serve_jit.row_facts(["tq-warmup: disabled by TQ_WARMUP"]) == {}
 
 

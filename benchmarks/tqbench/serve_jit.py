@@ -35,13 +35,14 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.tqbench import entry_point, records, tables
-from benchmarks.tqbench.children import Children
+from benchmarks.tqbench import entry_point, records, shipped, tables
+from benchmarks.tqbench.children import Children, child_pythonpath
 from benchmarks.tqbench.cli import Option, add_options, new_parser
 from benchmarks.tqbench.engine import REPO_ROOT
 from benchmarks.tqbench.serve_prefix import (
@@ -54,7 +55,17 @@ from benchmarks.tqbench.serve_prefix import (
 from benchmarks.tqbench.spec_child import write_models
 from benchmarks.tqbench.spec_configs import MODEL_SIZES, SpecConfig
 
-__all__ = ["ROWS", "Row", "add_parser", "mix", "mixtral_config", "pin_of", "row_facts"]
+__all__ = [
+    "ROWS",
+    "Row",
+    "add_parser",
+    "build_layer",
+    "mix",
+    "mixtral_config",
+    "pin_of",
+    "qwen3_next_config",
+    "row_facts",
+]
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,15 @@ class Row:
     ahead: bool = True
     """The compile-ahead child (``TQ_WARMUP_AHEAD``); off, the warmers compile in
     ``kernel_warmup`` as before it existed."""
+    hybrid: bool = False
+    """The model is a small Qwen3-Next (:func:`qwen3_next_config`): gated-delta-net layers
+    beside full attention, MoE on every layer, its own MTP layer; served with
+    ``--gdn-prefill-backend triton`` (the staged vLLM has no FlashInfer)."""
+    layer: bool = False
+    """Served from a shipped layer: ``tq-warmup precompile`` builds the row's keys on the
+    CPU (``CUDA_VISIBLE_DEVICES=""``, ``--arch``) with vLLM's defaults for the rest, as an
+    operator would, and the server reads it through the layered cache, pinned, over an
+    empty Triton cache (:func:`build_layer`)."""
 
 
 _NGRAM = SpecConfig("ngram", "ngram", 3)
@@ -93,6 +113,11 @@ ROWS: dict[str, Row] = {
     "tq-ngram-noahead": Row("tq", _NGRAM, ahead=False),
     "tq-noahead": Row("tq", SpecConfig("plain"), ahead=False),
     "tq-moe-noahead": Row("tq", SpecConfig("plain"), moe=True, ahead=False),
+    "tq-hybrid-mtp": Row("tq", SpecConfig("mtp", "mtp", 2), hybrid=True),
+    "tq-hybrid-mtp-off": Row("tq", SpecConfig("mtp", "mtp", 2), warmers=False, hybrid=True),
+    "tq-layer": Row("tq", SpecConfig("plain"), layer=True),
+    "tq-ngram-layer": Row("tq", _NGRAM, layer=True),
+    "tq-moe-layer": Row("tq", SpecConfig("plain"), moe=True, layer=True),
 }
 
 
@@ -164,6 +189,9 @@ def run_row(args: argparse.Namespace, name: str, port: int, work: Path, out: Pat
     if row.moe:
         config = mixtral_config(json.loads((model_dir / "config.json").read_text()))
         (model_dir / "config.json").write_text(json.dumps(config, indent=1))
+    if row.hybrid:
+        config = qwen3_next_config(args.max_model_len)
+        (model_dir / "config.json").write_text(json.dumps(config, indent=1))
     env = serve_env(args, work / name / "triton", Path(args.stub))
     env["TQ_WARMUP_VLLM_KERNELS"] = "1" if row.warmers else "0"
     env["TQ_WARMUP_AHEAD"] = "1" if row.ahead else "0"
@@ -178,13 +206,23 @@ def run_row(args: argparse.Namespace, name: str, port: int, work: Path, out: Pat
     argv = serve_argv(args, model_dir, port, kv, args.jit_mode)
     if args.side_by_side:
         argv += ["--gpu-memory-utilization", args.gpu_share]
+    if row.hybrid:
+        argv += ["--gdn-prefill-backend", "triton"]
     spec = row.spec.speculative_config(str(model_dir), head_dir)
+    built: dict[str, Any] = {}
+    if row.layer:
+        built = build_layer(args, model_dir, spec, work / name / "layer")
+        env.update(shipped.layered_env(work / name / "layer"))
+        pins = [p for p in (env.get("TQ_WARMUP_CACHE_PIN", ""), built.get("pin", "")) if p]
+        env["TQ_WARMUP_CACHE_PIN"] = ",".join(pins)
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec)]
     log = out / (f"serve-{name}.log" if start == 1 else f"serve-{name}-start{start}.log")
     srv = Server(port, args.request_timeout)
     result: dict[str, Any] = {"row": name, "kv": kv, "spec": spec, "warmers": row.warmers,
                               "ahead": row.ahead, "start": start}  # fmt: skip
+    if built:
+        result["layer"] = built
 
     def workload() -> dict[str, Any]:
         done = _workload(srv, str(model_dir), args)
@@ -193,6 +231,30 @@ def run_row(args: argparse.Namespace, name: str, port: int, work: Path, out: Pat
     row_result = served_row(srv, children, (argv, log, env, args.startup_timeout), result,
                             workload)  # fmt: skip
     return {**row_result, **row_facts(row_result.get("plugin_lines") or [])}
+
+
+def build_layer(args: argparse.Namespace, model_dir: Path, spec: dict[str, Any] | None,
+                layer: Path) -> dict[str, Any]:  # fmt: skip
+    """Build a row's shipped layer with ``tq-warmup precompile`` on the CPU, for
+    ``--layer-arch``, and pin it: ``{seconds, rc, last_line, pin, verify}``. Only the
+    flags a row sets are passed (the model, its length, the preset, the speculation):
+    the rest are precompile's defaults, which are vLLM's."""
+    argv = [sys.executable, "-m", "tq_warmup_plugin.cli", "precompile", "--model",
+            str(model_dir), "--kv-cache-dtype", args.preset, "--max-model-len",
+            str(args.max_model_len), "--arch", str(args.layer_arch), "--cache-dir",
+            str(layer)]  # fmt: skip
+    if spec is not None:
+        argv += ["--speculative-config", json.dumps(spec)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": child_pythonpath([str(REPO_ROOT / "src")], os.environ)}  # fmt: skip
+    started = time.perf_counter()
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
+    seconds = round(time.perf_counter() - started, 1)
+    lines = (out.stdout + out.stderr).strip().splitlines()
+    pin, verify = pin_of(str(layer)) if out.returncode == 0 else ("", "")
+    print(f"serve-jit: precompile {out.returncode} in {seconds} s: {lines[-1:]}", flush=True)
+    return {"seconds": seconds, "rc": out.returncode, "last_line": (lines or [""])[-1][:300],
+            "pin": pin, "verify": verify}  # fmt: skip
 
 
 def mixtral_config(llama: dict[str, Any], experts: int = 4, top_k: int = 2) -> dict[str, Any]:
@@ -210,6 +272,48 @@ def mixtral_config(llama: dict[str, Any], experts: int = 4, top_k: int = 2) -> d
     return config
 
 
+def qwen3_next_config(max_model_len: int, layers: int = 24) -> dict[str, Any]:
+    """A small Qwen3-Next ``config.json``: Qwen3-Next-80B-A3B's attention, gated-delta-net
+    and expert shapes (its Hugging Face config) with ``layers`` layers (a full-attention
+    layer every 4th: 24 give 6, so TurboQuant, which keeps the first and last two
+    uncompressed, has 2) and 8 experts, top 2, so dummy weights are small; one MTP layer."""
+    return {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "hidden_size": 2048,
+        "intermediate_size": 5120,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "num_hidden_layers": layers,
+        "full_attention_interval": 4,
+        "layer_types": [
+            "full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)
+        ],
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [],
+        "partial_rotary_factor": 0.25,
+        "max_position_embeddings": max_model_len,
+        "rope_theta": 10000000,
+        "rms_norm_eps": 1e-06,
+        "hidden_act": "silu",
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 1,
+        "torch_dtype": "bfloat16",
+    }
+
+
 def row_facts(plugin_lines: list[str]) -> dict[str, Any]:
     """What the plugin's lines say of one server: its first launches' time (the report
     line), its driver-cache decision and its engine warmers' line."""
@@ -218,6 +322,10 @@ def row_facts(plugin_lines: list[str]) -> dict[str, Any]:
         m = re.search(r"(\d+) first launches (\d+) ms", line)
         if m and "first_launches_ms" not in facts:
             facts.update(first_launches=int(m[1]), first_launches_ms=int(m[2]))
+            shipped_keys = re.search(r"(\d+) from the shipped cache", line)
+            total = re.search(r"; (\d+) ms; \d+ first launches", line)
+            if shipped_keys and total:
+                facts.update(from_layer=int(shipped_keys[1]), warmup_ms=int(total[1]))
         if "driver cache" in line or "CUDA_CACHE_PATH" in line:
             facts.setdefault("driver_cache_line", line[line.find("tq-warmup:") :])
         m = re.search(r"vLLM kernels: (.*)", line)
@@ -239,15 +347,25 @@ def pin_of(root: str) -> tuple[str, str]:
     return pin, summary
 
 
+def _start(row: dict[str, Any]) -> str:
+    """How a row's server started: over an empty Triton cache, the cache its row's first
+    start filled, or a shipped layer."""
+    if row.get("layer"):
+        return "shipped layer"
+    return "cold" if row.get("start", 1) == 1 else "warm Triton cache"
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
     header = ["row", "start", "kv", "speculation", "engine warmers", "status", "served",
-              "failed", "JIT after startup", "first launches ms", "vLLM kernels"]  # fmt: skip
+              "failed", "JIT after startup", "TurboQuant warmup ms", "first launches ms",
+              "vLLM kernels"]  # fmt: skip
     cells = [
-        [r["row"], "cold" if r.get("start", 1) == 1 else "warm Triton cache", r["kv"],
+        [r["row"], _start(r), r["kv"],
          (r.get("spec") or {}).get("method", "-"),
          "on" if r["warmers"] else "off", str(r.get("status")), str(r.get("served", "-")),
          str(r.get("failed", "-")), ", ".join(sorted(set(r.get("jit_after_startup") or []))) or "0",
-         str(r.get("first_launches_ms", "-")), str(r.get("vllm_kernels", "-"))]
+         str(r.get("warmup_ms", "-")), str(r.get("first_launches_ms", "-")),
+         str(r.get("vllm_kernels", "-"))]
         for r in rows
     ]  # fmt: skip
     return tables.render_markdown(header, cells)
@@ -301,6 +419,7 @@ OPTIONS: tuple[Option, ...] = (
     ("--rows", "tq-ngram,tq-ngram-off", "servers to run, in order (serve_jit.ROWS)"),
     ("--jit-mode", "error", "--jit-monitor-mode (0.25+): error or warn"),
     ("--driver-cache", "", "a layer root with driver-cache/: every row served from it, pinned"),
+    ("--layer-arch", 90, "the SM the *-layer rows' precompile builds for (an H200: 90)"),
     ("--side-by-side", False, "start every row at once (JIT counts only; times not comparable)"),
     *server_options("serve-jit", 4096, 4.0, 8031),
 )
