@@ -206,6 +206,8 @@ def run_row(args: argparse.Namespace, name: str, port: int, work: Path, out: Pat
     argv = serve_argv(args, model_dir, port, kv, args.jit_mode)
     if args.side_by_side:
         argv += ["--gpu-memory-utilization", args.gpu_share]
+    if args.jit_verbose:  # each event, with its constexprs, signature and key (0.25+)
+        argv += ["--jit-monitor-verbose"]
     if row.hybrid:
         argv += ["--gdn-prefill-backend", "triton"]
     spec = row.spec.speculative_config(str(model_dir), head_dir)
@@ -419,6 +421,7 @@ OPTIONS: tuple[Option, ...] = (
     ("--rows", "tq-ngram,tq-ngram-off", "servers to run, in order (serve_jit.ROWS)"),
     ("--jit-mode", "error", "--jit-monitor-mode (0.25+): error or warn"),
     ("--driver-cache", "", "a layer root with driver-cache/: every row served from it, pinned"),
+    ("--jit-verbose", False, "--jit-monitor-verbose: every JIT event with its key"),
     ("--layer-arch", 90, "the SM the *-layer rows' precompile builds for (an H200: 90)"),
     ("--side-by-side", False, "start every row at once (JIT counts only; times not comparable)"),
     *server_options("serve-jit", 4096, 4.0, 8031),
