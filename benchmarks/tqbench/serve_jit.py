@@ -209,7 +209,9 @@ def run_row(args: argparse.Namespace, name: str, port: int, work: Path, out: Pat
     if args.jit_verbose:  # each event, with its constexprs, signature and key (0.25+)
         argv += ["--jit-monitor-verbose"]
     if row.hybrid:
-        argv += ["--gdn-prefill-backend", "triton"]
+        # One Mamba state block per decode sequence: H200's default 1024 exceed the 542
+        # blocks 4 GiB hold (startup failed in CUDA graph capture, 0.26.0, serve-jit run R).
+        argv += ["--gdn-prefill-backend", "triton", "--max-num-seqs", "256"]
     spec = row.spec.speculative_config(str(model_dir), head_dir)
     built: dict[str, Any] = {}
     if row.layer:
