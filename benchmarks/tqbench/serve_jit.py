@@ -215,8 +215,9 @@ def run_row(args: argparse.Namespace, name: str, port: int, work: Path, out: Pat
     spec = row.spec.speculative_config(str(model_dir), head_dir)
     built: dict[str, Any] = {}
     if row.layer:
-        built = build_layer(args, model_dir, spec, work / name / "layer")
-        env.update(shipped.layered_env(work / name / "layer"))
+        layer = work / name / "layer"
+        built = build_layer(args, model_dir, spec, layer)
+        env.update(shipped.layered_env(layer))
         pins = [p for p in (env.get("TQ_WARMUP_CACHE_PIN", ""), built.get("pin", "")) if p]
         env["TQ_WARMUP_CACHE_PIN"] = ",".join(pins)
     if spec is not None:
@@ -279,8 +280,9 @@ def mixtral_config(llama: dict[str, Any], experts: int = 4, top_k: int = 2) -> d
 def qwen3_next_config(max_model_len: int, layers: int = 24) -> dict[str, Any]:
     """A small Qwen3-Next ``config.json``: Qwen3-Next-80B-A3B's attention, gated-delta-net
     and expert shapes (its Hugging Face config) with ``layers`` layers (a full-attention
-    layer every 4th: 24 give 6, so TurboQuant, which keeps the first and last two
-    uncompressed, has 2) and 8 experts, top 2, so dummy weights are small; one MTP layer."""
+    layer every 4th: 24 give 6, and the plugin found 7 TurboQuant layers with the MTP
+    layer's, H200, 0.26.0, serve-jit run R) and 8 experts, top 2, so dummy weights are
+    small; one MTP layer."""
     return {
         "architectures": ["Qwen3NextForCausalLM"],
         "model_type": "qwen3_next",

@@ -197,19 +197,19 @@ def _written(process: subprocess.Popen[bytes]) -> bytes:
     stream = process.stdout
     if stream is None:
         return b""
-    chunks: list[bytes] = []
+    out = b""
     try:
         fd = stream.fileno()
         os.set_blocking(fd, False)
-        while sum(map(len, chunks)) < OUTPUT_LIMIT:
-            chunk = os.read(fd, OUTPUT_LIMIT)
+        while len(out) < OUTPUT_LIMIT:
+            chunk = os.read(fd, OUTPUT_LIMIT - len(out))
             if not chunk:
                 break
-            chunks.append(chunk)
+            out += chunk
     except (BlockingIOError, OSError, ValueError):
         pass
     _close(process)
-    return b"".join(chunks)[:OUTPUT_LIMIT]
+    return out
 
 
 def _close(process: subprocess.Popen[bytes]) -> None:
