@@ -42,11 +42,11 @@ def test_every_warmed_row_has_an_unwarmed_twin_or_is_a_reference() -> None:
     rows = serve_jit.ROWS
     for name, row in rows.items():
         if row.layer:  # its twin: the same server over an empty Triton cache
-            assert not rows[name.removesuffix("-layer")].layer
+            assert not rows[name.replace("-layer", "")].layer
         elif row.kv == "tq" and row.warmers and row.ahead:
             assert f"{name}-off" in rows and not rows[f"{name}-off"].warmers
         if not row.ahead:  # the child's twin: the same server with it
-            assert rows[name.removesuffix("-noahead")].ahead
+            assert rows[name.replace("-noahead", "")].ahead
 
 
 def test_row_facts_reads_the_plugin_lines() -> None:

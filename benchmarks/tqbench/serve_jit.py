@@ -118,6 +118,7 @@ ROWS: dict[str, Row] = {
     "tq-layer": Row("tq", SpecConfig("plain"), layer=True),
     "tq-ngram-layer": Row("tq", _NGRAM, layer=True),
     "tq-moe-layer": Row("tq", SpecConfig("plain"), moe=True, layer=True),
+    "tq-layer-noahead": Row("tq", SpecConfig("plain"), layer=True, ahead=False),
 }
 
 

@@ -183,6 +183,12 @@ def wait(timeout: float = 0.0) -> str:
     except (ValueError, TypeError, KeyError):
         return f"compile-ahead child exited {process.returncode} without its result"
     text = f"compile-ahead child: {built} jobs in {float(seconds):.1f} s"
+    phases = [
+        f"{name} {result[name]:.1f} s"
+        for name in ("import", "plan")
+        if isinstance(result.get(name), int | float)
+    ]
+    text += f" ({', '.join(phases)})" if phases else ""
     if errors:
         text += f", {len(errors)} failed (first: {str(errors[0])[:200]})"
     return text

@@ -1,7 +1,9 @@
 """The compile-ahead child's process (``ahead``): ``python -m tq_warmup_plugin.ahead_child
 JSON`` builds one worker's offline engine jobs (``engine_plan``) for its GPU architecture
-into the Triton cache its environment names, and prints one JSON line: the jobs built, the
-error lines, the seconds. Its own module, so that nothing the worker imports loads it.
+into the Triton cache its environment names, host launchers included where Triton builds
+them (``compat.build_host_launcher``), and prints one JSON line: the jobs built, the error
+lines, the seconds, and of them those of vLLM's import and of the plan. Its own module, so
+that nothing the worker imports loads it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The child: build the request's offline jobs for the target, print one JSON line."""
     argv = sys.argv[1:] if argv is None else argv
     began = time.perf_counter()
+    phases: dict[str, float] = {}
     die_with_parent()
     sys.stdout.flush()
     real_stdout = os.dup(1)
@@ -44,14 +47,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         given = json.loads(argv[0])
         use_compile_only_target(int(given["arch"]))
-        engine = cpu_engine(EngineRequest.from_dict(given["request"]))
+        engine = cpu_engine(EngineRequest.from_dict(given["request"]))  # vLLM's import
+        phases["import"] = time.perf_counter() - began
         todo, _, errors = jobs(plugin_manager(), engine)
+        phases["plan"] = time.perf_counter() - began - phases["import"]
         processes = int(given["processes"])
         done, failed = build(todo, processes=processes, each=die_with_parent)
         result = {"built": len(done), "errors": errors + failed}
     except Exception as exc:  # one line, as the worker's own errors are
         result = {"built": 0, "errors": [error_line(exc)]}
     result["seconds"] = time.perf_counter() - began
+    result.update(phases)  # where its time went: the worker's report line says it
     os.write(real_stdout, (json.dumps(result) + "\n").encode())
     return 0 if not result["errors"] else 1
 

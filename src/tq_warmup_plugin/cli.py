@@ -277,6 +277,8 @@ def precompile(args: argparse.Namespace) -> int:
                 key_dirs = set(key_dirs) | counter.dirs
                 built = [f"{job.family}: {job.what}" for job in done]
                 report.errors.extend(errors + failed)
+            launchers = compat.launcher_dirs(str(stage))  # what a GPU builds on first load
+            key_dirs = set(key_dirs) | launchers
             compile_s = time.perf_counter() - compile_start
             plan = {
                 "kv_cache_dtype": planned.geometry.cache_dtype,
@@ -292,7 +294,8 @@ def precompile(args: argparse.Namespace) -> int:
     print(
         f"tq-warmup: {len(the_plan.keys)} keys for sm{args.arch} in {cache_dir}: "
         f"{report.compiled} built, {report.loaded} already there, {report.failed} failed; "
-        f"vLLM's own kernels: {len(built)} jobs "
+        f"vLLM's own kernels: {len(built)} jobs; host launchers: "
+        f"{len(launchers) or compat.no_launchers_why() or 0} "
         f"(compile {compile_s:.1f} s, {time.perf_counter() - start:.1f} s in all with the "
         f"vLLM import; vLLM {installed['vllm']}, Triton {installed['triton']}; "
         f"manifest {manifest_file.name})"

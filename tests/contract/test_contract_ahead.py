@@ -19,6 +19,7 @@ from typing import Any
 
 import fakes
 import pytest
+import stub_libcuda
 from realvllm import block_table, clear_vllm_kernel_caches
 from test_contract_vllm_kernels import VOCAB, engine, fake_runner, feats
 from test_contract_vllm_kernels import _driver as _driver  # autouse: sm90, the SM count
@@ -61,6 +62,13 @@ def run_child(req: engine_plan.EngineRequest, cache: Path) -> dict[str, Any]:
     result: dict[str, Any] = json.loads(done.stdout.decode().splitlines()[-1])
     assert done.returncode == (1 if result["errors"] else 0)
     return result
+
+
+def _per_signature_launchers() -> bool:
+    """Triton 3.6 builds a C launcher per kernel signature; 3.7+ one generic launcher."""
+    from triton.backends.nvidia import driver
+
+    return hasattr(driver, "make_launcher")
 
 
 def warm_in_process(block_size: int, k: int) -> CompileCounter:
@@ -172,6 +180,8 @@ def test_precompile_ships_them_and_the_worker_compiles_none(
     argv = [sys.executable, "-m", "tq_warmup_plugin.cli", "precompile", *FLAGS,
             "--speculative-config", NGRAM, "--cache-dir", str(layer)]  # fmt: skip
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": src}
+    libcuda = stub_libcuda.build(tmp_path / "libcuda")  # a GPU host's driver, for the launchers
+    env.update(stub_libcuda.env(libcuda) if libcuda is not None else {})
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     offline, _, _ = engine_plan.jobs(
@@ -180,6 +190,12 @@ def test_precompile_ships_them_and_the_worker_compiles_none(
     assert f"vLLM's own kernels: {len(offline)} jobs" in done.stdout
     (file,) = manifest.manifest_files(layer)
     listed = manifest.read(file)
+    launchers = compat.launcher_dirs(str(layer))
+    if libcuda is not None and _per_signature_launchers():  # Triton 3.6: built and shipped
+        assert f"host launchers: {len(launchers)} " in done.stdout and launchers, done.stdout
+        assert launchers <= set(listed.files)
+    else:
+        assert not launchers and "host launchers: " in done.stdout, done.stdout
     assert len(json.loads(file.read_text())["vllm_kernels"]) == len(offline)  # the plan
     monkeypatch.setenv("TRITON_CACHE_DIR", str(layer))  # the layer as Triton's own cache
     monkeypatch.delenv("TRITON_CACHE_MANAGER", raising=False)

@@ -16,10 +16,14 @@ from typing import Any
 __all__ = [
     "AMD_BACKEND_MODULE",
     "GROUP_PREFIX",
+    "LAUNCHER_NAME",
     "POINTER_RANGE_MAX",
     "SM_TARGETS",
+    "build_host_launcher",
     "compile_only_launches",
     "fp8_e4b15",
+    "launcher_dirs",
+    "no_launchers_why",
     "pin_to_callers_device",
     "pointer_in_range",
     "storage_bytes",
@@ -109,6 +113,8 @@ def compile_only_launches(load: bool) -> Iterator[list[str]]:
             met.append(str(getattr(self, "__name__", "?")))
             if kernel is not None and load:
                 kernel._init_handles()
+            elif kernel is not None:
+                build_host_launcher(kernel)
             return kernel
 
         JITFunction.run = run
@@ -135,3 +141,70 @@ def pin_to_callers_device() -> Callable[[], None] | None:
     except (ImportError, RuntimeError):  # no Triton, or no active driver: nothing to pin
         return None
     return lambda: active.set_current_device(device)
+
+
+LAUNCHER_NAME = "__triton_launcher"
+"""The module Triton 3.6 builds per kernel signature (``backends/nvidia/driver.py`` 3.6.0:685)."""
+
+_launcher_lock = threading.Lock()
+_no_launchers: list[str] = []
+"""Why this process builds no host launcher (empty: it does, or has not tried yet)."""
+
+
+def build_host_launcher(kernel: Any) -> str | None:
+    """Build into Triton's cache the host launcher that a GPU builds when it first loads
+    ``kernel`` (a compiled kernel, not loaded); None where it is built or found, else why not.
+
+    Why: Triton 3.6.0 (vLLM 0.20-0.26) compiles a C launcher per kernel signature with the
+    host's C compiler on a kernel's first load (``CudaLauncher``, ``driver.py`` 3.6.0:676-689),
+    cached on disk under ``sha256(source + platform_key())``. A worker served 20 launches of
+    vLLM's own kernels from a shipped layer, 0 Triton compiles, in 0.98 s, where the same
+    worker over the Triton cache of an earlier start (launchers there) took 0.09 s (H200,
+    0.26.0, serve-jit runs J and Q). Building them where the kernels are built (the
+    compile-ahead child, ``precompile``) leaves the worker a load. Triton 3.7.1 and 3.8.0
+    launch through one generic launcher and build none (no ``make_launcher``). Linking needs
+    ``libcuda.so.1`` (``libcuda_dirs``, or ``TRITON_LIBCUDA_PATH``) and a C compiler: a host
+    without them (a CPU build machine) builds none and says why once."""
+    if _no_launchers:
+        return _no_launchers[0]
+    import subprocess  # register() imports this module: not there
+
+    if getattr(getattr(getattr(kernel, "metadata", None), "target", None), "backend", "") != "cuda":
+        return "not a CUDA kernel"
+    try:
+        nvidia = importlib.import_module("triton.backends.nvidia.driver")
+    except ImportError as exc:
+        return _give_up(f"Triton's CUDA driver does not import ({exc})")
+    if getattr(nvidia, "make_launcher", None) is None:  # 3.7+: one generic launcher
+        return _give_up("this Triton launches through one generic launcher")
+    try:
+        nvidia.library_dirs()
+    except (AssertionError, OSError, subprocess.SubprocessError) as exc:
+        return _give_up(f"libcuda.so.1 not found ({str(exc).splitlines()[0]})")
+    try:
+        nvidia.CudaLauncher(kernel.src, kernel.metadata)
+    except ImportError:
+        return None  # built and cached; it only loads beside a driver (a stub libcuda)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return _give_up(f"the C compiler failed ({type(exc).__name__}: {exc})")
+    return None
+
+
+def _give_up(why: str) -> str:
+    with _launcher_lock:
+        if not _no_launchers:
+            _no_launchers.append(why)
+    return why
+
+
+def no_launchers_why() -> str | None:
+    """Why this process builds no host launcher, once it has tried; else None."""
+    return _no_launchers[0] if _no_launchers else None
+
+
+def launcher_dirs(root: str) -> set[str]:
+    """The key directories under Triton cache ``root`` that hold a host launcher."""
+    from pathlib import Path
+
+    found = Path(root).glob(f"*/{LAUNCHER_NAME}*")
+    return {path.parent.name for path in found if path.is_file() and not path.is_symlink()}

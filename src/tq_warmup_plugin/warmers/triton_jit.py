@@ -67,11 +67,16 @@ def compile_key(key: KernelKey) -> None:
     launcher with the host compiler, cached on disk. With a cold Triton cache that
     build cost the first long request ~0.25 s on the H200 (vLLM 0.26.0) although
     nothing was JIT-compiled any more. The compile-only driver (CLI, tests) is not
-    active and loads nothing.
+    active and loads nothing: there the launcher is built into the cache instead, where
+    this Triton builds one (``compat.build_host_launcher``), for the GPU that loads it.
     """
     kernel = compat.kernel_function(key.kernel).warmup(grid=(1,), **warmup_arguments(key))
-    if kernel is not None and _gpu_driver_active():
+    if kernel is None:
+        return
+    if _gpu_driver_active():
         kernel._init_handles()
+    else:
+        compat.build_host_launcher(kernel)
 
 
 def _gpu_driver_active() -> bool:
