@@ -81,6 +81,7 @@ GATE_COLUMNS = (
     "v2_top_k_top_p_model_dtype",
     "registry_warms_rejection_sampler",
     "registry_warms_eagle_helpers",
+    "jit_registry_collects",
     "hybrid_turboquant",
     "tq_block_aligned",
     "v1_block_table_rounded",
@@ -88,16 +89,16 @@ GATE_COLUMNS = (
 )
 T, F = True, False
 GATES = {
-    (0, 20): (F, F, F, F, F, F, T, F, F, F, F, F, F, T, T, T, F, F, F, F, F, F, F, F, F, F),
-    (0, 21): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T, T, T, F, F, F, F, T, F, F, F),
-    (0, 23): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T, T, T, F, F, F, F, T, F, F, F),
-    (0, 24): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T, T, T, F, F, F, F, T, F, F, F),
-    (0, 25): (F, F, T, T, T, T, T, T, T, T, T, F, F, T, T, T, T, T, F, F, F, F, T, T, F, T),
-    (0, 26): (T, T, T, T, T, T, T, T, T, T, T, F, F, T, T, T, T, T, F, T, F, F, T, T, F, T),
-    (0, 28): (T, T, T, T, T, T, T, T, F, T, T, F, T, T, F, T, T, T, F, F, F, F, T, T, T, T),
-    (0, 29): (T, F, T, T, T, T, T, T, F, T, T, F, T, T, F, T, T, T, T, F, F, F, T, T, T, T),
-    (0, 30): (T, F, T, T, T, T, T, T, F, T, T, T, T, T, F, T, T, F, T, F, T, T, T, T, T, T),
-    (0, 33): (T, F, T, T, T, T, T, T, F, T, T, T, T, T, F, T, T, F, T, F, T, T, T, T, T, T),
+    (0, 20): (F, F, F, F, F, F, T, F, F, F, F, F, F, T, T, T, F, F, F, F, F, F, F, F, F, F, F),
+    (0, 21): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T, T, T, F, F, F, F, F, T, F, F, F),
+    (0, 23): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T, T, T, F, F, F, F, F, T, F, F, F),
+    (0, 24): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T, T, T, F, F, F, F, F, T, F, F, F),
+    (0, 25): (F, F, T, T, T, T, T, T, T, T, T, F, F, T, T, T, T, T, F, F, F, F, F, T, T, F, T),
+    (0, 26): (T, T, T, T, T, T, T, T, T, T, T, F, F, T, T, T, T, T, F, T, F, F, F, T, T, F, T),
+    (0, 28): (T, T, T, T, T, T, T, T, F, T, T, F, T, T, F, T, T, T, F, F, F, F, F, T, T, T, T),
+    (0, 29): (T, F, T, T, T, T, T, T, F, T, T, F, T, T, F, T, T, T, T, F, F, F, T, T, T, T, T),
+    (0, 30): (T, F, T, T, T, T, T, T, F, T, T, T, T, T, F, T, T, F, T, F, T, T, T, T, T, T, T),
+    (0, 33): (T, F, T, T, T, T, T, T, F, T, T, T, T, T, F, T, T, F, T, F, T, T, T, T, T, T, T),
 }
 
 

@@ -57,13 +57,42 @@ def warm_worker(worker: Any, settings: Settings) -> None:
         raise RuntimeError(f"tq-warmup strict mode: {report.line()}")
 
 
+def _registered(worker: Any, settings: Settings) -> Any | None:
+    """The warmup registered with vLLM's JIT warmup registry (``jit_registry``), or None
+    where it runs beside it: 0.20-0.28, ``enable_jit_warmup`` off, an unsupported release
+    (whose one line the warmup's report gives), or a registry that refused it (one
+    WARNING)."""
+    from . import jit_registry
+    from .report import error_line
+
+    try:
+        feats = compat.release_features(compat.installed_vllm_version())
+    except compat.UnsupportedRelease:
+        return None
+    try:
+        return jit_registry.register(worker, feats, lambda: warm_worker(worker, settings))
+    except Exception as exc:
+        logger.warning(
+            "tq-warmup: cannot register with vLLM's JIT warmup registry (%s); warming "
+            "before kernel_warmup instead",
+            error_line(exc),
+        )
+        return None
+
+
 def wrap(original: Callable[..., Any], settings: Settings) -> Callable[..., Any]:
-    """``original`` with our warmup in front; accepts 0.27+'s ``process_local_only``."""
+    """``original`` with our warmup in it: in vLLM's JIT warmup phase where its registry
+    compiles registrations (0.29+), else in front; accepts 0.27+'s ``process_local_only``."""
 
     @patching.wraps(original)
     def kernel_warmup(worker: Any, *args: Any, **kwargs: Any) -> Any:
-        warm_worker(worker, settings)
-        return original(worker, *args, **kwargs)
+        registration = _registered(worker, settings)
+        if registration is None:
+            warm_worker(worker, settings)
+            return original(worker, *args, **kwargs)
+        result = original(worker, *args, **kwargs)
+        registration.compile()  # a registry that did not run it: once, now (else nothing)
+        return result
 
     return kernel_warmup
 

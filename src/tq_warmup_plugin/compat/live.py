@@ -25,6 +25,7 @@ __all__ = [
     "flash_attn_paged_decode",
     "flash_attn_varlen",
     "flydsl_layer",
+    "jit_registry",
     "kernel_function",
     "kv_view",
     "local_attention_chunk",
@@ -264,6 +265,19 @@ def prefix_reused(vllm_config: Any) -> bool:
     )
     cached = getattr(getattr(vllm_config, "cache_config", None), "enable_prefix_caching", True)
     return chunked is not False or cached is not False
+
+
+def jit_registry(worker: Any, feats: Features) -> Any | None:
+    """The runner's ``JitWarmupRegistry`` where this ``kernel_warmup`` will compile its
+    registrations (``Features.jit_registry_collects`` and ``kernel_config.
+    enable_jit_warmup``, default on), else None: 0.20-0.28, or an operator who turned it off."""
+    if not feats.jit_registry_collects:
+        return None
+    kernel_config = getattr(getattr(worker, "vllm_config", None), "kernel_config", None)
+    if not getattr(kernel_config, "enable_jit_warmup", False):
+        return None
+    registry = getattr(getattr(worker, "model_runner", None), "jit_warmup_registry", None)
+    return registry if callable(getattr(registry, "activate", None)) else None
 
 
 def worker_uses_v2(worker: Any) -> bool:

@@ -139,6 +139,12 @@ class Features(NamedTuple):
     (``v1/spec_decode/utils.py`` 0.30:120-616, 0.33); 0.26-0.29 define them without
     (0.29: no ``Warmup`` in the file), and they compiled on the first draft steps (H200,
     0.26.0, draft_model k=3)."""
+    jit_registry_collects: bool
+    """0.29+: the model runner collects ``JitWarmupRegistry`` registrations (V1
+    ``gpu_model_runner.py`` 0.29:757, V2 ``gpu/model_runner.py`` 0.30:202) and
+    ``kernel_warmup`` compiles them first when ``kernel_config.enable_jit_warmup``
+    (``kernel_warmup.py`` 0.30:170-190, 0.33:176-196), aborting startup on any exception.
+    0.27-0.28 define the registry and collect nothing; 0.20-0.26 have none."""
     hybrid_turboquant: bool
     """0.21+: TurboQuant serves hybrid (attention + Mamba) models, with no boundary
     layers; 0.20 refuses them (``NotImplementedError`` in ``arg_utils.py``)."""
@@ -180,6 +186,7 @@ def features(version: Version) -> Features:
         v2_top_k_top_p_model_dtype=version == (0, 26),
         registry_warms_rejection_sampler=version >= (0, 30),
         registry_warms_eagle_helpers=version >= (0, 30),
+        jit_registry_collects=version >= (0, 29),
         hybrid_turboquant=version >= (0, 21),
         tq_block_aligned=version >= (0, 25),
         v1_block_table_rounded=version >= (0, 27),

@@ -27,6 +27,7 @@ __all__ = [
     "FLASH_ATTN_MODULE",
     "FUSED_MOE_MODULE",
     "IMPL_CLASS",
+    "JIT_WARMUP_MODULE",
     "KERNEL_MODULES",
     "LAUNCHER_DEFAULT_KV_SPLITS",
     "LOGITS_PROCESSOR_MODULE",
@@ -56,6 +57,7 @@ STAGE2_MODULE = "vllm.v1.attention.ops.triton_decode_attention"
 STORE_MODULE = "vllm.v1.attention.ops.triton_turboquant_store"
 BACKEND_MODULE = "vllm.v1.attention.backends.turboquant_attn"
 WARMUP_MODULE = "vllm.model_executor.warmup.kernel_warmup"
+JIT_WARMUP_MODULE = "vllm.model_executor.warmup.jit_warmup"  # 0.27+: JitWarmupRegistry
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 ELASTIC_MODULE = "vllm.distributed.elastic_ep.elastic_execute"
 WORKSPACE_MODULE = "vllm.v1.worker.workspace"
