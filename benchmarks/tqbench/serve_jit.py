@@ -211,8 +211,10 @@ def run_row(args: argparse.Namespace, name: str, port: int, work: Path, out: Pat
         argv += ["--jit-monitor-verbose"]
     if row.hybrid:
         # One Mamba state block per decode sequence: H200's default 1024 exceed the 542
-        # blocks 4 GiB hold (startup failed in CUDA graph capture, 0.26.0, serve-jit run R).
-        argv += ["--gdn-prefill-backend", "triton", "--max-num-seqs", "256"]
+        # blocks 4 GiB hold (startup failed in CUDA graph capture, 0.26.0, serve-jit run R);
+        # 256 captured FULL graphs of up to 512 tokens at 1-2 s each and passed 240 s of
+        # startup (run R). 32 (the mix's bursts are 16) captures graphs up to 96 tokens.
+        argv += ["--gdn-prefill-backend", "triton", "--max-num-seqs", "32"]
     spec = row.spec.speculative_config(str(model_dir), head_dir)
     built: dict[str, Any] = {}
     if row.layer:

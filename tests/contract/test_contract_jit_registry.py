@@ -6,8 +6,8 @@ registration of the runner's real ``JitWarmupRegistry``, called by vLLM's real
 The worker is a namespace with what ``kernel_warmup(process_local_only=True)`` reads (elastic
 EP's call, 0.27+, which stops before vLLM's dummy runs); the plugin's warmup is a recorder,
 so each test says where it ran: inside the registry's ``warmup`` or before it. (0.22 and 0.26
-have no registry: there the tests that need one skip, and the one with vLLM's JIT warmup off
-holds the path every release before 0.29 takes.)
+have no registry and skip; ``test_install`` holds the path they take, before
+``kernel_warmup``, which 0.27-0.28 and vLLM's JIT warmup turned off take too.)
 """
 
 from __future__ import annotations
@@ -48,7 +48,10 @@ def feats() -> compat.Features:
 
 def _worker(enabled: bool) -> tuple[Any, list[str]]:
     """A worker with the runner's real registry; ``events`` records the registry's warmup."""
-    registry_class = importlib.import_module(compat.JIT_WARMUP_MODULE).JitWarmupRegistry
+    try:
+        registry_class = importlib.import_module(compat.JIT_WARMUP_MODULE).JitWarmupRegistry
+    except ImportError:
+        pytest.skip("no JIT warmup registry (0.20-0.26): the unit tests hold the path before it")
     events: list[str] = []
 
     class Recorded(registry_class):  # type: ignore[misc, valid-type]
