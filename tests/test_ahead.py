@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tq_warmup_plugin import ahead, compat, patching
+from tq_warmup_plugin import ahead, compat, patching, settings
 from tq_warmup_plugin.engine_plan import EngineRequest
 from tq_warmup_plugin.settings import Settings
 
@@ -103,6 +103,21 @@ def test_the_childs_result_is_one_line(child: Path) -> None:
     line = ahead.wait(60)
     assert line == "compile-ahead child: 4 jobs in 1.5 s"
     assert ahead.wait() == ""  # reaped once
+
+
+def test_a_v2_worker_starts_none_unless_told_to(child: Path) -> None:
+    """The V2 runner reached its warmup before a child was done, and the child's CPUs cost
+    it 2.2 s of warmers (H200, 0.26.0, serve-jit run T): none unless TQ_WARMUP_AHEAD=1."""
+    child.write_text("import json; print(json.dumps({'built': 1, 'errors': [], 'seconds': 0.5}))\n")
+    v2 = worker()
+    v2.use_v2_model_runner = True
+    ahead.start(v2, settings.load({}))
+    assert ahead._child is not None and ahead._child.process is None
+    assert ahead.wait(0) == f"compile-ahead child {ahead.V2_NOT_STARTED}"
+    ahead.start(v2, settings.load({"TQ_WARMUP_AHEAD": "1"}))  # said on: started
+    assert ahead.wait(60) == "compile-ahead child: 1 jobs in 0.5 s"
+    ahead.start(worker(), settings.load({}))  # V1: started by default
+    assert ahead.wait(60) == "compile-ahead child: 1 jobs in 0.5 s"
 
 
 def test_a_child_that_has_ended_is_read_without_waiting(child: Path) -> None:
@@ -190,7 +205,7 @@ def test_a_child_that_cannot_start_is_one_line(
 
 def test_load_model_starts_it_and_the_hook_is_undone(monkeypatch: pytest.MonkeyPatch) -> None:
     started: list[Any] = []
-    monkeypatch.setattr(ahead, "start", started.append)
+    monkeypatch.setattr(ahead, "start", lambda worker, settings: started.append(worker))
 
     class Worker:
         def load_model(self, *, load_dummy_weights: bool = False) -> str:

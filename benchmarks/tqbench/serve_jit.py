@@ -259,10 +259,13 @@ def build_layer(args: argparse.Namespace, model_dir: Path, spec: dict[str, Any] 
     out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
     seconds = round(time.perf_counter() - started, 1)
     lines = (out.stdout + out.stderr).strip().splitlines()
+    # its one summary line (keys, vLLM's jobs, host launchers), not torch's last warning
+    said = [x for x in out.stdout.splitlines() if x.startswith("tq-warmup: ") and " keys " in x]
+    line = (said or lines or [""])[-1][:400]
     pin, verify = pin_of(str(layer)) if out.returncode == 0 else ("", "")
-    print(f"serve-jit: precompile {out.returncode} in {seconds} s: {lines[-1:]}", flush=True)
-    return {"seconds": seconds, "rc": out.returncode, "last_line": (lines or [""])[-1][:300],
-            "pin": pin, "verify": verify}  # fmt: skip
+    print(f"serve-jit: precompile {out.returncode} in {seconds} s: {line}", flush=True)
+    return {"seconds": seconds, "rc": out.returncode, "last_line": line, "pin": pin,
+            "verify": verify}  # fmt: skip
 
 
 def mixtral_config(llama: dict[str, Any], experts: int = 4, top_k: int = 2) -> dict[str, Any]:

@@ -24,6 +24,12 @@ starting worker, most of it vLLM's import (vLLM 0.26.0, serve-jit runs M-N), so 
 for a worker that loads a real model and not for a restart over a warm cache, where nothing
 is left to compile. Nothing it does can stop vLLM starting: a child that fails or cannot
 start costs its one line in the report. ``TQ_WARMUP_AHEAD=0`` turns it off.
+
+A V2 worker starts no child unless ``TQ_WARMUP_AHEAD`` is set on: it reached its warmup
+15 s after ``load_model``, when the child (its vLLM import 15.3 s beside the worker's
+``torch.compile``) was not done, and the child's CPUs cost that worker 2.2 s of warmers
+and 6.1 s of startup (H200, 0.26.0, serve-jit run T). A V1 worker's way to its warmup is
+longer, and there the child cut the warmers from 7.5 s to 3.4 s (run M).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ __all__ = [
     "CHILD_MODULE",
     "MODULE",
     "PROCESSES",
+    "V2_NOT_STARTED",
     "Child",
     "install",
     "remove",
@@ -65,6 +72,8 @@ CHILD_MODULE = "tq_warmup_plugin.ahead_child"
 """What the child runs (``python -m``)."""
 OUTPUT_LIMIT = 1 << 16
 """The most bytes of the child's one JSON line that are read."""
+V2_NOT_STARTED = "not started: the V2 runner reaches its warmup before a child is done"
+"""Why a V2 worker has no child (``Settings.ahead_v2``; ``TQ_WARMUP_AHEAD=1`` starts one)."""
 
 
 @dataclass
@@ -123,8 +132,9 @@ def _arch() -> int | None:
     return int(major) * 10 + int(minor)
 
 
-def start(worker: Any) -> None:
-    """Start this worker's child, once; any failure is its one line, never an exception."""
+def start(worker: Any, settings: Settings | None = None) -> None:
+    """Start this worker's child, once; any failure is its one line, never an exception.
+    A V2 worker starts none unless ``TQ_WARMUP_AHEAD`` is set on (``Settings.ahead_v2``)."""
     global _child
     if _child is not None:
         return
@@ -138,6 +148,9 @@ def start(worker: Any) -> None:
         request = request_of(worker, feats)
         arch = _arch() if request is not None else None
         if request is None or arch is None:
+            return
+        if request.runner_v2 and not (settings is not None and settings.ahead_v2):
+            _child = Child(None, started, V2_NOT_STARTED)
             return
         processes = max(1, min(PROCESSES, (os.cpu_count() or 1) // 2))
         argument = json.dumps({"request": request.to_dict(), "arch": arch, "processes": processes})
@@ -232,7 +245,7 @@ def install(module: ModuleType, settings: Settings) -> None:
 
     @patching.wraps(original)
     def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        start(self)
+        start(self, settings)
         return original(self, *args, **kwargs)
 
     patching.replace(cls, "load_model", load_model)
