@@ -329,6 +329,11 @@ def test_hybrid_kernels_nobody_warms_are_named_in_one_line(error_mode: bool) -> 
     assert "conv1d" in declined[0].why and "\n" not in declined[0].why
     assert fakes.jobs_of(pm, engine()) == ([], [])
     assert fakes.jobs_of(pm, engine(moe=True)) == ([], [])
+    # vLLM's default FULL_AND_PIECEWISE graphs: its startup ran them (H200, 0.26.0, runs U-V)
+    _, full = fakes.jobs_of(pm, engine(hybrid=True, jit_monitor_error=error_mode,
+                                       full_decode_graphs=True))  # fmt: skip
+    assert [(d.family, d.warn) for d in full] == [("Mamba/GDN layers", False)]
+    assert "FULL decode-graph capture ran their kernels" in full[0].why
 
 
 def test_real_jobs_run_first_on_the_callers_thread_with_launches_running() -> None:

@@ -49,6 +49,23 @@ def test_every_warmed_row_has_an_unwarmed_twin_or_is_a_reference() -> None:
             assert rows[name.replace("-noahead", "")].ahead
 
 
+def test_a_long_report_line_keeps_its_start() -> None:
+    """A hybrid worker's report line ran past 1,100 characters (H200, serve-jit run V); its
+    first launches and total come first, and must reach ``row_facts``."""
+    from benchmarks.tqbench.serve_prefix import plugin_lines
+
+    report = (
+        "(EngineCore pid=1) INFO 12-03 08:09:39 [install.py:31] tq-warmup: 7 TurboQuant "
+        "layers, 10 distinct kernel keys: 10 compiled, 0 from the shipped cache; 1672 ms; "
+        "21 first launches 201 ms; vLLM kernels: fused MoE 9, " + "EAGLE helpers 15, " * 60
+    )
+    text = "vLLM says hello\n" + report + "\n(EngineCore pid=1) INFO tq-warmup: guard on\n"
+    lines = plugin_lines(text)
+    assert [ln[:20] for ln in lines] == ["tq-warmup: 7 TurboQu", "tq-warmup: guard on"]
+    facts = serve_jit.row_facts(lines)
+    assert facts["first_launches_ms"] == 201 and facts["vllm_kernels"].startswith("fused MoE 9")
+
+
 def test_row_facts_reads_the_plugin_lines() -> None:
     lines = [
         "tq-warmup: driver cache /l/driver-cache: CUDA_CACHE_PATH set to a copy of the entry "

@@ -49,6 +49,7 @@ __all__ = [
     "bursts",
     "jit_lines",
     "judge",
+    "plugin_lines",
     "serve_argv",
     "serve_env",
     "served_row",
@@ -199,8 +200,17 @@ def served_row(srv: Server, children: Children, start: tuple[list[str], Path, di
     finally:
         children.stop(proc)
         text = log.read_text(errors="replace") if log.exists() else ""
-        row["plugin_lines"] = [ln[-400:] for ln in text.splitlines() if "tq-warmup:" in ln][:12]
+        row["plugin_lines"] = plugin_lines(text)
     return row
+
+
+def plugin_lines(text: str, most: int = 12, chars: int = 2000) -> list[str]:
+    """The plugin's first ``most`` lines of a server log, each from ``tq-warmup:`` on, at
+    most ``chars`` long: whole, so a report line's start (its first launches, its total)
+    is kept (the last 400 characters of each were kept, which lost both in a hybrid
+    worker's 1,100-character line, serve-jit run V)."""
+    found = [ln[ln.find("tq-warmup:") :] for ln in text.splitlines() if "tq-warmup:" in ln]
+    return [ln[:chars] for ln in found[:most]]
 
 
 def _table(rows: list[dict[str, Any]]) -> str:

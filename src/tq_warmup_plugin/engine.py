@@ -57,6 +57,9 @@ class Engine:
     """The largest token count a CUDA graph runs (``cudagraph_capture_sizes``), 0 where
     graphs are off: a step of at most this many tokens is padded to a captured size, whose
     kernels capture compiled; a longer one runs eagerly at its own size."""
+    full_decode_graphs: bool = False
+    """``compat.full_decode_graphs``: decode steps replay FULL CUDA graphs, whose capture
+    ran their kernels with real attention metadata (Mamba/GDN layers' included)."""
     micro_batches: bool = False
     """``compat.ubatching``: ``--enable-dbo`` or ``--ubatch-size`` over 1 splits a step into
     microbatches, so a layer runs at their sizes, not the step's."""

@@ -255,6 +255,23 @@ def test_the_engine_reads_the_jit_monitor_mode_of_vllms_own_config(
     assert engine.jit_monitor_error is (mode == "error")
 
 
+def test_full_decode_graphs_is_vllms_own_decode_mode(vllm_env: compat.Features) -> None:
+    """``compat.full_decode_graphs`` (the Mamba/GDN decline) for each of vLLM's own graph
+    modes: FULL decode graphs where vLLM's ``decode_mode()`` says FULL, none when eager."""
+    from vllm.config import CUDAGraphMode
+
+    def config(mode: Any, eager: bool = False) -> Any:
+        graphs = SimpleNamespace(cudagraph_mode=mode, cudagraph_capture_sizes=[1, 8])
+        return SimpleNamespace(compilation_config=graphs,
+                               model_config=SimpleNamespace(enforce_eager=eager))  # fmt: skip
+
+    for mode in CUDAGraphMode:
+        want = mode.decode_mode() == CUDAGraphMode.FULL
+        assert compat.full_decode_graphs(config(mode)) is want, mode
+        assert compat.full_decode_graphs(config(mode, eager=True)) is False, mode
+    assert compat.full_decode_graphs(config(CUDAGraphMode.FULL_AND_PIECEWISE))  # the default
+
+
 @pytest.mark.parametrize(
     ("family", "moe", "hybrid"),
     [("llama-3-8b", False, False), ("jamba-v0.1", True, True), ("deepseek-v2-lite", True, False)],

@@ -24,6 +24,7 @@ __all__ = [
     "dummy_run",
     "eagle_helper",
     "engine_of",
+    "full_decode_graphs",
     "graph_tokens",
     "logits_of",
     "moe_config_function",
@@ -70,6 +71,7 @@ def engine_of(worker: Any, feats: Features) -> dict[str, Any]:
             getattr(getattr(config, "scheduler_config", None), "max_num_batched_tokens", 0) or 0
         ),
         graph_tokens=graph_tokens(config),
+        full_decode_graphs=full_decode_graphs(config),
         micro_batches=ubatching(config),
         device=getattr(runner, "device", None),
         runner=runner,
@@ -122,6 +124,17 @@ def graph_tokens(config: Any) -> int:
     if getattr(getattr(graphs, "cudagraph_mode", None), "name", "") == "NONE":
         return 0
     return int(max(getattr(graphs, "cudagraph_capture_sizes", None) or [0]))
+
+
+def full_decode_graphs(config: Any) -> bool:
+    """Whether decode steps run FULL CUDA graphs, which vLLM captures with real attention
+    metadata: ``cudagraph_mode.decode_mode()`` is FULL (FULL, FULL_DECODE_ONLY and the
+    default FULL_AND_PIECEWISE; 0.22, 0.26 and 0.33 alike), not under ``enforce_eager``."""
+    mode = getattr(getattr(config, "compilation_config", None), "cudagraph_mode", None)
+    decode = getattr(mode, "decode_mode", None)
+    if graph_tokens(config) == 0 or not callable(decode):
+        return False
+    return bool(getattr(decode(), "name", "") == "FULL")
 
 
 @dataclasses.dataclass(frozen=True)
