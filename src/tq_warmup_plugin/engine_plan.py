@@ -8,8 +8,9 @@ is still loading its model. All three describe the engine by vLLM's engine argum
 (``EngineRequest``) and run the very warmers a worker runs, on a runner of vLLM's own CPU
 objects: its ``MultiGroupBlockTable``, ``Sampler`` and ``RejectionSampler``, and logits of the
 model's vocabulary and dtype. A job that needs the live worker (a model forward, a graph
-``torch.compile`` builds for the device, a drafter) is declined in one line: it runs at
-startup, as before.
+``torch.compile`` builds for the device) is declined in one line: it runs at startup, as
+before. The V1 runner's drafter, whose EAGLE helpers' keys read its buffers and constants,
+is rebuilt from the engine arguments (``offline_drafter``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import pluggy
 from . import compat, engine_warmup
 from .compat import Features
 from .engine import Declined, Engine, Job
+from .warmers.vllm_eagle import eagle_style
 
 __all__ = [
     "H100_SMS",
@@ -35,6 +37,7 @@ __all__ = [
     "build",
     "cpu_engine",
     "jobs",
+    "offline_drafter",
     "request_for",
     "runs_v2",
 ]
@@ -138,9 +141,56 @@ class _Logits:
         return torch.zeros(hidden.shape[0], self.vocab, dtype=self.dtype, device=hidden.device)
 
 
+DRAFT_HIDDEN_STATES = frozenset({"eagle", "eagle3", "mtp"})
+"""Drafters fed the target's hidden states (``EagleProposer``: ``pass_hidden_states_to_model``,
+0.22 and 0.26); a draft model is not (``DraftModelProposer``), nor a model's own MTP method
+(``*_mtp``) but through ``mtp``'s proposer, which is EAGLE's."""
+
+
+def offline_drafter(request: EngineRequest, device: Any) -> SimpleNamespace | None:
+    """The state of the V1 runner's model-based proposer that its EAGLE helpers' keys read
+    (``warmers/vllm_eagle``), as ``SpecDecodeBaseProposer.__init__`` and
+    ``initialize_attn_backend`` set it (0.22, 0.26): int64 positions and slots, int32 input
+    ids and backup tokens, bool masks, ``max_num_seqs`` requests, one extra input slot per
+    request without parallel drafting, less one where hidden states are passed, no
+    parallel-drafting token. Its ``block_size`` is the drafting layers' KV group's, taken as
+    the target's TurboQuant block: vLLM gives every group one page size (0.25+,
+    ``planning.effective_block_size``); a guess that misses costs the worker a compile,
+    never a wrong result. None without such a drafter (ngram, suffix, the V2 runner's)."""
+    method = request.spec_method
+    if method is None or request.runner_v2 or not eagle_style(method):
+        return None
+    import torch
+
+    hidden = method in DRAFT_HIDDEN_STATES or method.endswith("_mtp")
+    tokens = request.max_num_batched_tokens + request.max_num_seqs
+
+    def buffer(dtype: Any, n: int = tokens) -> Any:
+        return torch.zeros(n, dtype=dtype, device=device)
+
+    extra = 1
+    return SimpleNamespace(
+        method=method,
+        block_size=request.block_size,
+        max_model_len=request.max_model_len,
+        max_batch_size=request.max_num_seqs,
+        pass_hidden_states_to_model=hidden,
+        extra_slots_per_request=extra,
+        net_num_new_slots_per_request=extra - (1 if hidden else 0),
+        needs_extra_input_slots=extra - (1 if hidden else 0) > 0,
+        parallel_drafting_token_id=0,
+        input_ids=buffer(torch.int32),
+        positions=buffer(torch.int64),
+        _slot_mapping_buffer=buffer(torch.int64, request.max_model_len),
+        is_rejected_token_mask=buffer(torch.bool),
+        is_masked_token_mask=buffer(torch.bool),
+        backup_next_token_ids=SimpleNamespace(gpu=buffer(torch.int32, request.max_num_seqs)),
+    )
+
+
 def cpu_engine(request: EngineRequest) -> Engine:
     """The ``Engine`` a worker of these arguments reads, on a runner of vLLM's own CPU
-    objects (no drafter: its helpers warm at startup).
+    objects and the drafter's state (``offline_drafter``).
 
     Its device, where the launchers' tensors live, is ``meta``: a GPU's tensor without the
     GPU. Not the CPU: vLLM's top-k/top-p launcher picks its tiles by the device type
@@ -166,7 +216,7 @@ def cpu_engine(request: EngineRequest) -> Engine:
         model=_Logits(request.vocab_size, dtype),
         model_config=SimpleNamespace(get_hidden_size=lambda: 1, dtype=dtype),
         device=torch.device("meta"),
-        drafter=None,
+        drafter=offline_drafter(request, torch.device("meta")),
     )
     shared = ("features", "runner_v2", "spec_method", "spec_tokens", "draft_probs", "max_logprobs")
     return Engine(

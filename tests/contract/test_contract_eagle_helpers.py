@@ -218,3 +218,30 @@ def test_eagle_helper_keys_follow_the_batch() -> None:
     one = serve(p, [([4], 4)], 3)
     many = serve(p, [([4] * 16, 4), ([300, 4, 4], 4)], 3)
     assert not many <= one
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_the_offline_drafter_builds_what_serving_launches(method: str, k: int) -> None:
+    """``precompile`` and the compile-ahead child rebuild the drafter from the engine
+    arguments (``engine_plan.offline_drafter``): its helper jobs, on meta tensors, cover
+    every key the proposer above launches (its state as vLLM sets it) over served batches.
+    Before, the CPU engine had no drafter and the helpers compiled in the worker: 15 of a
+    hybrid Qwen3-Next worker's 17 compiles (H200, 0.26.0, serve-jit run V)."""
+    from tq_warmup_plugin import engine_plan
+
+    if feats().registry_warms_eagle_helpers:
+        pytest.skip("vLLM's registry warms them (0.30+)")
+    request = engine_plan.EngineRequest(
+        features=feats(), runner_v2=False, vocab_size=VOCAB, model_dtype="bfloat16",
+        block_size=BLOCK, max_model_len=MAX_LEN, max_num_seqs=32,
+        max_num_batched_tokens=TOKENS, spec_method=method, spec_tokens=k,
+    )  # fmt: skip
+    offline = engine_plan.cpu_engine(request)
+    todo, declined, errors = engine_plan.jobs(plugin_manager(load_entry_points=False), offline)
+    assert errors == [] and not [d for d in declined if d.family == vllm_eagle.FAMILY]
+    steps = [(lens, min(width, k + 1)) for lens, width in STEPS]
+    served = serve(drafter(method == "draft_model"), steps, k)
+    built = warmed(offline)
+    assert served <= built, sorted(served - built)
+    assert any(job.family == vllm_eagle.FAMILY for job in todo)
