@@ -80,6 +80,13 @@ def _worker(enabled: bool) -> tuple[Any, list[str]]:
     return worker, events
 
 
+def _collecting_worker() -> tuple[Any, list[str]]:
+    """``_worker`` with vLLM's JIT warmup on, where the runner collects registrations."""
+    if not feats().jit_registry_collects:
+        pytest.skip("this vLLM's runner collects no JIT warmup registrations (0.20-0.28)")
+    return _worker(enabled=True)
+
+
 def _kernel_warmup(monkeypatch: pytest.MonkeyPatch, events: list[str], fail: bool = False) -> Any:
     """vLLM's real ``kernel_warmup`` wrapped by the plugin, its warmup a recorder."""
 
@@ -103,9 +110,7 @@ def _kernel_warmup(monkeypatch: pytest.MonkeyPatch, events: list[str], fail: boo
 
 
 def test_the_warmup_runs_inside_vllms_jit_warmup_phase(monkeypatch: pytest.MonkeyPatch) -> None:
-    if not feats().jit_registry_collects:
-        pytest.skip("this vLLM's runner collects no JIT warmup registrations (0.20-0.28)")
-    worker, events = _worker(enabled=True)
+    worker, events = _collecting_worker()
     _kernel_warmup(monkeypatch, events)(worker, process_local_only=True)
     assert events[:3] == ["registry warmup starts", "plugin warmup", "registry warmup ends"]
     assert set(events[3:]) == {"model warmups"}
@@ -126,9 +131,7 @@ def test_with_vllms_jit_warmup_off_it_runs_before_kernel_warmup(
 def test_a_strict_failure_in_the_registry_fails_startup_as_before(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    if not feats().jit_registry_collects:
-        pytest.skip("this vLLM's runner collects no JIT warmup registrations (0.20-0.28)")
-    worker, events = _worker(enabled=True)
+    worker, events = _collecting_worker()
     with caplog.at_level(logging.ERROR), pytest.raises(RuntimeError, match="strict mode"):
         _kernel_warmup(monkeypatch, events, fail=True)(worker, process_local_only=True)
     assert events == ["registry warmup starts", "plugin warmup"]
@@ -137,9 +140,7 @@ def test_a_strict_failure_in_the_registry_fails_startup_as_before(
 def test_a_registry_that_refuses_the_registration_costs_one_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    if not feats().jit_registry_collects:
-        pytest.skip("this vLLM's runner collects no JIT warmup registrations (0.20-0.28)")
-    worker, events = _worker(enabled=True)
+    worker, events = _collecting_worker()
 
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise TypeError("register() got an unexpected keyword argument")
