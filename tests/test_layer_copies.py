@@ -108,3 +108,30 @@ def test_a_full_dev_shm_sends_the_copies_to_tmpdir(tmp_path: Path) -> None:
     result = json.loads(next(x for x in lines if x.startswith("RESULT "))[7:])
     assert result["path"].startswith(str(tmp)) and result["bytes"] == 300_000
     assert any(f"cannot write served kernel copies in {shm}" in x for x in lines)
+
+
+@pytest.mark.skipif(
+    not fakes.tmpfs_in_private_namespace(), reason="no private mount namespace with tmpfs here"
+)
+@pytest.mark.parametrize("noexec", [True, False])
+def test_a_noexec_dev_shm_sends_the_copies_to_tmpdir(tmp_path: Path, noexec: bool) -> None:
+    """Docker mounts /dev/shm ``noexec``: a host launcher (``__triton_launcher*.so``) copied
+    there would not load, so the private directory goes to TMPDIR (a real noexec tmpfs in
+    a private mount namespace); the same tmpfs without ``noexec`` holds it."""
+    shm, tmp = tmp_path / "shm", tmp_path / "tmp"
+    shm.mkdir()
+    tmp.mkdir()
+    src = str(Path(__file__).parents[1] / "src")
+    options = "noexec,size=64m" if noexec else "size=64m"
+    script = f'mount -t tmpfs -o {options} tmpfs \'{shm}\' && exec "$0" "$@"'
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": src}
+    done = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script, sys.executable, "-c", FULL_SHM, str(shm)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    import json
+
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    path = json.loads(line[7:])["path"]
+    assert path.startswith(str(tmp) if noexec else str(shm)), path

@@ -148,11 +148,16 @@ def _new_root(base: str | None) -> str:
 def _make_private_root() -> str:
     """This process's directory of served copies, made on first need, removed at exit
     by the process that made it (a forked child makes its own); first what dead
-    processes left beside it is swept away. In ``SHM`` where it can be, else ``TMPDIR``."""
+    processes left beside it is swept away. In ``SHM`` where it can be, else ``TMPDIR``:
+    not in a ``SHM`` mounted ``noexec`` (Docker's default), where the host launchers a
+    layer ships (``compat.build_host_launcher``, native code Triton ``dlopen``s) would not
+    load and Triton would build each again."""
     pid = os.getpid()
     with _lock:
         if pid not in _private_roots:
             try:
+                if not _executable_mount(SHM):
+                    raise OSError(f"{SHM} is mounted noexec")
                 made = _new_root(SHM)
             except OSError:
                 made = _new_root(None)
@@ -160,6 +165,14 @@ def _make_private_root() -> str:
             _private_roots[pid] = made
             atexit.register(_remove, pid, made)
         return _private_roots[pid]
+
+
+def _executable_mount(path: str) -> bool:
+    """Whether files under ``path`` may be mapped executable (its mount has no ``noexec``)."""
+    try:
+        return not os.statvfs(path).f_flag & os.ST_NOEXEC
+    except (OSError, AttributeError):
+        return False
 
 
 def _to_tmpdir(failed: str, exc: OSError) -> str:
