@@ -10,8 +10,8 @@ as hostile (a hostile image builder, a shared volume, a full disk: issue 20).
   manifests, each a regular file of at most 64 MiB and 64 levels (``safe_io``).
 * **What is served is what was hashed**: on a key's first lookup its listed files are
   read once (bounded, ``O_NOFOLLOW``), hashed, and written to a private directory of
-  this process (``mkdtemp`` in ``/dev/shm``, else, or once a write there fails,
-  ``TMPDIR``: mode 0700, removed at exit, and what a killed process of this user left
+  this process (``mkdtemp`` in ``/dev/shm``, else, where it is mounted ``noexec`` or
+  once a write there fails, ``TMPDIR``: mode 0700, removed at exit, and what a killed process of this user left
   there is removed by the next one); Triton is handed paths there, never into the
   layer. Chosen over refusing layer files that others can write: Triton opens the
   returned path later, by name, so a check of the layer's modes or owner at hash time
