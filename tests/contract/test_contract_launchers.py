@@ -46,6 +46,7 @@ def _child() -> None:
         add_one[(1,)](torch.zeros(64), 64, BLOCK=64)
     kernel = add_one.warmup(torch.zeros(64), 64, BLOCK=64, grid=(1,))
     out: dict[str, Any] = {
+        "kernel": kernel is not None,
         "why": compat.no_launchers_why(),
         "built": sorted(compat.launcher_dirs(os.environ["TQ_TEST_BUILD"])),
     }
@@ -114,3 +115,23 @@ def test_without_libcuda_nothing_is_built_and_the_reason_is_one_line(tmp_path: P
     assert result["built"] == [], result
     expected = "libcuda.so.1 not found" if _per_signature() else "one generic launcher"
     assert expected in result["why"] and "\n" not in result["why"], result
+
+
+@pytest.mark.parametrize("how", ["CC names none", "none on PATH"])
+def test_a_failed_launcher_build_is_one_line_and_the_kernel_still_compiles(
+    tmp_path: Path, libcuda: Path, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No C compiler: ``CC`` naming a missing file (an OSError), or none on ``PATH``
+    (Triton's RuntimeError, which once escaped into the key's compile). The kernel is
+    compiled and cached as ever, the launcher is not, why is one line; the worker builds
+    its own then."""
+    if not _per_signature():
+        pytest.skip("this Triton builds no per-signature launcher (3.7+)")
+    env = {**stub_libcuda.env(libcuda), "CC": str(tmp_path / "no-cc")}
+    if how == "none on PATH":
+        env = {**stub_libcuda.env(libcuda), "PATH": str(tmp_path)}
+        monkeypatch.delenv("CC", raising=False)
+    result = _run(tmp_path, env)
+    assert result["kernel"] and result["built"] == [], result
+    assert result["why"].startswith("the launcher's C build failed"), result
+    assert "\n" not in result["why"]

@@ -180,13 +180,14 @@ def build_host_launcher(kernel: Any) -> str | None:
     try:
         nvidia.library_dirs()
     except (AssertionError, OSError, subprocess.SubprocessError) as exc:
-        return _give_up(f"libcuda.so.1 not found ({str(exc).splitlines()[0]})")
+        return _give_up(f"libcuda.so.1 not found ({(str(exc).splitlines() or [''])[0]})")
     try:
         nvidia.CudaLauncher(kernel.src, kernel.metadata)
     except ImportError:
         return None  # built and cached; it only loads beside a driver (a stub libcuda)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return _give_up(f"the C compiler failed ({type(exc).__name__}: {exc})")
+    except Exception as exc:  # no C compiler (RuntimeError), a failed build: never the key's
+        first = (str(exc).splitlines() or [""])[0][:200]
+        return _give_up(f"the launcher's C build failed ({type(exc).__name__}: {first})")
     return None
 
 
