@@ -119,6 +119,8 @@ ROWS: dict[str, Row] = {
     "tq-ngram-layer": Row("tq", _NGRAM, layer=True),
     "tq-moe-layer": Row("tq", SpecConfig("plain"), moe=True, layer=True),
     "tq-layer-noahead": Row("tq", SpecConfig("plain"), layer=True, ahead=False),
+    "tq-draft-layer": Row("tq", SpecConfig("draft", "draft_model", 3), layer=True),
+    "tq-hybrid-mtp-layer": Row("tq", SpecConfig("mtp", "mtp", 2), hybrid=True, layer=True),
 }
 
 
