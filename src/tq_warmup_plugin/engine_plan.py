@@ -142,9 +142,9 @@ class _Logits:
 
 
 DRAFT_HIDDEN_STATES = frozenset({"eagle", "eagle3", "mtp"})
-"""Drafters fed the target's hidden states (``EagleProposer``: ``pass_hidden_states_to_model``,
-0.22 and 0.26); a draft model is not (``DraftModelProposer``), nor a model's own MTP method
-(``*_mtp``) but through ``mtp``'s proposer, which is EAGLE's."""
+"""Drafters fed the target's hidden states: EAGLE's proposer (``EagleProposer``,
+``pass_hidden_states_to_model=True``, 0.22 and 0.26), which also runs ``mtp`` and a model's
+own MTP method (``*_mtp``). A draft model's (``DraftModelProposer``) is not."""
 
 
 def offline_drafter(request: EngineRequest, device: Any) -> SimpleNamespace | None:
@@ -168,7 +168,8 @@ def offline_drafter(request: EngineRequest, device: Any) -> SimpleNamespace | No
     def buffer(dtype: Any, n: int = tokens) -> Any:
         return torch.zeros(n, dtype=dtype, device=device)
 
-    extra = 1
+    extra = 1  # without parallel drafting
+    new_slots = extra - (1 if hidden else 0)
     return SimpleNamespace(
         method=method,
         block_size=request.block_size,
@@ -176,8 +177,8 @@ def offline_drafter(request: EngineRequest, device: Any) -> SimpleNamespace | No
         max_batch_size=request.max_num_seqs,
         pass_hidden_states_to_model=hidden,
         extra_slots_per_request=extra,
-        net_num_new_slots_per_request=extra - (1 if hidden else 0),
-        needs_extra_input_slots=extra - (1 if hidden else 0) > 0,
+        net_num_new_slots_per_request=new_slots,
+        needs_extra_input_slots=new_slots > 0,
         parallel_drafting_token_id=0,
         input_ids=buffer(torch.int32),
         positions=buffer(torch.int64),
