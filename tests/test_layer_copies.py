@@ -1,6 +1,6 @@
 """This process's copies of served Triton kernels (``layer_trust``): what a dead process
 left is removed by the next one, and only that (never a link, another user's, another PID
-namespace's, a live process's); a full ``/dev/shm`` sends the copies to ``TMPDIR``."""
+namespace's, a live process's); a full or ``noexec`` ``/dev/shm`` sends the copies to ``TMPDIR``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import fakes
 import pytest
@@ -85,17 +86,16 @@ print("RESULT " + json.dumps({"path": got, "bytes": os.path.getsize(os.path.join
 """
 
 
-@pytest.mark.skipif(
-    not fakes.tmpfs_in_private_namespace(), reason="no private mount namespace with tmpfs here"
-)
-def test_a_full_dev_shm_sends_the_copies_to_tmpdir(tmp_path: Path) -> None:
-    """A real full file system (a 64 KiB tmpfs in a private mount namespace): the
-    private directory is made there, the copy's write fails, the copy is made in TMPDIR."""
+def _copy_beside_tmpfs(tmp_path: Path, options: str) -> tuple[dict[str, Any], list[str]]:
+    """``FULL_SHM``'s copy with ``SHM`` a real tmpfs mounted with ``options`` in a private
+    mount namespace and ``TMPDIR`` beside it: its result and its output lines."""
+    import json
+
     shm, tmp = tmp_path / "shm", tmp_path / "tmp"
     shm.mkdir()
     tmp.mkdir()
     src = str(Path(__file__).parents[1] / "src")
-    script = f'mount -t tmpfs -o size=64k tmpfs \'{shm}\' && exec "$0" "$@"'
+    script = f'mount -t tmpfs -o {options} tmpfs \'{shm}\' && exec "$0" "$@"'
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": src}
     done = subprocess.run(
         ["unshare", "-m", "sh", "-c", script, sys.executable, "-c", FULL_SHM, str(shm)],
@@ -103,11 +103,19 @@ def test_a_full_dev_shm_sends_the_copies_to_tmpdir(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
-    import json
+    result: dict[str, Any] = json.loads(next(x for x in lines if x.startswith("RESULT "))[7:])
+    return result, lines
 
-    result = json.loads(next(x for x in lines if x.startswith("RESULT "))[7:])
-    assert result["path"].startswith(str(tmp)) and result["bytes"] == 300_000
-    assert any(f"cannot write served kernel copies in {shm}" in x for x in lines)
+
+@pytest.mark.skipif(
+    not fakes.tmpfs_in_private_namespace(), reason="no private mount namespace with tmpfs here"
+)
+def test_a_full_dev_shm_sends_the_copies_to_tmpdir(tmp_path: Path) -> None:
+    """A real full file system (a 64 KiB tmpfs in a private mount namespace): the
+    private directory is made there, the copy's write fails, the copy is made in TMPDIR."""
+    result, lines = _copy_beside_tmpfs(tmp_path, "size=64k")
+    assert result["path"].startswith(str(tmp_path / "tmp")) and result["bytes"] == 300_000
+    assert any(f"cannot write served kernel copies in {tmp_path / 'shm'}" in x for x in lines)
 
 
 @pytest.mark.skipif(
@@ -118,20 +126,6 @@ def test_a_noexec_dev_shm_sends_the_copies_to_tmpdir(tmp_path: Path, noexec: boo
     """Docker mounts /dev/shm ``noexec``: a host launcher (``__triton_launcher*.so``) copied
     there would not load, so the private directory goes to TMPDIR (a real noexec tmpfs in
     a private mount namespace); the same tmpfs without ``noexec`` holds it."""
-    shm, tmp = tmp_path / "shm", tmp_path / "tmp"
-    shm.mkdir()
-    tmp.mkdir()
-    src = str(Path(__file__).parents[1] / "src")
-    options = "noexec,size=64m" if noexec else "size=64m"
-    script = f'mount -t tmpfs -o {options} tmpfs \'{shm}\' && exec "$0" "$@"'
-    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": src}
-    done = subprocess.run(
-        ["unshare", "-m", "sh", "-c", script, sys.executable, "-c", FULL_SHM, str(shm)],
-        env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    import json
-
-    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    path = json.loads(line[7:])["path"]
-    assert path.startswith(str(tmp) if noexec else str(shm)), path
+    result, _ = _copy_beside_tmpfs(tmp_path, "noexec,size=64m" if noexec else "size=64m")
+    want = tmp_path / ("tmp" if noexec else "shm")
+    assert result["path"].startswith(str(want)), result
