@@ -370,3 +370,12 @@ def test_a_plan_request_from_flags_alone_reads_no_environment(
     assert (g.num_heads, g.num_kv_heads, g.block_size) == (16, 4, block)
     assert g.block_table_width == width  # the release's default runner's table
     assert planned.note == "from flags"
+
+
+def test_the_kernel_block_is_the_block_where_vllm_cannot_say(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A release without ``select_common_block_size`` (or no vLLM): the manager's block, a
+    # guess whose miss costs a compile (the real choice: tests/contract/test_contract_hybrid_block).
+    monkeypatch.setattr(compat.vllm_paths, "WORKER_UTILS_MODULE", "tq_no_such_module")
+    assert compat.kernel_block_size(2160) == 2160

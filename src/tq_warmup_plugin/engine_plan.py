@@ -57,7 +57,9 @@ class EngineRequest:
     model_dtype: str
     """``bfloat16`` or ``float16``: the logits' dtype (the V2 sampler keeps it on 0.26)."""
     block_size: int
-    """The block size the V1 runner's block table has (TurboQuant's effective one)."""
+    """The KV manager's block size (``cache_config.block_size``): TurboQuant's effective one,
+    or a hybrid's, sized to its Mamba state; its kernels' block follows from it
+    (``compat.kernel_block_size``)."""
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -153,10 +155,13 @@ def offline_drafter(request: EngineRequest, device: Any) -> SimpleNamespace | No
     ``initialize_attn_backend`` set it (0.22, 0.26): int64 positions and slots, int32 input
     ids and backup tokens, bool masks, ``max_num_seqs`` requests, one extra input slot per
     request without parallel drafting, less one where hidden states are passed, no
-    parallel-drafting token. Its ``block_size`` is the drafting layers' KV group's, taken as
-    the target's TurboQuant block: vLLM gives every group one page size (0.25+,
-    ``planning.effective_block_size``); a guess that misses costs the worker a compile,
-    never a wrong result. None without such a drafter (ngram, suffix, the V2 runner's)."""
+    parallel-drafting token. Its ``block_size`` is the kernel block of the drafting layers'
+    KV group (``initialize_attn_backend`` reads it from the metadata builder, which takes
+    the group's kernel block), the group taken as the target's: vLLM gives every group one
+    page size (0.25+, ``planning.effective_block_size``), and the kernel block is vLLM's
+    own choice for it (``compat.kernel_block_size``: 16 for a hybrid's 2160). A guess
+    that misses costs the worker a compile, never a wrong result. None without such a
+    drafter (ngram, suffix, the V2 runner's)."""
     method = request.spec_method
     if method is None or request.runner_v2 or not eagle_style(method):
         return None
@@ -172,7 +177,7 @@ def offline_drafter(request: EngineRequest, device: Any) -> SimpleNamespace | No
     new_slots = extra - (1 if hidden else 0)
     return SimpleNamespace(
         method=method,
-        block_size=request.block_size,
+        block_size=compat.kernel_block_size(request.block_size),
         max_model_len=request.max_model_len,
         max_batch_size=request.max_num_seqs,
         pass_hidden_states_to_model=hidden,

@@ -49,7 +49,7 @@ def feats() -> compat.Features:
     return compat.release_features(compat.installed_vllm_version())
 
 
-def drafter(extra_slots: bool) -> Any:
+def drafter(extra_slots: bool, block_size: int = BLOCK) -> Any:
     """A proposer whose state is a draft model's (``extra_slots``: one new slot per
     request, no hidden states passed) or EAGLE's (hidden states, no extra slot)."""
     import torch
@@ -61,7 +61,7 @@ def drafter(extra_slots: bool) -> Any:
     p.__dict__.update(
         device=cpu,
         method="draft_model" if extra_slots else "eagle",
-        block_size=BLOCK,
+        block_size=block_size,
         max_model_len=MAX_LEN,
         max_batch_size=32,
         uses_mrope=False,
@@ -87,8 +87,9 @@ def drafter(extra_slots: bool) -> Any:
     return p
 
 
-def cad(lens: list[int]) -> Any:
-    """vLLM's ``CommonAttentionMetadata`` for one step of queries ``lens`` long."""
+def cad(lens: list[int], table: Any = None) -> Any:
+    """vLLM's ``CommonAttentionMetadata`` for one step of queries ``lens`` long, over the
+    target's block ``table`` (default: ``TABLE()``)."""
     import torch
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
@@ -102,12 +103,14 @@ def cad(lens: list[int]) -> Any:
         num_actual_tokens=sum(lens),
         max_query_len=max(lens),
         max_seq_len=int(seq_lens.max()),
-        block_table_tensor=TABLE().block_table.gpu[: len(lens)],
+        block_table_tensor=(table or TABLE()).block_table.gpu[: len(lens)],
         slot_mapping=torch.zeros(sum(lens), dtype=torch.int64),
     )
 
 
-def serve(p: Any, steps: list[tuple[list[int], int]], k: int) -> set[tuple[str, str]]:
+def serve(
+    p: Any, steps: list[tuple[list[int], int]], k: int, table: Any = None
+) -> set[tuple[str, str]]:
     """What the proposer launches for each ``(query lens, sampled width)`` step: the
     V1 runner's padded-batch path (``propose_draft_token_ids``, 0.26) and then the
     draft loop's ``k - 1`` position updates."""
@@ -127,7 +130,7 @@ def serve(p: Any, steps: list[tuple[list[int], int]], k: int) -> set[tuple[str, 
                 sampled, requests, batch, torch.zeros(n, dtype=torch.bool)
             )
             next_ids.zero_(), valid.fill_(1)  # the compile-only kernels wrote nothing
-            meta, rejected, indices = cad(lens), None, None
+            meta, rejected, indices = cad(lens, table), None, None
             if width > 1:
                 spec = SpecDecodeMetadata.make_dummy([[0] * (width - 1)] * n, torch.device("cpu"))
                 meta, indices, rejected = p.prepare_inputs_padded(meta, spec, valid)
@@ -141,7 +144,7 @@ def serve(p: Any, steps: list[tuple[list[int], int]], k: int) -> set[tuple[str, 
             positions = p.positions[: meta.num_reqs]
             for _ in range(k - 1):
                 positions = p._update_positions_dependent_metadata(
-                    positions, meta, meta.num_reqs, meta.num_reqs, BLOCK
+                    positions, meta, meta.num_reqs, meta.num_reqs, p.block_size
                 )
     return seen
 

@@ -26,6 +26,7 @@ __all__ = [
     "engine_of",
     "full_decode_graphs",
     "graph_tokens",
+    "kernel_block_size",
     "logits_of",
     "moe_config_function",
     "moe_experts",
@@ -198,14 +199,37 @@ def slot_mapping_tables(runner: Any) -> list[Any]:
     return [t for t in tables if _mode(t) != "none"]
 
 
+def kernel_block_size(block_size: int) -> int:
+    """The block TurboQuant's kernels run on for a KV manager block of ``block_size``
+    tokens: vLLM's own ``select_common_block_size`` over TurboQuant's backend, as the V1
+    runner's ``prepare_kernel_block_sizes`` picks it for an attention group (0.22-0.33,
+    ``vllm.v1.worker.utils``). The two differ for a hybrid model, whose attention pages
+    vLLM sizes to the Mamba state: the serve-jit Qwen3-Next's block of 2160 tokens runs
+    kernels of 16, 135 to a block (H200, 0.26.0, run Z), and its drafter's helpers and slot
+    mapping are keyed by those. Where the function or the backend is missing, the block
+    itself: a miss costs the worker a compile, never a wrong result."""
+    try:
+        select = importlib.import_module(paths.WORKER_UTILS_MODULE).select_common_block_size
+        backend = getattr(importlib.import_module(paths.BACKEND_MODULE), paths.BACKEND_CLASS)
+        return int(select(block_size, [backend]))
+    except (ImportError, AttributeError, ValueError):
+        return block_size
+
+
 def cpu_block_tables(
-    block_size: int, max_model_len: int, max_num_reqs: int, max_num_batched_tokens: int
+    block_size: int,
+    max_model_len: int,
+    max_num_reqs: int,
+    max_num_batched_tokens: int,
+    kernel_block: int | None = None,
 ) -> list[Any]:
-    """The block tables vLLM's own ``MultiGroupBlockTable`` builds for one attention group,
-    on the CPU: a worker's V1 runner makes it with ``cdiv(max_model_len, block_size)``
-    blocks a row and rounds the row itself (0.26+). Its constructor's keywords differ:
-    0.20-0.25 take ``max_model_len``, 0.33 dropped ``kernel_block_sizes``; each is passed
-    only where the release's signature has it."""
+    """The block tables vLLM's own ``MultiGroupBlockTable`` builds for one attention group
+    of ``block_size``-token KV manager blocks, on the CPU: a worker's V1 runner makes it
+    with ``cdiv(max_model_len, block_size)`` blocks a row, split into the kernel's blocks
+    (``kernel_block``, by default :func:`kernel_block_size`; 0.20-0.31), and rounds the
+    row itself (0.26+). Its constructor's keywords differ: 0.20-0.25 take
+    ``max_model_len``, 0.33 dropped ``kernel_block_sizes``; each is passed only where the
+    release's signature has it."""
     import inspect
 
     import torch
@@ -218,7 +242,7 @@ def cpu_block_tables(
         pin_memory=False,
         device=torch.device("cpu"),
         block_sizes=[block_size],
-        kernel_block_sizes=[block_size],
+        kernel_block_sizes=[kernel_block or kernel_block_size(block_size)],
         max_num_blocks=[-(-max_model_len // block_size)],
     )
     accepted = inspect.signature(cls.__init__).parameters

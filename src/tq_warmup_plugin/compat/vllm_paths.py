@@ -49,6 +49,7 @@ __all__ = [
     "V2_LOGPROB_MODULE",
     "WARMUP_MODULE",
     "WORKER_MODULE",
+    "WORKER_UTILS_MODULE",
     "WORKSPACE_MODULE",
 ]
 
@@ -64,6 +65,8 @@ WORKSPACE_MODULE = "vllm.v1.worker.workspace"
 ATTENTION_MODULE = "vllm.v1.attention.backend"
 # vLLM's own kernels around TurboQuant's (engine_warmup), same modules in all releases.
 BLOCK_TABLE_MODULE = "vllm.v1.worker.block_table"
+WORKER_UTILS_MODULE = "vllm.v1.worker.utils"
+"""Defines ``select_common_block_size``, the attention kernel's block for a KV manager block."""
 SPEC_METADATA_MODULE = "vllm.v1.spec_decode.metadata"
 SAMPLING_METADATA_MODULE = "vllm.v1.sample.metadata"
 LOGITS_PROCESSOR_MODULE = "vllm.v1.sample.logits_processor"
