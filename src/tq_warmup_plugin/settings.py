@@ -33,7 +33,10 @@ def cpu_count() -> int:
 
 # Distinct keys compile on threads: measured on the H200 (vLLM 0.26.0), 4 threads
 # cut a cold 6-key warmup from 1.4-1.6 s to 0.8-0.9 s (benchmarks/results/README.md). More threads
-# than CPUs only compete for them (issue 12: 6 threads on 2 CPUs were 3x slower).
+# than CPUs only compete for them (issue 12: 6 threads on 2 CPUs were 3x slower), and more
+# than 4 did not help on 16 CPUs either: a cold V2 worker's vLLM-kernel compiles took 6.4 s on
+# 4 threads, 8.3 s on 8 and 7.3 s on 16 (H200, 0.26.0, serve-jit runs T and W; Triton holds
+# the GIL for most of a compile).
 DEFAULT_THREADS = min(4, cpu_count())
 
 _FALSE = frozenset({"0", "false", "off", "no"})
