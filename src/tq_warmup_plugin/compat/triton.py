@@ -24,6 +24,7 @@ __all__ = [
     "fp8_e4b15",
     "launcher_dirs",
     "no_launchers_why",
+    "one_compile_per_key",
     "pin_to_callers_device",
     "pointer_in_range",
     "storage_bytes",
@@ -87,6 +88,7 @@ SM_TARGETS = (75, 80, 86, 87, 89, 90, 100, 101, 103, 110, 120, 121)
 
 
 _LAUNCH_PATCH = threading.Lock()
+_COMPILE_PATCH = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -101,11 +103,15 @@ def compile_only_launches(load: bool) -> Iterator[list[str]]:
     given a few bytes of input, warms the very keys serving asks for, and no output
     buffer of the live runner is written. Yields the names of the kernels it met. The
     patch is on the class, so it is held under a lock and always undone.
+
+    Launches of one key on several threads compile it once (``one_compile_per_key``):
+    the engine warmers run side by side, and Triton has no lock between a launch's
+    in-memory cache miss and its compile.
     """
     from triton.runtime.jit import JITFunction
 
     met: list[str] = []
-    with _LAUNCH_PATCH:
+    with _LAUNCH_PATCH, one_compile_per_key():
         original = JITFunction.run
 
         def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
@@ -122,6 +128,42 @@ def compile_only_launches(load: bool) -> Iterator[list[str]]:
             yield met
         finally:
             JITFunction.run = original
+
+
+@contextlib.contextmanager
+def one_compile_per_key() -> Iterator[None]:
+    """Inside, a kernel key that several threads miss at once compiles on one of them;
+    the others wait for it and then find it in Triton's disk cache.
+
+    Why: ``JITFunction.run`` looks the key up in its in-memory cache and, on a miss,
+    compiles (``_do_compile(key, signature, device, ...)``, Triton 3.6-3.8), with no lock
+    between the two. The V2 sampler's 7 logprob jobs each launch ``_ranks_kernel`` with
+    one key, so a cold V2 worker compiled it 4 times on 4 threads and 7 times on 16: 3 of
+    its 17 compiles, 6 of 20 (H200, vLLM 0.26.0, serve-jit runs T and W). The lock is one
+    per (kernel, key, device) and lives as long as this context; distinct keys still
+    compile side by side. Where Triton has no ``_do_compile``, nothing changes.
+    """
+    from triton.runtime.jit import JITFunction
+
+    original = getattr(JITFunction, "_do_compile", None)
+    if original is None:
+        yield
+        return
+    locks: dict[tuple[int, str, object], threading.Lock] = {}
+    guard = threading.Lock()
+
+    def do_compile(self: Any, key: Any, signature: Any, device: Any, *rest: Any) -> Any:
+        with guard:
+            lock = locks.setdefault((id(self), str(key), device), threading.Lock())
+        with lock:
+            return original(self, key, signature, device, *rest)
+
+    with _COMPILE_PATCH:
+        JITFunction._do_compile = do_compile
+        try:
+            yield
+        finally:
+            JITFunction._do_compile = original
 
 
 def pin_to_callers_device() -> Callable[[], None] | None:
