@@ -1,5 +1,5 @@
 """Contract: launches of one kernel key that race on the engine warmers' threads compile
-it once (``compat.one_compile_per_key``, inside ``compile_only_launches``).
+it once (inside ``compat.compile_only_launches``).
 
 The V2 sampler's 7 logprob jobs each launch ``_ranks_kernel`` with one key; side by side,
 a cold V2 worker compiled it 4 times on 4 threads and 7 times on 16 (H200, vLLM 0.26.0,
@@ -110,7 +110,7 @@ def test_without_the_lock_each_thread_compiles(
     overlap: Overlap, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The check can fail: Triton alone compiles the raced key on every thread."""
-    monkeypatch.setattr(compat.triton, "one_compile_per_key", _no_lock)
+    monkeypatch.setattr(compat.triton, "_one_compile_per_key", _no_lock)
     assert race(same_key).compiled == THREADS
     assert overlap.most > 1
 

@@ -24,7 +24,6 @@ __all__ = [
     "fp8_e4b15",
     "launcher_dirs",
     "no_launchers_why",
-    "one_compile_per_key",
     "pin_to_callers_device",
     "pointer_in_range",
     "storage_bytes",
@@ -88,7 +87,6 @@ SM_TARGETS = (75, 80, 86, 87, 89, 90, 100, 101, 103, 110, 120, 121)
 
 
 _LAUNCH_PATCH = threading.Lock()
-_COMPILE_PATCH = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -104,14 +102,14 @@ def compile_only_launches(load: bool) -> Iterator[list[str]]:
     buffer of the live runner is written. Yields the names of the kernels it met. The
     patch is on the class, so it is held under a lock and always undone.
 
-    Launches of one key on several threads compile it once (``one_compile_per_key``):
+    Launches of one key on several threads compile it once (``_one_compile_per_key``):
     the engine warmers run side by side, and Triton has no lock between a launch's
     in-memory cache miss and its compile.
     """
     from triton.runtime.jit import JITFunction
 
     met: list[str] = []
-    with _LAUNCH_PATCH, one_compile_per_key():
+    with _LAUNCH_PATCH, _one_compile_per_key():
         original = JITFunction.run
 
         def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
@@ -131,9 +129,10 @@ def compile_only_launches(load: bool) -> Iterator[list[str]]:
 
 
 @contextlib.contextmanager
-def one_compile_per_key() -> Iterator[None]:
+def _one_compile_per_key() -> Iterator[None]:
     """Inside, a kernel key that several threads miss at once compiles on one of them;
-    the others wait for it and then find it in Triton's disk cache.
+    the others wait for it and then find it in Triton's disk cache. Entered only by
+    ``compile_only_launches``, whose lock also covers this patch of the class.
 
     Why: ``JITFunction.run`` looks the key up in its in-memory cache and, on a miss,
     compiles (``_do_compile(key, signature, device, ...)``, Triton 3.6-3.8), with no lock
@@ -158,12 +157,11 @@ def one_compile_per_key() -> Iterator[None]:
         with lock:
             return original(self, key, signature, device, *rest)
 
-    with _COMPILE_PATCH:
-        JITFunction._do_compile = do_compile
-        try:
-            yield
-        finally:
-            JITFunction._do_compile = original
+    JITFunction._do_compile = do_compile
+    try:
+        yield
+    finally:
+        JITFunction._do_compile = original
 
 
 def pin_to_callers_device() -> Callable[[], None] | None:
