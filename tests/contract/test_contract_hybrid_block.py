@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 from realvllm import recorded_keys
-from test_contract_eagle_helpers import STEPS, drafter, serve
+from test_contract_eagle_helpers import STEPS, drafter, feats, serve
 from test_contract_eagle_helpers import _driver as _driver  # autouse: compile-only sm90
 from test_contract_vllm_kernels import serve_slot_mapping
 
@@ -35,10 +35,6 @@ pytestmark = pytest.mark.real_vllm
 HYBRID_BLOCK = 2160
 """The serve-jit Qwen3-Next's attention block on 0.26 (run Z's log)."""
 MAX_LEN, TOKENS, REQS, K = 4096, 2048, 32, 2
-
-
-def feats() -> compat.Features:
-    return compat.release_features(compat.installed_vllm_version())
 
 
 def families() -> set[str]:
