@@ -63,12 +63,45 @@ def test_the_request_is_the_workers_engine_arguments() -> None:
     assert EngineRequest.from_dict(json.loads(json.dumps(req.to_dict()))) == req
 
 
+def test_a_moe_workers_request_has_its_experts_graphs_and_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The experts come from the config (tensor parallel 2 halves their width), the eager
+    range from the captured graphs, and the GPU's name from vLLM's platform."""
+    monkeypatch.setattr(compat, "device_name", lambda: "NVIDIA H200")
+    w = worker()
+    text = SimpleNamespace(num_experts_per_tok=2, intermediate_size=1024, hidden_size=2048,
+                           hidden_act="silu")  # fmt: skip
+    vars(w.vllm_config.model_config).update(get_num_experts=lambda: 4, hf_text_config=text)
+    w.vllm_config.parallel_config = SimpleNamespace(tensor_parallel_size=2)
+    w.vllm_config.compilation_config = SimpleNamespace(cudagraph_capture_sizes=[1, 8, 512])
+    req = ahead.request_of(w, FEATS)
+    assert req is not None and req.gpu_name == "NVIDIA H200" and req.graph_tokens == 512
+    assert req.moe_experts == (
+        compat.MoeExperts((4, 1024, 2048), (4, 2048, 512), 4, 2, "bfloat16"),
+    )
+    assert EngineRequest.from_dict(json.loads(json.dumps(req.to_dict()))) == req
+    # a config of another shape costs the child its MoE keys, never the worker's start
+    text.hidden_act = "gelu"
+    assert ahead.request_of(w, FEATS).moe_experts == ()  # type: ignore[union-attr]
+
+
 def test_no_child_without_turboquant() -> None:
     assert ahead.request_of(worker(cache_dtype="auto"), FEATS) is None
 
 
 @pytest.mark.parametrize(
-    "bad", [{}, {"vocab_size": "1"}, {"vocab_size": True}, {"extra": 1}], ids=repr
+    "bad",
+    [
+        {},
+        {"vocab_size": "1"},
+        {"vocab_size": True},
+        {"extra": 1},
+        {"moe_experts": [{"w13": 1}]},
+        {"moe_experts": 3},
+        {"graph_tokens": 1.5},
+    ],
+    ids=repr,
 )
 def test_a_mangled_request_is_refused(bad: dict[str, Any]) -> None:
     req = ahead.request_of(worker(), FEATS)

@@ -1,9 +1,10 @@
 """``tq-warmup inspect --model`` against vLLM's own reading of real model configs
 (``tests/data/models``: the fields that matter of each family's public config.json).
 
-Families planned: Llama-3, Qwen2.5, Mistral, Gemma-2 (its own scale), Falcon (MQA),
-ChatGLM3 (vLLM's own config class), Phi-3, Jamba (hybrid), Qwen3-Next (hybrid, where
-vLLM can import its code), Llama 4 (text-only, with chunked local attention).
+Families planned: Llama-3, Qwen2.5, Qwen3-MoE and Mixtral (MoE), Mistral, Gemma-2 (its
+own scale), Falcon (MQA), ChatGLM3 (vLLM's own config class), Phi-3, Jamba (hybrid),
+Qwen3-Next (hybrid, where vLLM can import its code), Llama 4 (text-only, with chunked
+local attention).
 Refused: DeepSeek-V2-Lite (MLA), BERT (encoder-only).
 """
 
@@ -25,7 +26,9 @@ MODELS = Path(__file__).parent / "data" / "models"
 PLANNED: dict[str, tuple[int, int, int, int, int, float, str]] = {
     "llama-3-8b": (2, 128, 16, 4, 28, 128**-0.5, "bfloat16"),
     "qwen2.5-7b": (2, 128, 14, 2, 24, 128**-0.5, "bfloat16"),
+    "qwen3-30b-a3b": (2, 128, 16, 2, 44, 128**-0.5, "bfloat16"),
     "mistral-7b-v0.3": (2, 128, 16, 4, 28, 128**-0.5, "bfloat16"),
+    "mixtral-8x7b": (2, 128, 16, 4, 28, 128**-0.5, "bfloat16"),
     "gemma-2-27b": (2, 128, 16, 8, 42, 144**-0.5, "bfloat16"),
     "falcon-7b": (1, 64, 71, 1, 28, 64**-0.5, "bfloat16"),
     "chatglm3-6b": (2, 128, 16, 1, 24, 128**-0.5, "float16"),

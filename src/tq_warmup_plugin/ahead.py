@@ -105,6 +105,7 @@ def request_of(worker: Any, feats: compat.Features) -> EngineRequest | None:
         return None
     method, tokens, probs = compat.speculative_of(config)
     scheduler = config.scheduler_config
+    experts = _experts(config)
     return EngineRequest(
         features=feats,
         runner_v2=bool(getattr(worker, "use_v2_model_runner", False)),
@@ -118,7 +119,24 @@ def request_of(worker: Any, feats: compat.Features) -> EngineRequest | None:
         spec_tokens=tokens,
         draft_probs=probs,
         max_logprobs=int(getattr(model, "max_logprobs", 20)),
+        moe_experts=experts,
+        graph_tokens=compat.graph_tokens(config),
+        gpu_name=compat.device_name() if experts else "",
     )
+
+
+def _experts(config: Any) -> tuple[compat.MoeExperts, ...]:
+    """The experts the worker is about to build, from its config; none where they are not
+    derived offline (the worker's own forwards then compile their keys, as before)."""
+    parallel = getattr(config, "parallel_config", None)
+    try:
+        return compat.moe_experts_of_config(
+            config.model_config,
+            int(getattr(parallel, "tensor_parallel_size", 1)),
+            bool(getattr(parallel, "enable_expert_parallel", False)),
+        )
+    except (compat.CompatError, AttributeError, TypeError, ValueError):  # a config unlike 0.22+
+        return ()
 
 
 def _arch() -> int | None:

@@ -90,7 +90,8 @@ def _engine(args: argparse.Namespace, planned: Planned) -> tuple[Engine | None, 
     spec = args.speculative_config
     method = None if spec is None else str(spec["method"])
     v2 = runs_v2(planned.geometry.features, method, planned.moe, args.runner)
-    request = request_for(planned.geometry, planned.vocab_size, spec, args.max_logprobs, v2)
+    request = request_for(planned.geometry, planned.vocab_size, spec, args.max_logprobs, v2,
+                          planned.experts, args.gpu_name)  # fmt: skip
     return cpu_engine(request), f"{'V2' if v2 else 'V1'} runner" + (
         f", {method} k={spec['num_speculative_tokens']}" if spec else ", no speculative decoding"
     )
@@ -108,8 +109,9 @@ def _engine_jobs(
         return None, what, [], [], []
     todo, declined, errors = jobs(pm, engine)
     notes = [f"{d.family}: {d.why}" for d in declined]
-    if planned.moe:
-        notes.append("fused MoE: model forwards, warmed at startup")
+    if planned.moe and not planned.experts:
+        why = planned.experts_why or "no experts in the config"
+        notes.append(f"fused MoE: {why}; the worker's forwards warm it at startup")
     return engine, what, todo, notes, errors
 
 

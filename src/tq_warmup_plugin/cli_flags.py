@@ -18,6 +18,7 @@ from .geometry import PRESETS
 from .planning import PlanRequest
 
 __all__ = [
+    "DEFAULT_GPU_NAME",
     "Help",
     "Parser",
     "arch",
@@ -28,6 +29,11 @@ __all__ = [
     "speculative_config",
     "whole",
 ]
+
+
+DEFAULT_GPU_NAME = "NVIDIA H200"
+"""``--gpu-name``'s default: the GPU this plugin's numbers were measured on (an H100 is
+``NVIDIA H100 80GB HBM3``); vLLM ships tuned fused MoE configs per GPU name."""
 
 
 def whole(minimum: int) -> Callable[[str], int]:
@@ -195,3 +201,9 @@ def geometry_flags(p: argparse.ArgumentParser) -> None:
         help="the logits' width vLLM's sampler kernels are keyed by (default: model's)",
     )
     p.add_argument("--max-logprobs", type=whole(0), default=20, help="vLLM's --max-logprobs")
+    p.add_argument(
+        "--gpu-name",
+        default=DEFAULT_GPU_NAME,
+        help="the GPU as vLLM names it (torch.cuda.get_device_name()), whose tuned fused MoE "
+        f"configs a MoE model's keys follow (default: {DEFAULT_GPU_NAME})",
+    )

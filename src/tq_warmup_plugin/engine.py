@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .compat import Features
+from .compat import Features, MoeExperts
 
 __all__ = ["Declined", "Engine", "Job"]
 
@@ -63,6 +63,13 @@ class Engine:
     micro_batches: bool = False
     """``compat.ubatching``: ``--enable-dbo`` or ``--ubatch-size`` over 1 splits a step into
     microbatches, so a layer runs at their sizes, not the step's."""
+    planned_experts: tuple[MoeExperts, ...] = ()
+    """The experts of an engine planned without a worker (``engine_plan``), read from the
+    model's config (``compat.moe_experts_of_config``): their keys build offline. Empty in
+    a worker, whose MoE warmer reads its built model's."""
+    gpu_name: str = ""
+    """The GPU an offline plan builds for, by vLLM's name (``compat.device_name``): the
+    fused MoE config lookup reads that GPU's tuned JSONs."""
     device: Any = field(compare=False, default=None)
     runner: Any = field(compare=False, default=None)
     """The live model runner: its block tables and model are what serving launches with."""

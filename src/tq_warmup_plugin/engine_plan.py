@@ -67,6 +67,13 @@ class EngineRequest:
     spec_tokens: int = 0
     draft_probs: bool = False
     max_logprobs: int = 20
+    moe_experts: tuple[compat.MoeExperts, ...] = ()
+    """The experts the model's config gives a rank (``compat.moe_experts_of_config``);
+    empty for a dense model or one whose experts are not derived offline."""
+    graph_tokens: int = 0
+    """The largest CUDA graph's tokens: a MoE step past it runs eagerly at its own size."""
+    gpu_name: str = ""
+    """vLLM's name of the target GPU (``compat.device_name``), for the MoE config lookup."""
 
     def to_dict(self) -> dict[str, Any]:
         fields = dataclasses.asdict(self)
@@ -82,10 +89,24 @@ class EngineRequest:
         values = dict(data)
         values["features"] = compat.release_features(str(values["features"]))
         for name in ("vocab_size", "block_size", "max_model_len", "max_num_seqs",
-                     "max_num_batched_tokens", "spec_tokens", "max_logprobs"):  # fmt: skip
+                     "max_num_batched_tokens", "spec_tokens", "max_logprobs",
+                     "graph_tokens"):  # fmt: skip
             if type(values[name]) is not int:
                 raise ValueError(f"engine request {name}={values[name]!r} is not an integer")
+        values["moe_experts"] = _experts_of(values["moe_experts"])
         return cls(**values)
+
+
+def _experts_of(items: Any) -> tuple[compat.MoeExperts, ...]:
+    """``EngineRequest.moe_experts`` from JSON; a malformed item raises ValueError."""
+    try:
+        return tuple(
+            compat.MoeExperts(tuple(map(int, e["w13"])), tuple(map(int, e["w2"])),
+                              int(e["experts"]), int(e["top_k"]), str(e["dtype"]))
+            for e in items
+        )  # fmt: skip
+    except (TypeError, KeyError, ValueError) as exc:
+        raise ValueError(f"engine request moe_experts: {exc!r}") from None
 
 
 V2_SPEC_METHODS = frozenset({"eagle", "eagle3", "mtp", "dflash", "dspark"})
@@ -112,9 +133,15 @@ def request_for(
     spec: Mapping[str, object] | None,
     max_logprobs: int,
     runner_v2: bool,
+    moe_experts: tuple[compat.MoeExperts, ...] = (),
+    gpu_name: str = "",
 ) -> EngineRequest:
-    """The engine arguments of a planned TurboQuant geometry (``planning.Planned``)."""
+    """The engine arguments of a planned TurboQuant geometry (``planning.Planned``); its
+    CUDA graphs are vLLM's default ones (``compat.default_graph_tokens``)."""
     method, tokens, probs = compat.speculative_fields(spec)
+    graphs = compat.default_graph_tokens(
+        geometry.max_num_seqs, tokens, geometry.max_num_batched_tokens
+    )
     return EngineRequest(
         features=geometry.features,
         runner_v2=runner_v2,
@@ -128,6 +155,9 @@ def request_for(
         spec_tokens=tokens,
         draft_probs=probs,
         max_logprobs=max_logprobs,
+        moe_experts=moe_experts,
+        graph_tokens=graphs,
+        gpu_name=gpu_name,
     )
 
 
@@ -228,6 +258,10 @@ def cpu_engine(request: EngineRequest) -> Engine:
     return Engine(
         **{name: getattr(request, name) for name in shared},
         pooling=False,
+        moe=bool(request.moe_experts),
+        graph_tokens=request.graph_tokens,
+        planned_experts=request.moe_experts,
+        gpu_name=request.gpu_name,
         max_tokens=request.max_num_batched_tokens,
         device=runner.device,
         runner=runner,

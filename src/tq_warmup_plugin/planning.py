@@ -167,7 +167,12 @@ class ModelShape(NamedTuple):
     vocab_size: int = 0
     """``get_vocab_size()``: the width of the logits vLLM's samplers get."""
     moe: bool = False
-    """``ModelConfig.is_moe``: its experts warm only in a worker (model forwards)."""
+    """``ModelConfig.is_moe``: the model runs ``fused_moe_kernel``."""
+    experts: tuple[compat.MoeExperts, ...] = ()
+    """A rank's experts, from the config (``compat.moe_experts_of_config``)."""
+    experts_why: str = ""
+    """Why a MoE model's experts are not derived offline (their keys then warm in a
+    worker, by model forwards)."""
 
 
 def _dtype_text(value: Any) -> str | None:
@@ -305,6 +310,10 @@ def model_shape(
             )
         text = model_config.hf_text_config
         num_layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+        try:
+            experts, experts_why = compat.moe_experts_of_config(model_config, tp), ""
+        except compat.CompatError as exc:
+            experts, experts_why = (), str(exc)
         hybrid = bool(model_config.is_hybrid)
         if hybrid:
             try:
@@ -338,6 +347,8 @@ def model_shape(
             attention_chunk=getattr(model_config, "attention_chunk_size", None) or None,
             vocab_size=int(model_config.get_vocab_size()),
             moe=bool(getattr(model_config, "is_moe", False)),
+            experts=experts,
+            experts_why=experts_why,
         )
 
 
@@ -367,6 +378,10 @@ class Planned(NamedTuple):
     """The logits' width (``--vocab-size`` or the model's), 0 where neither says it."""
     moe: bool = False
     """The model has experts (``ModelConfig.is_moe``)."""
+    experts: tuple[compat.MoeExperts, ...] = ()
+    """A rank's experts as the config gives them (``ModelShape.experts``)."""
+    experts_why: str = ""
+    """Why a MoE model's experts are not planned (``ModelShape.experts_why``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -508,4 +523,7 @@ def plan_geometry(request: PlanRequest, model_dir: str | None) -> Planned:
         note += f"; chunked local attention of {chunk} tokens"
     vocab = request.vocab_size or (shape.vocab_size if shape else 0)
     moe = bool(shape and shape.moe)
-    return Planned(geometry, layers, bool(skip) or shape is None, note, local, vocab, moe)
+    experts, why = (shape.experts, shape.experts_why) if shape else ((), "")
+    return Planned(
+        geometry, layers, bool(skip) or shape is None, note, local, vocab, moe, experts, why
+    )

@@ -13,7 +13,6 @@ sizes through the worker's own warmup forward (GPU only; the runner is a stand-i
 
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
 from types import SimpleNamespace
 from typing import Any
@@ -58,37 +57,10 @@ def experts_of(shape: tuple[int, int, int, int]) -> compat.MoeExperts:
 
 
 def serving_keys(shape: tuple[int, int, int, int], sizes: list[int]) -> set[tuple[str, str]]:
-    """What vLLM's ``TritonExperts.apply`` asks Triton for, one step of each size."""
-    import torch
-    from vllm.model_executor.layers.fused_moe import config as moe
-    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
-
-    e, top_k, hidden, inter = shape
-    required = {f.name for f in dataclasses.fields(moe.FusedMoEConfig)
-                if f.default is dataclasses.MISSING}  # fmt: skip
-    width = "intermediate_size" if "intermediate_size" in required else (
-        "intermediate_size_per_partition")  # 0.22  # fmt: skip
-    config = moe.FusedMoEConfig(
-        num_experts=e, experts_per_token=top_k, hidden_dim=hidden, num_local_experts=e,
-        num_logical_experts=e, activation=MoEActivation.SILU, device="meta",
-        routing_method=moe.RoutingMethodType.Renormalize, in_dtype=torch.bfloat16,
-        moe_parallel_config=moe.FusedMoEParallelConfig.make_no_parallel(), **{width: inter},
-    )  # fmt: skip
-    experts = TritonExperts(config, moe.FUSED_MOE_UNQUANTIZED_CONFIG)
-    experts.activation = lambda *a, **k: None  # type: ignore[method-assign]
-    weights = (meta(e, 2 * inter, hidden), meta(e, hidden, inter))
+    """What vLLM's ``TritonExperts.apply`` asks Triton for, one step of each size, on the
+    H200 (``compat.moe_steps``: vLLM's experts on meta tensors)."""
     with recorded_keys() as seen:
-        for n in sizes:
-            ws13, ws2, out = experts.workspace_shapes(
-                n, 2 * inter, hidden, top_k, e, e, None, MoEActivation.SILU
-            )
-            experts.apply(
-                meta(*out), meta(n, hidden), *weights,
-                meta(n, top_k, dtype=torch.float32),
-                torch.zeros(n, top_k, dtype=torch.int32, device="meta"), MoEActivation.SILU,
-                e, None, None, None, meta(*ws13), meta(*ws2), None, False,
-            )  # fmt: skip
+        compat.moe_steps(experts_of(shape), sizes, "NVIDIA H200")
     return {key for key in seen if key[0] == "fused_moe_kernel"}
 
 

@@ -7,9 +7,10 @@ each accessor naming the releases it serves.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from . import vllm_paths as paths
@@ -20,6 +21,8 @@ __all__ = [
     "CompatError",
     "MoeExperts",
     "cpu_block_tables",
+    "default_graph_tokens",
+    "device_name",
     "drafter_of",
     "dummy_run",
     "eagle_helper",
@@ -30,6 +33,8 @@ __all__ = [
     "logits_of",
     "moe_config_function",
     "moe_experts",
+    "moe_experts_of_config",
+    "moe_steps",
     "sampling_metadata",
     "slot_mapping_tables",
     "spec_decode_metadata",
@@ -176,12 +181,178 @@ def moe_experts(runner: Any) -> list[MoeExperts]:
     return found
 
 
-def moe_config_function() -> Any:
+def moe_config_function(gpu_name: str = "") -> Any:
     """vLLM's ``try_get_optimal_moe_config(w1_shape, w2_shape, top_k, dtype, M)``: the
     Triton config a step of ``M`` tokens launches ``fused_moe_kernel`` with (a tuned JSON
     of this GPU, else vLLM's defaults). This module and signature in 0.22, 0.26, 0.30 and
-    0.33, the releases its contract test runs."""
-    return importlib.import_module(paths.FUSED_MOE_MODULE).try_get_optimal_moe_config
+    0.33, the releases its contract test runs. With ``gpu_name``, the lookup reads that
+    GPU's tuned JSONs (``current_platform.get_device_name()``, which a host without the
+    GPU cannot answer), as an offline plan must."""
+    lookup = importlib.import_module(paths.FUSED_MOE_MODULE).try_get_optimal_moe_config
+    if not gpu_name:
+        return lookup
+
+    def for_gpu(*args: Any, **kwargs: Any) -> Any:
+        with _named_gpu(gpu_name):
+            return lookup(*args, **kwargs)
+
+    return for_gpu
+
+
+GATED_ACTIVATIONS = frozenset({"silu", "swiglu"})
+"""``hidden_act`` of experts whose ``w13_weight`` stacks the gate and the up projection
+(``2 x intermediate`` rows): Mixtral, Qwen2/3-MoE, Qwen3-Next, DeepSeek."""
+
+
+def moe_experts_of_config(
+    model_config: Any, tensor_parallel: int = 1, expert_parallel: bool = False
+) -> tuple[MoeExperts, ...]:
+    """The experts a worker of this ``ModelConfig`` will hold (:func:`moe_experts` reads
+    them from the built model), read from the config before any model exists: for an
+    offline plan and the compile-ahead child. The expert count is vLLM's own lookup of
+    the config's names (``get_num_experts``, 0.22+), the experts per token its own
+    where it has one (``get_num_experts_per_tok``, 0.30+) and ``num_experts_per_tok``
+    before; the width ``moe_intermediate_size`` (Qwen, DeepSeek) or
+    ``intermediate_size`` (Mixtral), split over the tensor-parallel ranks as
+    ``FusedMoE`` splits it. Empty for a dense model; CompatError (one line) where the
+    experts are not derived here: quantized, expert parallel, not gated, or a field
+    missing. A wrong guess costs the worker compiles, never a wrong result."""
+    experts = int(model_config.get_num_experts() or 0)
+    if experts <= 0:
+        return ()
+    text = model_config.hf_text_config
+    quantized = getattr(model_config, "quantization", None)
+    if quantized:
+        raise CompatError(f"{quantized} experts: their configs are not derived offline")
+    if expert_parallel:
+        raise CompatError("expert parallel: a rank's share of the experts is not derived")
+    per_token = getattr(model_config, "get_num_experts_per_tok", None)
+    top_k = int(per_token() if callable(per_token) else getattr(text, "num_experts_per_tok", 0))
+    width = getattr(text, "moe_intermediate_size", None) or getattr(text, "intermediate_size", 0)
+    hidden = int(getattr(text, "hidden_size", 0) or 0)
+    act = str(getattr(text, "hidden_act", "silu"))
+    if not (top_k and width and hidden) or int(width) % tensor_parallel:
+        raise CompatError(
+            f"the config's experts (top-k {top_k}, width {width}, hidden {hidden}, "
+            f"tensor parallel {tensor_parallel}) are not a shape derived here"
+        )
+    if act not in GATED_ACTIVATIONS:
+        raise CompatError(f"experts of activation {act}: their weights are not derived here")
+    rank = int(width) // tensor_parallel
+    dtype = str(model_config.dtype).removeprefix("torch.")
+    return (
+        MoeExperts((experts, 2 * rank, hidden), (experts, hidden, rank), experts, top_k, dtype),
+    )
+
+
+def default_graph_tokens(max_num_seqs: int, spec_tokens: int, max_num_batched_tokens: int) -> int:
+    """The largest CUDA graph vLLM captures by default on Hopper: ``max_num_seqs`` decode
+    steps of ``1 + k`` tokens, doubled, at most 512 and at most a step's tokens
+    (``VllmConfig._set_cudagraph_sizes``: 0.22, 0.26; 0.30 and 0.33 alike below
+    Blackwell). An offline plan's guess: a worker reads its own (:func:`graph_tokens`)."""
+    return min(max_num_seqs * (1 + spec_tokens) * 2, 512, max_num_batched_tokens)
+
+
+def device_name() -> str:
+    """The GPU's name as vLLM's fused MoE config lookup reads it
+    (``current_platform.get_device_name()``, all releases)."""
+    platform = importlib.import_module(paths.PLATFORMS_MODULE).current_platform
+    return str(platform.get_device_name())
+
+
+@contextlib.contextmanager
+def _swapped(target: Any, values: Mapping[str, Any]) -> Iterator[None]:
+    """``target``'s attributes set to ``values`` inside, then put back as they were."""
+    missing = object()
+    saved = {name: target.__dict__.get(name, missing) for name in values}
+    for name, value in values.items():
+        setattr(target, name, value)
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is missing:
+                delattr(target, name)
+            else:
+                setattr(target, name, old)
+
+
+@contextlib.contextmanager
+def _named_gpu(gpu_name: str) -> Iterator[None]:
+    """vLLM's MoE config lookup reads ``gpu_name``'s tuned JSONs inside. Its caches of the
+    name and of the configs read (``get_device_name_as_file_name``, 0.26+;
+    ``get_moe_configs``, all releases: ``functools`` caches not keyed by the GPU) are
+    emptied on the way in and out, so no other name's answer is reused, nor this one's
+    left behind."""
+    platform = importlib.import_module(paths.PLATFORMS_MODULE).current_platform
+    clear = []
+    cached_by = (
+        (paths.FUSED_MOE_MODULE, "get_moe_configs"),
+        (paths.PLATFORM_UTILS_MODULE, "get_device_name_as_file_name"),
+    )
+    for module, name in cached_by:
+        try:
+            cached = getattr(importlib.import_module(module), name, None)
+        except ImportError:  # before 0.26
+            continue
+        if cached is not None and hasattr(cached, "cache_clear"):
+            clear.append(cached.cache_clear)
+    for each in clear:
+        each()
+    try:
+        with _swapped(platform, {"get_device_name": lambda *a, **k: gpu_name}):
+            yield
+    finally:
+        for each in clear:
+            each()
+
+
+def _no_op(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def moe_steps(layer: MoeExperts, sizes: Iterable[int], gpu_name: str) -> None:
+    """One step of each size through vLLM's own ``TritonExperts.apply`` (the experts a
+    bf16 MoE layer runs on Hopper: its config lookup for ``gpu_name``, workspaces,
+    expert assignment and both ``fused_moe_kernel`` GEMMs) on meta tensors, for
+    ``compile_only_launches`` to turn into keys without a GPU. The CUDA ops that only
+    fill buffers no key reads are skipped: ``moe_align_block_size``, ``moe_sum``, the
+    activation. Offline processes only (the child, ``precompile``): it patches vLLM's
+    ops module while it runs. The same classes and arguments in 0.22 (whose config
+    names the width ``intermediate_size_per_partition``), 0.26, 0.30 and 0.33."""
+    import torch
+
+    moe = importlib.import_module(paths.FUSED_MOE_CONFIG_MODULE)
+    silu = importlib.import_module(paths.MOE_ACTIVATION_MODULE).MoEActivation.SILU
+    experts_class = importlib.import_module(paths.TRITON_EXPERTS_MODULE).TritonExperts
+    e, top_k, hidden, width = layer.experts, layer.top_k, layer.w13[2], layer.w2[2]
+    dtype = getattr(torch, layer.dtype)
+    required = {f.name for f in dataclasses.fields(moe.FusedMoEConfig)
+                if f.default is dataclasses.MISSING}  # fmt: skip
+    named = "intermediate_size" if "intermediate_size" in required else (
+        "intermediate_size_per_partition")  # 0.22  # fmt: skip
+    config = moe.FusedMoEConfig(
+        num_experts=e, experts_per_token=top_k, hidden_dim=hidden, num_local_experts=e,
+        num_logical_experts=e, activation=silu, device="meta",
+        routing_method=moe.RoutingMethodType.Renormalize, in_dtype=dtype,
+        moe_parallel_config=moe.FusedMoEParallelConfig.make_no_parallel(), **{named: width},
+    )  # fmt: skip
+    experts = experts_class(config, moe.FUSED_MOE_UNQUANTIZED_CONFIG)
+    experts.activation = _no_op
+
+    def meta(*shape: int, of: Any = dtype) -> Any:
+        return torch.empty(*shape, dtype=of, device="meta")
+
+    weights = (meta(*layer.w13), meta(*layer.w2))
+    ops = importlib.import_module(paths.CUSTOM_OPS_MODULE)
+    with _swapped(ops, {"moe_align_block_size": _no_op, "moe_sum": _no_op}), _named_gpu(gpu_name):
+        for n in sizes:
+            ws13, ws2, out = experts.workspace_shapes(n, 2 * width, hidden, top_k, e, e, None, silu)
+            experts.apply(
+                meta(*out), meta(n, hidden), *weights, meta(n, top_k, of=torch.float32),
+                meta(n, top_k, of=torch.int32), silu, e, None, None, None, meta(*ws13),
+                meta(*ws2), None, False,
+            )  # fmt: skip
 
 
 def dummy_run(runner: Any, tokens: int) -> None:

@@ -20,11 +20,13 @@ __all__ = [
     "CHUNKED_LOCAL_CLASS",
     "CHUNKED_LOCAL_MODULE",
     "CONTINUATION_DECODE_THRESHOLD",
+    "CUSTOM_OPS_MODULE",
     "DECODE_MODULE",
     "DRAFT_CALL_SITE_MODULES",
     "ELASTIC_MODULE",
     "EXTEND_QUERIES_FUNCTION",
     "FLASH_ATTN_MODULE",
+    "FUSED_MOE_CONFIG_MODULE",
     "FUSED_MOE_MODULE",
     "IMPL_CLASS",
     "JIT_WARMUP_MODULE",
@@ -34,6 +36,9 @@ __all__ = [
     "MODEL_CONFIG_MODULE",
     "MODEL_REGISTRY_MODULE",
     "MODEL_UTILS_MODULE",
+    "MOE_ACTIVATION_MODULE",
+    "PLATFORMS_MODULE",
+    "PLATFORM_UTILS_MODULE",
     "REJECTION_MODULE",
     "SAMPLER_MODULE",
     "SAMPLING_METADATA_MODULE",
@@ -45,6 +50,7 @@ __all__ = [
     "TOPK_TOPP_TRITON_MODULE",
     "TQ_CONFIG_MODULE",
     "TQ_DTYPE_PREFIX",
+    "TRITON_EXPERTS_MODULE",
     "UBATCH_VIEWS_V1",
     "V2_LOGPROB_MODULE",
     "WARMUP_MODULE",
@@ -77,6 +83,12 @@ SAMPLER_MODULE = "vllm.v1.sample.sampler"
 REJECTION_MODULE = "vllm.v1.sample.rejection_sampler"
 FLASH_ATTN_MODULE = "vllm.v1.attention.backends.flash_attn"
 FUSED_MOE_MODULE = "vllm.model_executor.layers.fused_moe.fused_moe"
+FUSED_MOE_CONFIG_MODULE = "vllm.model_executor.layers.fused_moe.config"
+MOE_ACTIVATION_MODULE = "vllm.model_executor.layers.fused_moe.activation"
+TRITON_EXPERTS_MODULE = "vllm.model_executor.layers.fused_moe.experts.triton_moe"
+CUSTOM_OPS_MODULE = "vllm._custom_ops"
+PLATFORMS_MODULE = "vllm.platforms"
+PLATFORM_UTILS_MODULE = "vllm.utils.platform_utils"  # 0.26+
 
 # Modules whose global ``kernel_warmup`` vLLM calls: the defining module, the
 # worker, which binds the name at import (all releases), and elastic EP, which does

@@ -27,6 +27,13 @@ warm Triton cache; an error-mode server then served its mix with 0 JIT events.
 Compiling those keys side by side first, through vLLM's launcher, cut the cold start to
 9.4 s, but that version was not seen to finish a server's startup on a fresh machine
 (its runs' own startup timeouts passed during CUDA graph capture) and is not shipped.
+
+Offline: an engine planned without a worker (``engine_plan``: ``precompile``, the
+compile-ahead child) holds the experts its config gives a rank (``Engine.planned_experts``)
+and the target GPU's name. For it the same sizes are jobs of vLLM's own
+``TritonExperts.apply`` on meta tensors (``compat.moe_steps``), which compile the keys a
+worker's forwards then load: from a shipped layer, or beside a worker still loading its
+model. ``tests/contract/test_contract_fused_moe_offline`` holds them to the worker's.
 """
 
 from __future__ import annotations
@@ -103,10 +110,14 @@ def token_counts(first: int, last: int, signature_of: Callable[[int], Hashable])
 def tq_warmup_engine_jobs(engine: Engine) -> Iterable[Job | Declined]:
     if not engine.moe:
         return []
-    experts = sorted(set(compat.moe_experts(engine.runner)), key=repr)
+    offline = bool(engine.planned_experts)
+    found = engine.planned_experts or compat.moe_experts(engine.runner)
+    experts = sorted(set(found), key=repr)
     warn = engine.jit_monitor_error
     if not experts:
         return [Declined(FAMILY, "no layer holds MoE expert weights (w13_weight, w2_weight)")]
+    if offline and not engine.gpu_name:
+        return [Declined(FAMILY, "no GPU name for vLLM's tuned configs: warmed at startup")]
     quantized = sorted({e.dtype for e in experts} - set(_UNQUANTIZED))
     if quantized:
         why = f"experts of dtype {', '.join(quantized)}: their configs are not derived yet"
@@ -118,10 +129,18 @@ def tq_warmup_engine_jobs(engine: Engine) -> Iterable[Job | Declined]:
     if first > engine.max_tokens:
         why = f"every step fits a CUDA graph (up to {engine.graph_tokens} tokens): capture compiles"
         return [Declined(FAMILY, why)]
-    config_of = compat.moe_config_function()
+    config_of = compat.moe_config_function(engine.gpu_name if offline else "")
     sizes = token_counts(first, engine.max_tokens, partial(signature, experts=experts,
                                                             config_of=config_of))  # fmt: skip
+    if offline:  # the same steps' keys through vLLM's experts on meta tensors
+        return [Job(FAMILY, f"{n} tokens", partial(_offline_step, tuple(experts), n,
+                                                   engine.gpu_name)) for n in sizes]  # fmt: skip
     return [
         Job(FAMILY, f"{n} tokens", partial(compat.dummy_run, engine.runner, n), real=True)
         for n in sizes
     ]
+
+
+def _offline_step(experts: Sequence[compat.MoeExperts], tokens: int, gpu_name: str) -> None:
+    for layer in experts:
+        compat.moe_steps(layer, [tokens], gpu_name)
