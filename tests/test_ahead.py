@@ -241,8 +241,13 @@ def test_load_model_starts_it_and_the_hook_is_undone(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(ahead, "start", lambda worker, settings: started.append(worker))
 
     class Worker:
+        vllm_config = vllm_config()
+
         def load_model(self, *, load_dummy_weights: bool = False) -> str:
             return f"loaded {load_dummy_weights}"
+
+        def determine_available_memory(self) -> int:
+            return 7
 
     module = ModuleType("fake_gpu_worker")
     module.Worker = Worker  # type: ignore[attr-defined]
@@ -250,9 +255,20 @@ def test_load_model_starts_it_and_the_hook_is_undone(monkeypatch: pytest.MonkeyP
     ahead.install(module, Settings())  # idempotent: one wrapper
     w = Worker()
     assert w.load_model(load_dummy_weights=True) == "loaded True"
+    assert w.determine_available_memory() == 7
+    assert started == [w]  # a dense model's starts as its model loads
+    # a hybrid's block is final after load_model: its child starts at the memory profile
+    hybrid = Worker()
+    hybrid.vllm_config = vllm_config()
+    hybrid.vllm_config.model_config.is_hybrid = True
+    hybrid.load_model()
     assert started == [w]
+    assert hybrid.determine_available_memory() == 7
+    assert started == [w, hybrid]
     assert patching.original_of(Worker.__dict__["load_model"]) is not None
     ahead.remove(module)
     assert not patching.is_ours(Worker.__dict__["load_model"])
+    assert not patching.is_ours(Worker.__dict__[ahead.LATE])
     w.load_model()
-    assert started == [w]
+    hybrid.determine_available_memory()
+    assert started == [w, hybrid]

@@ -9,7 +9,8 @@ in two (2 CPUs, vLLM 0.26.0, ``python -m benchmarks.tqbench ahead-cost``,
 ``benchmarks/results/ahead-cost.json``). But those keys
 depend only on engine arguments a worker knows before it loads its model
 (``engine_plan.EngineRequest``), and the worker then spends seconds to minutes on weights,
-``torch.compile``, profiling and the KV cache. So ``Worker.load_model`` starts one child
+``torch.compile``, profiling and the KV cache. So ``Worker.load_model`` (a hybrid model's
+``determine_available_memory``, where its block is final: ``LATE``) starts one child
 ``python -m tq_warmup_plugin.ahead_child``: CPU only (``CUDA_VISIBLE_DEVICES=""``: no CUDA
 context, no GPU memory), with the worker's own environment, so it compiles into the Triton
 cache the worker reads (its ``TRITON_CACHE_DIR``, ``TRITON_CACHE_MANAGER`` and shipped
@@ -52,6 +53,7 @@ if TYPE_CHECKING:  # register() imports this module: the rest comes when a worke
 
 __all__ = [
     "CHILD_MODULE",
+    "LATE",
     "MODULE",
     "PROCESSES",
     "V2_NOT_STARTED",
@@ -254,22 +256,51 @@ def _close(process: subprocess.Popen[bytes]) -> None:
         process.stdout.close()
 
 
+LATE = "determine_available_memory"
+"""Where a hybrid model's worker starts its child: its KV manager block is final only there.
+vLLM sizes a hybrid's attention block to its Mamba state after ``load_model`` (the
+executor's ``update_block_size_for_backend``, 0.22-0.33: "Setting attention block size
+to 2160 tokens" came after the model loaded, H200, 0.26.0, serve-jit run AB), so a child
+started at ``load_model`` planned slot mapping and the EAGLE helpers at TurboQuant's own
+block (32), and the worker compiled all 4 of them again. The next call, the memory
+profile, runs the model's first ``torch.compile`` (30 s of that run's 84 s profile)."""
+
+
+def _hybrid(worker: Any) -> bool:
+    model = getattr(getattr(worker, "vllm_config", None), "model_config", None)
+    return bool(getattr(model, "is_hybrid", False))
+
+
 def install(module: ModuleType, settings: Settings) -> None:
-    """Wrap ``Worker.load_model`` to start the child first."""
+    """Wrap ``Worker.load_model`` to start the child first, and for a hybrid model
+    ``Worker.determine_available_memory`` instead (``LATE``)."""
     cls = getattr(module, "Worker", None)
     original = getattr(cls, "load_model", None)
+    late = getattr(cls, LATE, None)
     if cls is None or original is None or patching.is_ours(original):
         return
 
     @patching.wraps(original)
     def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        start(self, settings)
+        if not _hybrid(self):
+            start(self, settings)
         return original(self, *args, **kwargs)
 
     patching.replace(cls, "load_model", load_model)
+    if late is None:
+        return
+
+    @patching.wraps(late)
+    def determine_available_memory(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _hybrid(self):
+            start(self, settings)
+        return late(self, *args, **kwargs)
+
+    patching.replace(cls, LATE, determine_available_memory)
 
 
 def remove(module: ModuleType) -> None:
     cls = getattr(module, "Worker", None)
     if cls is not None:
         patching.restore(cls, "load_model")
+        patching.restore(cls, LATE)
