@@ -10,10 +10,10 @@ in two (2 CPUs, vLLM 0.26.0, ``python -m benchmarks.tqbench ahead-cost``,
 depend only on engine arguments a worker knows before it loads its model
 (``engine_plan.EngineRequest``), and the worker then spends seconds to minutes on weights,
 ``torch.compile``, profiling and the KV cache. So ``Worker.load_model`` (a hybrid model's
-``determine_available_memory``, where its block is final: ``LATE``) starts one child, a
-fork of the worker (``fork``: vLLM already imported), CPU only (``CUDA_VISIBLE_DEVICES=""``:
-no CUDA context, no GPU memory), with the worker's own environment, so it compiles into the
-Triton cache the worker reads (its ``TRITON_CACHE_DIR``, ``TRITON_CACHE_MANAGER`` and shipped
+``determine_available_memory``, where its block is final: ``LATE``) starts one child
+``python -m tq_warmup_plugin.ahead_child``: CPU only (``CUDA_VISIBLE_DEVICES=""``: no CUDA
+context, no GPU memory), with the worker's own environment, so it compiles into the Triton
+cache the worker reads (its ``TRITON_CACHE_DIR``, ``TRITON_CACHE_MANAGER`` and shipped
 layers), for the worker's GPU architecture, the very keys ``precompile`` builds, in forked
 processes, last job first.
 
@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import time
 from dataclasses import dataclass
 from types import ModuleType
@@ -104,8 +105,6 @@ class Forked:
         return code
 
     def kill(self) -> None:
-        import signal
-
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
 

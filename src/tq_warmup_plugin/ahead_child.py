@@ -1,10 +1,9 @@
-"""The compile-ahead child's work (``ahead``): ``main`` builds one worker's offline engine
-jobs (``engine_plan``) for its GPU architecture into the Triton cache its environment names,
-host launchers included where Triton builds them (``compat.build_host_launcher``), and
-writes one JSON line: the jobs built, the error lines, the seconds, and of them those of
-building vLLM's CPU objects and of the plan. A worker runs it in a fork of itself
-(``ahead.fork``); ``python -m tq_warmup_plugin.ahead_child JSON`` runs the same by hand,
-its line on stdout. Its own module, so that nothing the worker imports loads it.
+"""The compile-ahead child's process (``ahead``): ``python -m tq_warmup_plugin.ahead_child
+JSON`` builds one worker's offline engine jobs (``engine_plan``) for its GPU architecture
+into the Triton cache its environment names, host launchers included where Triton builds
+them (``compat.build_host_launcher``), and prints one JSON line: the jobs built, the error
+lines, the seconds, and of them those of vLLM's import and of the plan. Its own module, so
+that nothing the worker imports loads it.
 """
 
 from __future__ import annotations
@@ -45,8 +44,8 @@ def main(argv: Sequence[str] | None = None, out: int | None = None) -> int:
         os.dup2(2, 1)  # vLLM's import talks on stdout; the result line is ours alone
     try:
         from .engine_plan import EngineRequest, build, cpu_engine, jobs
-        from .host import plugin_manager
         from .shipped.precompile import use_compile_only_target
+        from .warmup import plugin_manager
 
         given = json.loads(argv[0])
         use_compile_only_target(int(given["arch"]))
