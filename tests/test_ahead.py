@@ -1,24 +1,24 @@
 """The compile-ahead child's lifecycle in the worker (``ahead``): what it is told, that its
 failures are one line each and never an exception, and that its hook is undone.
 
-The child here is this process forked, as a worker forks it (``ahead.fork``), running a
-stand-in for ``ahead_child.main``; the real child's keys are held to the warmers' in
-``contract/test_contract_ahead.py``.
+The child here is a stand-in script on ``PYTHONPATH`` (``CHILD_MODULE`` points at it); the
+real child's keys are held to the warmers' in ``contract/test_contract_ahead.py``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
 
-from tq_warmup_plugin import ahead, ahead_child, compat, patching, settings
+from tq_warmup_plugin import ahead, compat, patching, settings
 from tq_warmup_plugin.engine_plan import EngineRequest
 from tq_warmup_plugin.settings import Settings
 
@@ -112,51 +112,36 @@ def test_a_mangled_request_is_refused(bad: dict[str, Any]) -> None:
         EngineRequest.from_dict(data)
 
 
-Main = Callable[..., int]
-
-
 @pytest.fixture
-def child(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Main], None]]:
-    """Sets what the forked child runs in place of ``ahead_child.main(argv, out=fd)``."""
+def child(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A stand-in child module; the test writes its body to the returned file."""
     monkeypatch.setattr(ahead, "_arch", lambda: 90)
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
+    monkeypatch.setattr(ahead, "CHILD_MODULE", "fake_ahead_child")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.setattr(ahead, "_child", None)
-    yield lambda body: monkeypatch.setattr(ahead_child, "main", body)
+    yield tmp_path / "fake_ahead_child.py"
     ahead.wait(1)
 
 
-def writes(result: dict[str, Any]) -> Main:
-    def body(argv: list[str], out: int) -> int:
-        os.write(out, (json.dumps(result) + "\n").encode())
-        return 0
-
-    return body
-
-
-def test_the_childs_result_is_one_line(
-    child: Callable[[Main], None], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-
-    def body(argv: list[str], out: int) -> int:
-        given = json.loads(argv[0])
-        assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and given["arch"] == 90
-        built = given["request"]["spec_tokens"]
-        os.write(out, json.dumps({"built": built, "errors": [], "seconds": 1.5}).encode())
-        return 0
-
-    child(body)
+def test_the_childs_result_is_one_line(child: Path) -> None:
+    child.write_text(
+        "import json, sys, os\n"
+        "given = json.loads(sys.argv[1])\n"
+        "assert os.environ['CUDA_VISIBLE_DEVICES'] == '' and given['arch'] == 90\n"
+        "print(json.dumps({'built': given['request']['spec_tokens'], 'errors': [],"
+        " 'seconds': 1.5}))\n"
+    )
     ahead.start(worker(spec=SimpleNamespace(method="ngram", num_speculative_tokens=4)))
     line = ahead.wait(60)
     assert line == "compile-ahead child: 4 jobs in 1.5 s"
     assert ahead.wait() == ""  # reaped once
-    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"  # the worker's own is left alone
 
 
-def test_a_v2_worker_starts_none_unless_told_to(child: Callable[[Main], None]) -> None:
+def test_a_v2_worker_starts_none_unless_told_to(child: Path) -> None:
     """The V2 runner reached its warmup before a child was done, and the child's CPUs cost
     it 2.2 s of warmers (H200, 0.26.0, serve-jit run T): none unless TQ_WARMUP_AHEAD=1."""
-    child(writes({"built": 1, "errors": [], "seconds": 0.5}))
+    child.write_text("import json; print(json.dumps({'built': 1, 'errors': [], 'seconds': 0.5}))\n")
     v2 = worker()
     v2.use_v2_model_runner = True
     ahead.start(v2, settings.load({}))
@@ -168,80 +153,61 @@ def test_a_v2_worker_starts_none_unless_told_to(child: Callable[[Main], None]) -
     assert ahead.wait(60) == "compile-ahead child: 1 jobs in 0.5 s"
 
 
-def test_a_child_that_has_ended_is_read_without_waiting(child: Callable[[Main], None]) -> None:
+def test_a_child_that_has_ended_is_read_without_waiting(child: Path) -> None:
     """The warmers reap the child with ``wait(0)``: one that ended before them has its
     result read, not reported stopped (``communicate(timeout=0)`` did that to every child:
     "stopped after 108.7 s" on the H200 for a child long done)."""
-    child(writes({"built": 2, "errors": [], "seconds": 0.5, "import": 0.25, "plan": "x"}))
+    result = "{'built': 2, 'errors': [], 'seconds': 0.5, 'import': 0.25, 'plan': 'x'}"
+    child.write_text(f"import json; print(json.dumps({result}))\n")
     ahead.start(worker())
     assert ahead._child is not None and ahead._child.process is not None
-    assert ahead._child.process.wait(60) == 0  # ended, its line in the pipe
+    ahead._child.process.wait(60)  # ended, its line in the pipe
     # its phases where they are numbers (a plan that is not one is left out)
     assert ahead.wait(0) == "compile-ahead child: 2 jobs in 0.5 s (import 0.2 s)"
 
 
-def test_a_child_that_fails_or_hangs_is_one_line(child: Callable[[Main], None]) -> None:
-    child(lambda argv, out: time.sleep(30) or 0)
+def test_a_child_that_fails_or_hangs_is_one_line(child: Path) -> None:
+    child.write_text("import time; time.sleep(30)\n")
     ahead.start(worker())
     line = ahead.wait(0.5)
     assert line.startswith("compile-ahead child stopped after ")
     assert line.endswith(" s: the worker's own warmers were done")
-
-    def not_json(argv: list[str], out: int) -> int:
-        os.write(out, b"not json\n")
-        return 3
-
-    child(not_json)
+    child.write_text("print('not json'); raise SystemExit(3)\n")
     ahead.start(worker())
     assert ahead.wait(60) == "compile-ahead child exited 3 without its result"
-
-    def raises(argv: list[str], out: int) -> int:
-        raise RuntimeError("boom")
-
-    child(raises)  # the fork leaves by os._exit whatever happens: 70, no traceback
-    ahead.start(worker())
-    assert ahead.wait(60) == "compile-ahead child exited 70 without its result"
-    child(writes({"built": 1, "errors": ["top-k/top-p: boom"], "seconds": 2}))
+    child.write_text(
+        "import json; print(json.dumps({'built': 1, 'errors': ['top-k/top-p: boom'],"
+        " 'seconds': 2}))\n"
+    )
     ahead.start(worker())
     assert ahead.wait(60).endswith(", 1 failed (first: top-k/top-p: boom)")
 
 
-def test_a_child_that_cannot_start_is_one_line(
-    child: Callable[[Main], None], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def no_fork() -> int:
-        raise BlockingIOError(11, "Resource temporarily unavailable")
-
-    monkeypatch.setattr(os, "fork", no_fork)
-    ahead.start(worker())
-    assert ahead.wait().startswith("compile-ahead child did not start: BlockingIOError")
-
-
-def test_no_child_without_a_cuda_target(
-    child: Callable[[Main], None], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_no_child_without_a_cuda_target(child: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ahead, "_arch", lambda: None)  # ROCm
     ahead.start(worker())
     assert ahead.wait() == ""
 
 
 def test_a_stopped_child_takes_its_compile_processes_with_it(
-    child: Callable[[Main], None], tmp_path: Path
+    child: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The real child's ``die_with_parent`` in a stand-in that forks a compile process the
     way ``engine_plan.build`` does (a Pool initializer) and hangs: stopping the child
     kills that process too."""
-    import multiprocessing
-
-    pid_file = tmp_path / "grandchild.pid"
-
-    def body(argv: list[str], out: int) -> int:
-        ahead_child.die_with_parent()
-        pool = multiprocessing.get_context("fork").Pool(1, initializer=ahead_child.die_with_parent)
-        pool.map(_hang, [str(pid_file)])
-        return 0
-
-    child(body)
+    src = str(Path(ahead.__file__).parents[1])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(child.parent), src]))
+    pid_file = child.parent / "grandchild.pid"
+    child.write_text(
+        "import multiprocessing, os, time\n"
+        "from tq_warmup_plugin.ahead_child import die_with_parent\n"
+        "def work(_):\n"
+        f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        "    time.sleep(60)\n"
+        "die_with_parent()\n"
+        "pool = multiprocessing.get_context('fork').Pool(1, initializer=die_with_parent)\n"
+        "pool.map(work, [0])\n"
+    )
     ahead.start(worker())
     deadline = time.monotonic() + 30
     while not pid_file.exists() and time.monotonic() < deadline:
@@ -253,11 +219,6 @@ def test_a_stopped_child_takes_its_compile_processes_with_it(
     assert not _alive(grandchild)
 
 
-def _hang(pid_file: str) -> None:
-    Path(pid_file).write_text(str(os.getpid()))
-    time.sleep(60)
-
-
 def _alive(pid: int) -> bool:
     """Running (not gone, not a zombie waiting for its reaper)."""
     try:
@@ -265,6 +226,14 @@ def _alive(pid: int) -> bool:
     except (FileNotFoundError, IndexError):
         return False
     return state != "Z"
+
+
+def test_a_child_that_cannot_start_is_one_line(
+    child: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "executable", str(child.parent / "no-such-python"))
+    ahead.start(worker())
+    assert ahead.wait().startswith("compile-ahead child did not start: FileNotFoundError")
 
 
 def test_load_model_starts_it_and_the_hook_is_undone(monkeypatch: pytest.MonkeyPatch) -> None:

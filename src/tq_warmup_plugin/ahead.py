@@ -35,29 +35,29 @@ longer, and there the child cut the warmers from 7.5 s to 3.4 s (run M).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
+import sys
 import time
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 from . import compat, patching
 from .settings import Settings
 
 if TYPE_CHECKING:  # register() imports this module: the rest comes when a worker starts
+    import subprocess
+
     from .engine_plan import EngineRequest
 
 __all__ = [
+    "CHILD_MODULE",
     "LATE",
     "MODULE",
     "PROCESSES",
     "V2_NOT_STARTED",
     "Child",
-    "Forked",
-    "fork",
     "install",
     "remove",
     "request_of",
@@ -70,79 +70,19 @@ MODULE = compat.WORKER_MODULE
 PROCESSES = 4
 """The child's compile processes, at most half the CPUs: the worker beside it is loading
 its model (the same bound the worker's own compile threads have, ``DEFAULT_THREADS``)."""
+CHILD_MODULE = "tq_warmup_plugin.ahead_child"
+"""What the child runs (``python -m``)."""
 OUTPUT_LIMIT = 1 << 16
 """The most bytes of the child's one JSON line that are read."""
 V2_NOT_STARTED = "not started: the V2 runner reaches its warmup before a child is done"
 """Why a V2 worker has no child (``Settings.ahead_v2``; ``TQ_WARMUP_AHEAD=1`` starts one)."""
 
 
-class Forked:
-    """A forked child: its pid, the read end of its result pipe, and its exit status once
-    reaped (what ``wait`` and ``_written`` use of it)."""
-
-    def __init__(self, pid: int, stdout: BinaryIO) -> None:
-        self.pid, self.stdout = pid, stdout
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:  # reaped elsewhere
-                self.returncode = -1
-                return self.returncode
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        """The exit status; TimeoutError where it still runs after ``timeout`` seconds."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"compile-ahead child {self.pid} still runs")
-            time.sleep(0.01)
-        return code
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
-
-
-def fork(argument: str) -> Forked:
-    """Fork this worker into the child (``ahead_child.main``), which writes its one JSON
-    line to a pipe and leaves by ``os._exit``: nothing of the worker's shutdown runs there.
-
-    Why a fork and not ``python -m``: a child started fresh spent 16-25 s importing vLLM
-    (H200, 0.26.0, serve-jit runs AA-AD: 16.2, 16.8, 19.9 and 25.5 s of its 17-42 s)
-    and was late for a V2 worker and a model that loads in a second; a fork has vLLM
-    imported. It never touches the GPU: ``CUDA_VISIBLE_DEVICES`` is emptied before
-    anything runs, its Triton compiles for the target without a driver, and PyTorch
-    refuses CUDA in a process forked after CUDA started (an error line, not a context).
-    PyTorch's DataLoader workers are forked from CUDA processes the same way."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns
-        code = 70
-        try:
-            os.close(read)
-            os.environ["CUDA_VISIBLE_DEVICES"] = ""
-            from . import ahead_child
-
-            code = ahead_child.main([argument], out=write)
-        except BaseException:  # its one line is the parent's: "exited 70 without..."
-            pass
-        finally:
-            os._exit(code)
-    os.close(write)
-    return Forked(pid, os.fdopen(read, "rb", buffering=0))
-
-
 @dataclass
 class Child:
     """The child of this worker process, while it runs and once it has ended."""
 
-    process: Forked | None
+    process: subprocess.Popen[bytes] | None
     started: float
     why: str = ""
     """Why there is no child (it could not start), else empty."""
@@ -218,6 +158,8 @@ def start(worker: Any, settings: Settings | None = None) -> None:
     global _child
     if _child is not None:
         return
+    import subprocess
+
     from .report import error_line
 
     started = time.perf_counter()
@@ -232,7 +174,14 @@ def start(worker: Any, settings: Settings | None = None) -> None:
             return
         processes = max(1, min(PROCESSES, (os.cpu_count() or 1) // 2))
         argument = json.dumps({"request": request.to_dict(), "arch": arch, "processes": processes})
-        process = fork(argument)
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+        process = subprocess.Popen(
+            [sys.executable, "-m", CHILD_MODULE, argument],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
     except Exception as exc:
         _child = Child(None, started, f"did not start: {error_line(exc)}")
         return
@@ -249,10 +198,12 @@ def wait(timeout: float = 0.0) -> str:
         return ""
     if child.process is None:
         return f"compile-ahead child {child.why}"
+    import subprocess
+
     process = child.process
     try:
         process.wait(timeout=timeout)
-    except TimeoutError:
+    except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
         _close(process)
@@ -276,7 +227,7 @@ def wait(timeout: float = 0.0) -> str:
     return text
 
 
-def _written(process: Forked) -> bytes:
+def _written(process: subprocess.Popen[bytes]) -> bytes:
     """What an ended child left in its stdout pipe, at most ``OUTPUT_LIMIT`` bytes, without
     blocking: a compile process it forked may still hold the pipe open for a moment.
     (``communicate(timeout=0)`` is no way to read it: it raises ``TimeoutExpired`` once its
@@ -300,7 +251,7 @@ def _written(process: Forked) -> bytes:
     return out
 
 
-def _close(process: Forked) -> None:
+def _close(process: subprocess.Popen[bytes]) -> None:
     if process.stdout is not None:
         process.stdout.close()
 

@@ -31,17 +31,15 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 
 
-def main(argv: Sequence[str] | None = None, out: int | None = None) -> int:
-    """The child: build the request's offline jobs for the target, write one JSON line to
-    ``out`` (the pipe of a forked child, ``ahead.fork``), else to stdout."""
+def main(argv: Sequence[str] | None = None) -> int:
+    """The child: build the request's offline jobs for the target, print one JSON line."""
     argv = sys.argv[1:] if argv is None else argv
     began = time.perf_counter()
     phases: dict[str, float] = {}
     die_with_parent()
-    if out is None:
-        sys.stdout.flush()
-        out = os.dup(1)
-        os.dup2(2, 1)  # vLLM's import talks on stdout; the result line is ours alone
+    sys.stdout.flush()
+    real_stdout = os.dup(1)
+    os.dup2(2, 1)  # vLLM's import talks on stdout; the result line is ours alone
     try:
         from .engine_plan import EngineRequest, build, cpu_engine, jobs
         from .shipped.precompile import use_compile_only_target
@@ -60,7 +58,7 @@ def main(argv: Sequence[str] | None = None, out: int | None = None) -> int:
         result = {"built": 0, "errors": [error_line(exc)]}
     result["seconds"] = time.perf_counter() - began
     result.update(phases)  # where its time went: the worker's report line says it
-    os.write(out, (json.dumps(result) + "\n").encode())
+    os.write(real_stdout, (json.dumps(result) + "\n").encode())
     return 0 if not result["errors"] else 1
 
 

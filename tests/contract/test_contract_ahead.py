@@ -1,11 +1,11 @@
 """Contract: the compile-ahead child and ``precompile`` build, on vLLM's own CPU objects, the
 keys the engine warmers then launch in the worker, so the worker compiles none of them.
 
-The child runs for real (``ahead.fork``: this process, vLLM imported, forked as a worker
-forks it; Triton's compile for sm90) into a fresh Triton cache; then the warmers run in this
-process on the contract runner of ``test_contract_vllm_kernels`` (the keys that module holds
-to serving), with Triton's compile listener counting compiles and disk loads; over an empty
-cache the same launches compile, so the count can fail.
+The child runs for real (``python -m tq_warmup_plugin.ahead_child``: vLLM's import, Triton's
+compile for sm90) into a fresh Triton cache; then the warmers run in this process on the
+contract runner of ``test_contract_vllm_kernels`` (the keys that module holds to serving),
+with Triton's compile listener counting compiles and disk loads; over an empty cache the
+same launches compile, so the count can fail.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from test_contract_vllm_kernels import VOCAB, engine, fake_runner, feats
 from test_contract_vllm_kernels import _driver as _driver  # autouse: sm90, the SM count
 
 import tq_warmup_plugin
-from tq_warmup_plugin import ahead, compat, engine_plan
+from tq_warmup_plugin import compat, engine_plan
 from tq_warmup_plugin.report import CompileCounter
 from tq_warmup_plugin.warmup import plugin_manager
 
@@ -49,18 +49,18 @@ def request(block_size: int, k: int) -> engine_plan.EngineRequest:
     )
 
 
-def run_child(
-    req: engine_plan.EngineRequest, cache: Path, monkeypatch: pytest.MonkeyPatch
-) -> dict[str, Any]:
-    """The child as a worker starts it: this process (vLLM imported) forked."""
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+def run_child(req: engine_plan.EngineRequest, cache: Path) -> dict[str, Any]:
+    src = str(Path(tq_warmup_plugin.__file__).parents[1])
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "PYTHONPATH": src}
     argument = json.dumps({"request": req.to_dict(), "arch": 90, "processes": 2})
-    child = ahead.fork(argument)
-    code = child.wait(600)
-    out = child.stdout.read()
-    child.stdout.close()
-    result: dict[str, Any] = json.loads(out.decode().splitlines()[-1])
-    assert code == (1 if result["errors"] else 0)
+    done = subprocess.run(
+        [sys.executable, "-m", "tq_warmup_plugin.ahead_child", argument],
+        env=env,
+        capture_output=True,
+        timeout=600,
+    )
+    result: dict[str, Any] = json.loads(done.stdout.decode().splitlines()[-1])
+    assert done.returncode == (1 if result["errors"] else 0)
     return result
 
 
@@ -90,7 +90,7 @@ def test_after_the_child_the_warmers_compile_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cache = tmp_path / "triton"
-    result = run_child(request(32, 3), cache, monkeypatch)
+    result = run_child(request(32, 3), cache)
     assert result["errors"] == []
     offline, _, _ = engine_plan.jobs(
         plugin_manager(load_entry_points=False), engine_plan.cpu_engine(request(32, 3))
