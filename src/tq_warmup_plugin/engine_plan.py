@@ -290,15 +290,11 @@ def _sm_count(count: int) -> Iterator[None]:
     except ImportError:
         yield
         return
-    original = getattr(module, "num_compute_units", None)
-    if original is None:
+    if getattr(module, "num_compute_units", None) is None:
         yield
         return
-    setattr(module, "num_compute_units", lambda index=None: count)  # noqa: B010
-    try:
+    with compat.swapped(module, {"num_compute_units": lambda index=None: count}):
         yield
-    finally:
-        setattr(module, "num_compute_units", original)  # noqa: B010
 
 
 _FORKED: list[Job] = []

@@ -40,6 +40,7 @@ __all__ = [
     "spec_decode_metadata",
     "speculative_fields",
     "speculative_of",
+    "swapped",
     "top_k_top_p_function",
     "topk_logprobs_function",
 ]
@@ -261,8 +262,9 @@ def device_name() -> str:
 
 
 @contextlib.contextmanager
-def _swapped(target: Any, values: Mapping[str, Any]) -> Iterator[None]:
-    """``target``'s attributes set to ``values`` inside, then put back as they were."""
+def swapped(target: Any, values: Mapping[str, Any]) -> Iterator[None]:
+    """``target``'s attributes set to ``values`` inside, then put back as they were (an
+    attribute it did not hold itself, say a class's method, is deleted again)."""
     missing = object()
     saved = {name: target.__dict__.get(name, missing) for name in values}
     for name, value in values.items():
@@ -300,7 +302,7 @@ def _named_gpu(gpu_name: str) -> Iterator[None]:
     for each in clear:
         each()
     try:
-        with _swapped(platform, {"get_device_name": lambda *a, **k: gpu_name}):
+        with swapped(platform, {"get_device_name": lambda *a, **k: gpu_name}):
             yield
     finally:
         for each in clear:
@@ -345,7 +347,7 @@ def moe_steps(layer: MoeExperts, sizes: Iterable[int], gpu_name: str) -> None:
 
     weights = (meta(*layer.w13), meta(*layer.w2))
     ops = importlib.import_module(paths.CUSTOM_OPS_MODULE)
-    with _swapped(ops, {"moe_align_block_size": _no_op, "moe_sum": _no_op}), _named_gpu(gpu_name):
+    with swapped(ops, {"moe_align_block_size": _no_op, "moe_sum": _no_op}), _named_gpu(gpu_name):
         for n in sizes:
             ws13, ws2, out = experts.workspace_shapes(n, 2 * width, hidden, top_k, e, e, None, silu)
             experts.apply(
