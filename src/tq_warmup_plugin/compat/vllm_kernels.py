@@ -35,6 +35,7 @@ __all__ = [
     "moe_experts",
     "moe_experts_of_config",
     "moe_steps",
+    "named_gpu",
     "sampling_metadata",
     "slot_mapping_tables",
     "spec_decode_metadata",
@@ -182,22 +183,12 @@ def moe_experts(runner: Any) -> list[MoeExperts]:
     return found
 
 
-def moe_config_function(gpu_name: str = "") -> Any:
+def moe_config_function() -> Any:
     """vLLM's ``try_get_optimal_moe_config(w1_shape, w2_shape, top_k, dtype, M)``: the
     Triton config a step of ``M`` tokens launches ``fused_moe_kernel`` with (a tuned JSON
-    of this GPU, else vLLM's defaults). This module and signature in 0.22, 0.26, 0.30 and
-    0.33, the releases its contract test runs. With ``gpu_name``, the lookup reads that
-    GPU's tuned JSONs (``current_platform.get_device_name()``, which a host without the
-    GPU cannot answer), as an offline plan must."""
-    lookup = importlib.import_module(paths.FUSED_MOE_MODULE).try_get_optimal_moe_config
-    if not gpu_name:
-        return lookup
-
-    def for_gpu(*args: Any, **kwargs: Any) -> Any:
-        with _named_gpu(gpu_name):
-            return lookup(*args, **kwargs)
-
-    return for_gpu
+    of this GPU, else vLLM's defaults; inside :func:`named_gpu`, of that GPU). This module
+    and signature in 0.22, 0.26, 0.30 and 0.33, the releases its contract test runs."""
+    return importlib.import_module(paths.FUSED_MOE_MODULE).try_get_optimal_moe_config
 
 
 GATED_ACTIVATIONS = frozenset({"silu", "swiglu"})
@@ -280,8 +271,10 @@ def swapped(target: Any, values: Mapping[str, Any]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _named_gpu(gpu_name: str) -> Iterator[None]:
-    """vLLM's MoE config lookup reads ``gpu_name``'s tuned JSONs inside. Its caches of the
+def named_gpu(gpu_name: str) -> Iterator[None]:
+    """vLLM's MoE config lookup reads ``gpu_name``'s tuned JSONs inside, as an offline plan
+    must (``current_platform.get_device_name()``, which a host without the GPU cannot
+    answer); enter it once around many lookups, not per lookup. Its caches of the
     name and of the configs read (``get_device_name_as_file_name``, 0.26+;
     ``get_moe_configs``, all releases: ``functools`` caches not keyed by the GPU) are
     emptied on the way in and out, so no other name's answer is reused, nor this one's
@@ -347,7 +340,7 @@ def moe_steps(layer: MoeExperts, sizes: Iterable[int], gpu_name: str) -> None:
 
     weights = (meta(*layer.w13), meta(*layer.w2))
     ops = importlib.import_module(paths.CUSTOM_OPS_MODULE)
-    with swapped(ops, {"moe_align_block_size": _no_op, "moe_sum": _no_op}), _named_gpu(gpu_name):
+    with swapped(ops, {"moe_align_block_size": _no_op, "moe_sum": _no_op}), named_gpu(gpu_name):
         for n in sizes:
             ws13, ws2, out = experts.workspace_shapes(n, 2 * width, hidden, top_k, e, e, None, silu)
             experts.apply(
