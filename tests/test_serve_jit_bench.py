@@ -109,3 +109,28 @@ def test_a_row_named_twice_restarts_only_one_after_another(tmp_path: Path) -> No
     argv = ["serve-jit", "--rows", "tq,tq", "--side-by-side", "--out", str(tmp_path)]
     assert cli.main(argv) == 2
     assert not (tmp_path / "result.json").exists()
+
+
+def test_in_process_sampling_is_what_the_http_body_asks_for() -> None:
+    from benchmarks.tqbench.inproc_mix import sampling_of
+
+    body = {"prompt": [1, 2], "max_tokens": 16, "logprobs": 5, "return_tokens_as_token_ids": True,
+            "temperature": 0.8, "top_p": 0.9, "seed": 1, "n": 2}  # fmt: skip
+    assert sampling_of(body) == {"ignore_eos": True, "max_tokens": 16, "logprobs": 5,
+                                 "temperature": 0.8, "top_p": 0.9, "seed": 1, "n": 2}  # fmt: skip
+    kinds = {k for wave in serve_jit.mix(0, 1000) for b in wave for k in b}
+    # every key of the mix reaches the engine, or is the server's own
+    assert kinds - {"prompt", "return_tokens_as_token_ids"} <= set(sampling_of(
+        {k: 1 for k in kinds}))  # fmt: skip
+
+
+def test_in_process_drops_only_the_flags_a_release_does_not_know() -> None:
+    from benchmarks.tqbench.inproc_mix import known_flags
+
+    flags = ["--model", "/m", "--skip-tokenizer-init", "--jit-monitor-mode", "error",
+             "--speculative-config", '{"method": "ngram"}', "--jit-monitor-verbose"]  # fmt: skip
+    known = {"--model", "--skip-tokenizer-init", "--speculative-config"}
+    kept, dropped = known_flags(flags, known)
+    assert kept == ["--model", "/m", "--skip-tokenizer-init", "--speculative-config",
+                    '{"method": "ngram"}']  # fmt: skip
+    assert dropped == ["--jit-monitor-mode", "--jit-monitor-verbose"]

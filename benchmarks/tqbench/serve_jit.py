@@ -23,6 +23,13 @@ row then records the plugin's driver-cache line and its first launches' time.
 counts are what a row shows, its times are not comparable with a row alone. A row named
 twice in ``--rows`` (one after another only) starts again over the Triton cache its first
 start filled: its ``vLLM kernels`` line is then the warmers' cost from a warm cache.
+
+``--in-process`` starts each row's engine in a child process of its own instead of a
+server (:mod:`benchmarks.tqbench.inproc_mix`): the same flags through vLLM's own
+``EngineArgs`` parser, the same environment and mix through ``LLMEngine``, and Triton's
+hooks in that process count every compile after startup, whoever's kernel it is
+(inductor's too), where a server's log has only what vLLM's JIT monitor names, and on
+0.20-0.24, which have no monitor, nothing.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ from benchmarks.tqbench.cli import Option, add_options, new_parser
 from benchmarks.tqbench.engine import REPO_ROOT
 from benchmarks.tqbench.serve_prefix import (
     Server,
+    engine_flags,
+    plugin_lines,
     serve_argv,
     serve_env,
     served_row,
@@ -57,12 +66,15 @@ from benchmarks.tqbench.spec_configs import MODEL_SIZES, SpecConfig
 
 __all__ = [
     "ROWS",
+    "Prepared",
     "Row",
     "add_parser",
     "build_layer",
+    "in_process_row",
     "mix",
     "mixtral_config",
     "pin_of",
+    "prepare_row",
     "qwen3_next_config",
     "row_facts",
 ]
@@ -183,9 +195,22 @@ def _workload(srv: Server, model: str, args: argparse.Namespace) -> dict[str, An
     return {"served": served, "failed": len(failures), "first_failure": failures[:1]}
 
 
-def run_row(args: argparse.Namespace, name: str, port: int, work: Path, out: Path,
-            children: Children, start: int = 1) -> dict[str, Any]:  # fmt: skip
-    """One server of row ``name``; ``start`` > 1 reuses the row's Triton cache."""
+@dataclass(frozen=True)
+class Prepared:
+    """A row's engine, however it starts (``vllm serve`` or in this process's child)."""
+
+    model_dir: Path
+    kv: str
+    extra: list[str]
+    """The row's own engine flags, beyond ``engine_flags``."""
+    env: dict[str, str]
+    spec: dict[str, Any] | None
+    built: dict[str, Any]
+
+
+def prepare_row(args: argparse.Namespace, name: str, work: Path) -> Prepared:
+    """Write row ``name``'s model (and its shipped layer) under ``work``; its flags and
+    environment."""
     row = ROWS[name]
     opts = {"model_size": asdict(MODEL_SIZES["small"]), "max_model_len": args.max_model_len}
     model_dir, head_dir = write_models(row.spec, opts, work / name)
@@ -206,17 +231,17 @@ def run_row(args: argparse.Namespace, name: str, port: int, work: Path, out: Pat
         if args.pin:  # else verify failed: the row shows the plugin's decision unpinned
             env["TQ_WARMUP_CACHE_PIN"] = args.pin
     kv = args.preset if row.kv == "tq" else "auto"
-    argv = serve_argv(args, model_dir, port, kv, args.jit_mode)
+    flags: list[str] = []
     if args.side_by_side:
-        argv += ["--gpu-memory-utilization", args.gpu_share]
+        flags += ["--gpu-memory-utilization", args.gpu_share]
     if args.jit_verbose:  # each event, with its constexprs, signature and key (0.25+)
-        argv += ["--jit-monitor-verbose"]
+        flags += ["--jit-monitor-verbose"]
     if row.hybrid:
         # One Mamba state block per decode sequence: H200's default 1024 exceed the 542
         # blocks 4 GiB hold (startup failed in CUDA graph capture, 0.26.0, serve-jit run R);
         # 256 captured FULL graphs of up to 512 tokens at 1-2 s each and passed 240 s of
         # startup (run R). 32 (the mix's bursts are 16) captures graphs up to 96 tokens.
-        argv += ["--gdn-prefill-backend", "triton", "--max-num-seqs", "32"]
+        flags += ["--gdn-prefill-backend", "triton", "--max-num-seqs", "32"]
     spec = row.spec.speculative_config(str(model_dir), head_dir)
     built: dict[str, Any] = {}
     if row.layer:
@@ -226,21 +251,68 @@ def run_row(args: argparse.Namespace, name: str, port: int, work: Path, out: Pat
         pins = [p for p in (env.get("TQ_WARMUP_CACHE_PIN", ""), built.get("pin", "")) if p]
         env["TQ_WARMUP_CACHE_PIN"] = ",".join(pins)
     if spec is not None:
-        argv += ["--speculative-config", json.dumps(spec)]
-    log = out / (f"serve-{name}.log" if start == 1 else f"serve-{name}-start{start}.log")
-    srv = Server(port, args.request_timeout)
-    result: dict[str, Any] = {"row": name, "kv": kv, "spec": spec, "warmers": row.warmers,
+        flags += ["--speculative-config", json.dumps(spec)]
+    return Prepared(model_dir, kv, flags, env, spec, built)
+
+
+def run_row(args: argparse.Namespace, name: str, port: int, work: Path, out: Path,
+            children: Children, start: int = 1) -> dict[str, Any]:  # fmt: skip
+    """One server of row ``name`` (with ``--in-process``, one engine in a child of this
+    process); ``start`` > 1 reuses the row's Triton cache."""
+    row = ROWS[name]
+    p = prepare_row(args, name, work)
+    result: dict[str, Any] = {"row": name, "kv": p.kv, "spec": p.spec, "warmers": row.warmers,
                               "ahead": row.ahead, "start": start}  # fmt: skip
-    if built:
-        result["layer"] = built
+    if p.built:
+        result["layer"] = p.built
+    suffix = "" if start == 1 else f"-start{start}"
+    if args.in_process:
+        row_result = in_process_row(args, p, out / f"inproc-{name}{suffix}.log", result)
+        return {**row_result, **row_facts(row_result.get("plugin_lines") or [])}
+    argv = serve_argv(args, p.model_dir, port, p.kv, args.jit_mode) + p.extra
+    log = out / f"serve-{name}{suffix}.log"
+    srv = Server(port, args.request_timeout)
 
     def workload() -> dict[str, Any]:
-        done = _workload(srv, str(model_dir), args)
+        done = _workload(srv, str(p.model_dir), args)
         return {**done, "status": "ok" if done["failed"] == 0 else "requests-failed"}
 
-    row_result = served_row(srv, children, (argv, log, env, args.startup_timeout), result,
+    row_result = served_row(srv, children, (argv, log, p.env, args.startup_timeout), result,
                             workload)  # fmt: skip
     return {**row_result, **row_facts(row_result.get("plugin_lines") or [])}
+
+
+def in_process_row(args: argparse.Namespace, p: Prepared, log: Path,
+                   result: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """One row as an engine in a child's own process (:mod:`benchmarks.tqbench.inproc_mix`):
+    the same flags, environment and mix, every compile after startup seen by Triton's
+    hooks, vLLM's kernels and inductor's too, where a server's log shows only what its JIT
+    monitor names (none before 0.25)."""
+    given = p.model_dir.parent / "inproc.json"
+    written = p.model_dir.parent / "inproc-result.json"
+    written.unlink(missing_ok=True)
+    flags = engine_flags(args, p.kv, args.jit_mode)
+    vocab = MODEL_SIZES["small"].vocab_size
+    given.write_text(json.dumps({"flags": ["--model", str(p.model_dir), *flags, *p.extra],
+                                 "result": str(written), "seed": args.seed,
+                                 "vocab": vocab}))  # fmt: skip
+    env = {**p.env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    argv = [sys.executable, "-m", "benchmarks.tqbench.inproc_mix", str(given)]
+    result["engine"] = "in-process"
+    with log.open("wb") as sink:
+        try:
+            limit = args.startup_timeout + args.request_timeout * 10
+            rc = subprocess.run(argv, env=env, cwd=REPO_ROOT, stdout=sink,
+                                stderr=subprocess.STDOUT, timeout=limit).returncode  # fmt: skip
+        except subprocess.TimeoutExpired:
+            rc = -9
+    try:
+        result.update(json.loads(written.read_text()))
+    except (OSError, ValueError):
+        result.update(status=f"died (exit {rc})")
+    result["jit_after_startup"] = result.get("compiled_after_startup")
+    result["plugin_lines"] = plugin_lines(log.read_text(errors="replace"))
+    return result
 
 
 def build_layer(args: argparse.Namespace, model_dir: Path, spec: dict[str, Any] | None,
@@ -394,6 +466,9 @@ def cmd_serve_jit(args: argparse.Namespace) -> int:
     if unknown:
         print(f"serve-jit: unknown rows {unknown}; known: {', '.join(ROWS)}", file=sys.stderr)
         return 2
+    if args.side_by_side and args.in_process:
+        print("serve-jit: --in-process rows run one after another", file=sys.stderr)
+        return 2
     if args.side_by_side and len(set(names)) < len(names):
         print("serve-jit: a row named twice starts again after the first: not side by side",
               file=sys.stderr)  # fmt: skip
@@ -436,6 +511,12 @@ OPTIONS: tuple[Option, ...] = (
     ("--jit-verbose", False, "--jit-monitor-verbose: every JIT event with its key"),
     ("--layer-arch", 90, "the SM the *-layer rows' precompile builds for (an H200: 90)"),
     ("--side-by-side", False, "start every row at once (JIT counts only; times not comparable)"),
+    (
+        "--in-process",
+        False,
+        "each row an engine in a child process of its own (no server), the same flags and mix: "
+        "Triton's hooks count every compile after startup (0.20-0.24 have no JIT monitor)",
+    ),
     *server_options("serve-jit", 4096, 4.0, 8031),
 )
 

@@ -47,6 +47,7 @@ __all__ = [
     "Server",
     "add_parser",
     "bursts",
+    "engine_flags",
     "jit_lines",
     "judge",
     "plugin_lines",
@@ -264,15 +265,22 @@ def serve_env(args: argparse.Namespace, triton_dir: Path, stub: Path) -> dict[st
     return env
 
 
+def engine_flags(args: argparse.Namespace, kv: str, jit: str) -> list[str]:
+    """The engine's flags, less the model, of a dummy-weight model with token ids in and
+    out: what ``vllm serve`` and vLLM's own ``EngineArgs`` parser both take
+    (``serve-jit --in-process`` gives them to the latter)."""
+    return ["--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "bfloat16",
+            "--kv-cache-dtype", kv, "--max-model-len", str(args.max_model_len),
+            "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30)), "--seed", "0",
+            "--jit-monitor-mode", jit]  # fmt: skip
+
+
 def serve_argv(
     args: argparse.Namespace, model_dir: Path, port: int, kv: str, jit: str
 ) -> list[str]:
     """``vllm serve`` of a dummy-weight model with token ids in and out."""
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
-            "--port", str(port), "--load-format", "dummy", "--skip-tokenizer-init",
-            "--dtype", "bfloat16", "--kv-cache-dtype", kv, "--max-model-len",
-            str(args.max_model_len), "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30)),
-            "--seed", "0", "--jit-monitor-mode", jit]  # fmt: skip
+            "--port", str(port), *engine_flags(args, kv, jit)]  # fmt: skip
 
 
 OPTIONS: tuple[Option, ...] = (
