@@ -29,6 +29,7 @@ from .settings import Settings
 from .warmers import (
     triton_jit,
     turboquant,
+    vllm_async_spec,
     vllm_eagle,
     vllm_fused_moe,
     vllm_logprobs,
@@ -36,6 +37,7 @@ from .warmers import (
     vllm_slot_mapping,
     vllm_top_k_top_p,
     vllm_unwarmed,
+    vllm_zero_blocks,
 )
 
 # A child of vLLM's "vllm" logger inherits its handlers and format.
@@ -67,6 +69,8 @@ def plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
         vllm_top_k_top_p,
         vllm_eagle,
         vllm_fused_moe,
+        vllm_zero_blocks,
+        vllm_async_spec,
         vllm_unwarmed,
     ):
         pm.register(warmer)

@@ -20,6 +20,7 @@ from .releases import Features
 __all__ = [
     "CompatError",
     "MoeExperts",
+    "async_spec_correction",
     "cpu_block_tables",
     "default_graph_tokens",
     "device_name",
@@ -30,6 +31,7 @@ __all__ = [
     "full_decode_graphs",
     "graph_tokens",
     "kernel_block_size",
+    "kv_block_zeroer",
     "logits_of",
     "moe_config_function",
     "moe_experts",
@@ -532,3 +534,25 @@ def logits_of(runner: Any, rows: int) -> Any:
     )
     with torch.inference_mode():
         return runner.model.compute_logits(hidden)
+
+
+def kv_block_zeroer(runner: Any) -> Any | None:
+    """The runner's ``KVBlockZeroer`` where it zeroes attention blocks (a model with Mamba
+    layers: ``KVCacheConfig.needs_kv_cache_zeroing``), else None: the V1 runner's
+    ``_kv_block_zeroer`` (0.22-0.26, set by ``_init_kv_zero_meta``), the V2 runner's
+    ``kv_block_zeroer`` (0.26); one whose segment table is empty (``_meta`` None, no
+    attention layer) zeroes nothing."""
+    zeroer = getattr(runner, "kv_block_zeroer", None) or getattr(runner, "_kv_block_zeroer", None)
+    if zeroer is None or getattr(zeroer, "_meta", None) is None:
+        return None
+    return zeroer
+
+
+def async_spec_correction(runner: Any) -> Any | None:
+    """vLLM's ``update_num_computed_tokens_for_batch_change`` (``v1/spec_decode/utils.py``
+    0.22-0.26, ``torch.compile(dynamic=True)``) where this runner calls it: a V1 runner
+    with async scheduling and speculative decoding (``use_async_spec_decode``), else None."""
+    if not getattr(runner, "use_async_spec_decode", False):
+        return None
+    module = importlib.import_module(paths.SPEC_UTILS_MODULE)
+    return getattr(module, "update_num_computed_tokens_for_batch_change", None)
