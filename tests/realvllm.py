@@ -35,6 +35,7 @@ VLLM_KERNEL_MODULES = (
     "vllm.v1.sample.ops.topk_topp_triton",
     "vllm.v1.worker.gpu.sample.logprob",
     "vllm.v1.spec_decode.utils",
+    "vllm.v1.worker.utils",
 )
 """vLLM's own kernel modules the engine warmers reach (``engine_warmup``)."""
 

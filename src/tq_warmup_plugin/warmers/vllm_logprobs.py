@@ -52,12 +52,20 @@ def warm_count(engine: Engine, logprobs: int) -> None:
 
 def warm_v1(engine: Engine) -> None:
     """Two greedy batches with logprobs through the live V1 sampler: 2 rows with 1
-    logprob, then 3 with 2, so the compiled rank count is dynamic in both."""
+    logprob, then 3 with 2, so the compiled rank count is dynamic in both; in inference
+    mode, as ``execute_model`` samples. Dynamo keys a graph on its inputs' dispatch keys,
+    and the graph this warmer compiled outside it was compiled again by serving: the
+    first batch with logprobs of an in-process Qwen3-Next with MTP
+    (``triton_red_fused_ge_sum_0``, H200, 0.26.0, serve-jit --in-process run AG); on the
+    CPU, 1 graph of 1 (``tests/contract/test_contract_v1_rank_count.py``)."""
+    import torch
+
     runner = engine.runner
-    for rows, logprobs in ((2, 1), (3, 2)):
-        logits = compat.logits_of(runner, rows)
-        sampling = compat.sampling_metadata(rows, True, False, engine.device, logprobs)
-        runner.sampler(logits=logits, sampling_metadata=sampling)
+    with torch.inference_mode():
+        for rows, logprobs in ((2, 1), (3, 2)):
+            logits = compat.logits_of(runner, rows)
+            sampling = compat.sampling_metadata(rows, True, False, engine.device, logprobs)
+            runner.sampler(logits=logits, sampling_metadata=sampling)
 
 
 @hookimpl
