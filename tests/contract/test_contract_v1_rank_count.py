@@ -79,7 +79,7 @@ def test_the_warmed_rank_count_is_the_one_serving_runs() -> None:
 
 def test_a_rank_count_warmed_outside_inference_mode_is_compiled_again() -> None:
     """The check can fail: the same batches sampled outside inference mode (the warmer
-    before run AG) leave serving a graph to compile."""
+    before run AJ) leave serving a graph to compile."""
     _reset()
     engine = _engine()
     runner: Any = engine.runner

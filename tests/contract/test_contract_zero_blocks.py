@@ -108,4 +108,4 @@ def test_vllm_qwen_warmup_misses_a_step_of_16_blocks() -> None:
         pytest.skip("this release's Qwen warmup does not zero blocks")
     zero = zeroer()
     vllm_warmed = set().union(*(served(zero, range(n, n + 1)) for n in counts))
-    assert not served(zero, range(16, 17)) <= vllm_warmed  # the burst of run AF
+    assert not served(zero, range(16, 17)) <= vllm_warmed  # the burst of run AH

@@ -539,9 +539,9 @@ def logits_of(runner: Any, rows: int) -> Any:
 def kv_block_zeroer(runner: Any) -> Any | None:
     """The runner's ``KVBlockZeroer`` where it zeroes attention blocks (a model with Mamba
     layers: ``KVCacheConfig.needs_kv_cache_zeroing``), else None: the V1 runner's
-    ``_kv_block_zeroer`` (0.22-0.26, set by ``_init_kv_zero_meta``), the V2 runner's
-    ``kv_block_zeroer`` (0.26); one whose segment table is empty (``_meta`` None, no
-    attention layer) zeroes nothing."""
+    ``_kv_block_zeroer`` (0.22-0.33, set by ``_init_kv_zero_meta``), the V2 runner's
+    ``kv_block_zeroer`` (0.26-0.33); one whose segment table is empty (``_meta`` None, no
+    attention layer) zeroes nothing. ``zero_block_ids(ids)`` in all of them."""
     zeroer = getattr(runner, "kv_block_zeroer", None) or getattr(runner, "_kv_block_zeroer", None)
     if zeroer is None or getattr(zeroer, "_meta", None) is None:
         return None
@@ -549,9 +549,10 @@ def kv_block_zeroer(runner: Any) -> Any | None:
 
 
 def async_spec_correction(runner: Any) -> Any | None:
-    """vLLM's ``update_num_computed_tokens_for_batch_change`` (``v1/spec_decode/utils.py``
-    0.22-0.26, ``torch.compile(dynamic=True)``) where this runner calls it: a V1 runner
-    with async scheduling and speculative decoding (``use_async_spec_decode``), else None."""
+    """vLLM's ``update_num_computed_tokens_for_batch_change`` (``v1/spec_decode/utils.py``,
+    ``torch.compile(dynamic=True)``; read in 0.22, 0.26, 0.30 and 0.33, called with the
+    same buffers in each) where this runner calls it: a V1 runner with async scheduling
+    and speculative decoding (``use_async_spec_decode``), else None."""
     if not getattr(runner, "use_async_spec_decode", False):
         return None
     module = importlib.import_module(paths.SPEC_UTILS_MODULE)

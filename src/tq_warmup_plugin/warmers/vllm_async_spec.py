@@ -1,13 +1,13 @@
 """vLLM's ``torch.compile``d correction of async speculative decoding, at each shape class.
 
 With async scheduling and speculative decoding the V1 runner (``use_async_spec_decode``,
-0.22-0.26) corrects each step's ``num_computed_tokens`` on the GPU from the previous
+0.22-0.33) corrects each step's ``num_computed_tokens`` on the GPU from the previous
 step's accepted counts: ``update_num_computed_tokens_for_batch_change``
 (``v1/spec_decode/utils.py``), ``torch.compile(dynamic=True)``. Dynamo compiles a graph
 the first time each size is 1 or more than 1 (it specializes sizes 0 and 1): this step's
 requests and the previous step's. vLLM's startup never calls it (no step has a previous
 one), so an in-process Qwen3-Next with MTP k=2 compiled it 3 times over the serve-jit
-mix, 2 inductor kernels each (H200, 0.26.0, ``serve-jit --in-process``, run AF). vLLM's
+mix, 2 inductor kernels each (H200, 0.26.0, ``serve-jit --in-process``, run AI). vLLM's
 JIT monitor does not see these: inductor compiles without a ``@triton.jit`` launch, so
 a server's log names none (runs AB, AD); Triton's compile listener does.
 
