@@ -434,3 +434,22 @@ def test_the_compile_ahead_child_is_reaped_after_the_warmers(
     report = warmup.run(one_layer_worker, Settings(launch=False), manager(Records()))
     assert order == ["job", "reaped"]
     assert report.line().endswith("; compile-ahead child: 1 jobs in 1.0 s")
+
+
+def test_async_spec_correction_says_why_it_is_not_warmed() -> None:
+    """An offline plan cannot know the worker's scheduling; a synchronous worker has
+    nothing to correct; a V2 runner or no drafter is not its path at all."""
+    from tq_warmup_plugin.warmers import vllm_async_spec
+
+    def lines(**fields: object) -> list[object]:
+        base: dict[str, object] = dict(features=None, runner_v2=False, pooling=False,
+                                       spec_method="mtp", spec_tokens=2, draft_probs=False,
+                                       max_logprobs=20, runner=SimpleNamespace())  # fmt: skip
+        engine = Engine(**{**base, **fields})  # type: ignore[arg-type]
+        return list(vllm_async_spec.tq_warmup_engine_jobs(engine=engine))
+
+    (planned,) = lines(planned=True)
+    assert isinstance(planned, Declined) and planned.why == vllm_async_spec.PLANNED
+    (sync,) = lines(runner=SimpleNamespace(use_async_spec_decode=False))
+    assert isinstance(sync, Declined) and "synchronously" in sync.why
+    assert lines(runner_v2=True) == [] and lines(spec_method=None) == []

@@ -67,6 +67,10 @@ class Engine:
     """The experts of an engine planned without a worker (``engine_plan``), read from the
     model's config (``compat.moe_experts_of_config``): their keys build offline. Empty in
     a worker, whose MoE warmer reads its built model's."""
+    planned: bool = False
+    """Built without a worker (``engine_plan.cpu_engine``: ``precompile``, ``inspect``, the
+    compile-ahead child): what only the worker's own objects say (its scheduling, its KV
+    cache) is not known here, and a warmer that needs it says so."""
     gpu_name: str = ""
     """The GPU an offline plan builds for, by vLLM's name (``compat.device_name``): the
     fused MoE config lookup reads that GPU's tuned JSONs."""

@@ -261,6 +261,7 @@ def cpu_engine(request: EngineRequest) -> Engine:
         moe=bool(request.moe_experts),
         graph_tokens=request.graph_tokens,
         planned_experts=request.moe_experts,
+        planned=True,
         gpu_name=request.gpu_name,
         max_tokens=request.max_num_batched_tokens,
         device=runner.device,

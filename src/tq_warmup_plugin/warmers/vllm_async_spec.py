@@ -29,9 +29,14 @@ from .. import compat
 from ..engine import Declined, Engine, Job
 from ..hookspecs import hookimpl
 
-__all__ = ["FAMILY", "SHAPES", "tq_warmup_engine_jobs", "warm_shape"]
+__all__ = ["FAMILY", "PLANNED", "SHAPES", "tq_warmup_engine_jobs", "warm_shape"]
 
 FAMILY = "async spec-decode correction"
+PLANNED = (
+    "the worker's scheduling decides it: warmed at startup where async scheduling runs a drafter"
+)
+"""An offline plan's line: async scheduling is settled in the worker's config (0.26 turned it
+off for ngram and draft_model, on for MTP, runs AF-AH), and the graphs are the device's."""
 SHAPES = ((1, 1), (1, 3), (2, 1), (2, 3))
 """(this step's requests, the previous step's): each size 1 or past 1, past 1 unequal."""
 
@@ -62,6 +67,8 @@ def warm_shape(runner: Any, correction: Any, requests: int, previous: int) -> No
 def tq_warmup_engine_jobs(engine: Engine) -> Iterable[Job | Declined]:
     if not engine.spec_method or engine.runner_v2 or engine.runner is None:
         return []
+    if engine.planned:
+        return [Declined(FAMILY, PLANNED)]
     correction = compat.async_spec_correction(engine.runner)
     if correction is None:
         return [Declined(FAMILY, "the runner schedules synchronously: nothing to correct")]
