@@ -1,24 +1,25 @@
 """The compile-ahead child's lifecycle in the worker (``ahead``): what it is told, that its
 failures are one line each and never an exception, and that its hook is undone.
 
-The child here is a stand-in script on ``PYTHONPATH`` (``CHILD_MODULE`` points at it); the
-real child's keys are held to the warmers' in ``contract/test_contract_ahead.py``.
+The child here is forked for real and runs a stand-in for its work (``ahead_child.run_child``);
+the real child's keys are held to the warmers' in ``contract/test_contract_ahead.py``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
 
-from tq_warmup_plugin import ahead, compat, patching, settings
+from tq_warmup_plugin import ahead, ahead_child, compat, patching, settings
 from tq_warmup_plugin.engine_plan import EngineRequest
 from tq_warmup_plugin.settings import Settings
 
@@ -112,40 +113,84 @@ def test_a_mangled_request_is_refused(bad: dict[str, Any]) -> None:
         EngineRequest.from_dict(data)
 
 
+ChildBody = Callable[[dict[str, Any], int], int]
+
+
 @pytest.fixture
-def child(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A stand-in child module; the test writes its body to the returned file."""
+def child(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[ChildBody], None]]:
+    """Sets a stand-in for the forked child's work (``ahead_child.run_child``): the fork
+    runs it with the worker's request and the result pipe, and exits with what it returns."""
     monkeypatch.setattr(ahead, "_arch", lambda: 90)
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
-    monkeypatch.setattr(ahead, "CHILD_MODULE", "fake_ahead_child")
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.setattr(ahead, "_child", None)
-    yield tmp_path / "fake_ahead_child.py"
+    yield lambda body: monkeypatch.setattr(ahead_child, "run_child", body)
     ahead.wait(1)
 
 
-def test_the_childs_result_is_one_line(child: Path) -> None:
-    child.write_text(
-        "import json, sys, os\n"
-        "given = json.loads(sys.argv[1])\n"
-        "assert os.environ['CUDA_VISIBLE_DEVICES'] == '' and given['arch'] == 90\n"
-        "print(json.dumps({'built': given['request']['spec_tokens'], 'errors': [],"
-        " 'seconds': 1.5}))\n"
-    )
+def says(result: dict[str, Any], code: int = 0) -> ChildBody:
+    def body(given: dict[str, Any], out: int) -> int:
+        os.write(out, (json.dumps(result) + "\n").encode())
+        return code
+
+    return body
+
+
+def test_the_childs_result_is_one_line(child: Callable[[ChildBody], None]) -> None:
+    def body(given: dict[str, Any], out: int) -> int:
+        assert given["arch"] == 90 and given["processes"] >= 1
+        built = given["request"]["spec_tokens"]
+        os.write(out, json.dumps({"built": built, "errors": [], "seconds": 1.5}).encode())
+        return 0
+
+    child(body)
     ahead.start(worker(spec=SimpleNamespace(method="ngram", num_speculative_tokens=4)))
+    assert ahead._child is not None and ahead._child.pid not in (None, os.getpid())
     line = ahead.wait(60)
     assert line == "compile-ahead child: 4 jobs in 1.5 s"
     assert ahead.wait() == ""  # reaped once
 
 
-def test_a_v2_worker_starts_none_unless_told_to(child: Path) -> None:
+def test_the_child_is_a_fork_that_touches_nothing_of_the_worker(
+    child: Callable[[ChildBody], None], tmp_path: Path
+) -> None:
+    """The child has the worker's modules without importing them (a fork, not a fresh
+    interpreter), writes nothing on the worker's streams, and ends in ``os._exit``: no
+    exit handler of the worker (pytest's here) runs in it."""
+    marker = tmp_path / "atexit-ran"
+    sentinel = object()
+    sys.modules["tq_test_only_in_the_worker"] = sentinel  # type: ignore[assignment]
+    import atexit
+
+    ran = lambda: marker.write_text("yes")  # noqa: E731
+    atexit.register(ran)
+    try:
+
+        def body(given: dict[str, Any], out: int) -> int:
+            seen = sys.modules.get("tq_test_only_in_the_worker") is sentinel
+            print("not on the worker's stdout")
+            print("nor on its stderr", file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.write(out, json.dumps({"built": int(seen), "errors": [], "seconds": 0}).encode())
+            return 0
+
+        child(body)
+        ahead.start(worker())
+        assert ahead.wait(60) == "compile-ahead child: 1 jobs in 0.0 s"
+        assert not marker.exists()
+    finally:
+        atexit.unregister(ran)
+        del sys.modules["tq_test_only_in_the_worker"]
+
+
+def test_a_v2_worker_starts_none_unless_told_to(child: Callable[[ChildBody], None]) -> None:
     """The V2 runner reached its warmup before a child was done, and the child's CPUs cost
     it 2.2 s of warmers (H200, 0.26.0, serve-jit run T): none unless TQ_WARMUP_AHEAD=1."""
-    child.write_text("import json; print(json.dumps({'built': 1, 'errors': [], 'seconds': 0.5}))\n")
+    child(says({"built": 1, "errors": [], "seconds": 0.5}))
     v2 = worker()
     v2.use_v2_model_runner = True
     ahead.start(v2, settings.load({}))
-    assert ahead._child is not None and ahead._child.process is None
+    assert ahead._child is not None and ahead._child.pid is None
     assert ahead.wait(0) == f"compile-ahead child {ahead.V2_NOT_STARTED}"
     ahead.start(v2, settings.load({"TQ_WARMUP_AHEAD": "1"}))  # said on: started
     assert ahead.wait(60) == "compile-ahead child: 1 jobs in 0.5 s"
@@ -153,61 +198,96 @@ def test_a_v2_worker_starts_none_unless_told_to(child: Path) -> None:
     assert ahead.wait(60) == "compile-ahead child: 1 jobs in 0.5 s"
 
 
-def test_a_child_that_has_ended_is_read_without_waiting(child: Path) -> None:
+def test_a_child_that_has_ended_is_read_without_waiting(
+    child: Callable[[ChildBody], None],
+) -> None:
     """The warmers reap the child with ``wait(0)``: one that ended before them has its
     result read, not reported stopped (``communicate(timeout=0)`` did that to every child:
     "stopped after 108.7 s" on the H200 for a child long done)."""
-    result = "{'built': 2, 'errors': [], 'seconds': 0.5, 'import': 0.25, 'plan': 'x'}"
-    child.write_text(f"import json; print(json.dumps({result}))\n")
+    child(says({"built": 2, "errors": [], "seconds": 0.5, "plan": 0.25}))
     ahead.start(worker())
-    assert ahead._child is not None and ahead._child.process is not None
-    ahead._child.process.wait(60)  # ended, its line in the pipe
-    # its phases where they are numbers (a plan that is not one is left out)
-    assert ahead.wait(0) == "compile-ahead child: 2 jobs in 0.5 s (import 0.2 s)"
+    assert ahead._child is not None and ahead._child.pid is not None
+    _ended(ahead._child.pid)
+    assert ahead.wait(0) == "compile-ahead child: 2 jobs in 0.5 s (plan 0.2 s)"
+    child(says({"built": 2, "errors": [], "seconds": 0.5, "plan": "x"}))
+    ahead.start(worker())  # a plan that is not a number is left out
+    assert ahead.wait(60) == "compile-ahead child: 2 jobs in 0.5 s"
 
 
-def test_a_child_that_fails_or_hangs_is_one_line(child: Path) -> None:
-    child.write_text("import time; time.sleep(30)\n")
+def _ended(pid: int) -> None:
+    """Wait, without reaping it, until the process has exited (a zombie)."""
+    deadline = time.monotonic() + 60
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def test_a_child_that_fails_or_hangs_is_one_line(child: Callable[[ChildBody], None]) -> None:
+    def hangs(given: dict[str, Any], out: int) -> int:
+        time.sleep(30)
+        return 0
+
+    child(hangs)
     ahead.start(worker())
     line = ahead.wait(0.5)
     assert line.startswith("compile-ahead child stopped after ")
     assert line.endswith(" s: the worker's own warmers were done")
-    child.write_text("print('not json'); raise SystemExit(3)\n")
+
+    def garbles(given: dict[str, Any], out: int) -> int:
+        os.write(out, b"not json\n")
+        return 3
+
+    child(garbles)
     ahead.start(worker())
     assert ahead.wait(60) == "compile-ahead child exited 3 without its result"
-    child.write_text(
-        "import json; print(json.dumps({'built': 1, 'errors': ['top-k/top-p: boom'],"
-        " 'seconds': 2}))\n"
-    )
+
+    def raises(given: dict[str, Any], out: int) -> int:
+        raise RuntimeError("boom")  # still ends in os._exit, never in the worker's code
+
+    child(raises)
     ahead.start(worker())
-    assert ahead.wait(60).endswith(", 1 failed (first: top-k/top-p: boom)")
+    assert ahead.wait(60) == "compile-ahead child exited 1 without its result"
+    child(says({"built": 1, "errors": ["top-k/top-p: boom"], "seconds": 2, "failed": 9}, 1))
+    ahead.start(worker())
+    assert ahead.wait(60).endswith(", 9 failed (first: top-k/top-p: boom)")
 
 
-def test_no_child_without_a_cuda_target(child: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_child_reaped_by_another_is_one_line(
+    child: Callable[[ChildBody], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host whose SIGCHLD handler reaps every child takes ours too: its line is read."""
+    child(says({"built": 1, "errors": [], "seconds": 0.5}))
+    ahead.start(worker())
+    assert ahead._child is not None and ahead._child.pid is not None
+    os.waitpid(ahead._child.pid, 0)  # the other reaper
+    assert ahead.wait(60) == "compile-ahead child: 1 jobs in 0.5 s"
+
+
+def test_no_child_without_a_cuda_target(
+    child: Callable[[ChildBody], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(ahead, "_arch", lambda: None)  # ROCm
     ahead.start(worker())
     assert ahead.wait() == ""
 
 
 def test_a_stopped_child_takes_its_compile_processes_with_it(
-    child: Path, monkeypatch: pytest.MonkeyPatch
+    child: Callable[[ChildBody], None], tmp_path: Path
 ) -> None:
     """The real child's ``die_with_parent`` in a stand-in that forks a compile process the
     way ``engine_plan.build`` does (a Pool initializer) and hangs: stopping the child
     kills that process too."""
-    src = str(Path(ahead.__file__).parents[1])
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(child.parent), src]))
-    pid_file = child.parent / "grandchild.pid"
-    child.write_text(
-        "import multiprocessing, os, time\n"
-        "from tq_warmup_plugin.ahead_child import die_with_parent\n"
-        "def work(_):\n"
-        f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
-        "    time.sleep(60)\n"
-        "die_with_parent()\n"
-        "pool = multiprocessing.get_context('fork').Pool(1, initializer=die_with_parent)\n"
-        "pool.map(work, [0])\n"
-    )
+    pid_file = tmp_path / "grandchild.pid"
+
+    def body(given: dict[str, Any], out: int) -> int:
+        import multiprocessing
+
+        ahead_child.die_with_parent()
+        context = multiprocessing.get_context("fork")
+        with context.Pool(1, initializer=ahead_child.die_with_parent) as pool:
+            pool.map(functools.partial(_hang_writing_pid, pid_file), [0])
+        return 0
+
+    child(body)
     ahead.start(worker())
     deadline = time.monotonic() + 30
     while not pid_file.exists() and time.monotonic() < deadline:
@@ -217,6 +297,11 @@ def test_a_stopped_child_takes_its_compile_processes_with_it(
     while _alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(grandchild)
+
+
+def _hang_writing_pid(pid_file: Path, _: int) -> None:
+    pid_file.write_text(str(os.getpid()))
+    time.sleep(60)
 
 
 def _alive(pid: int) -> bool:
@@ -229,11 +314,14 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_child_that_cannot_start_is_one_line(
-    child: Path, monkeypatch: pytest.MonkeyPatch
+    child: Callable[[ChildBody], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sys, "executable", str(child.parent / "no-such-python"))
+    def no_fork() -> int:
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(os, "fork", no_fork)
     ahead.start(worker())
-    assert ahead.wait().startswith("compile-ahead child did not start: FileNotFoundError")
+    assert ahead.wait().startswith("compile-ahead child did not start: BlockingIOError")
 
 
 def test_load_model_starts_it_and_the_hook_is_undone(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -453,3 +453,23 @@ def test_async_spec_correction_says_why_it_is_not_warmed() -> None:
     (sync,) = lines(runner=SimpleNamespace(use_async_spec_decode=False))
     assert isinstance(sync, Declined) and "synchronously" in sync.why
     assert lines(runner_v2=True) == [] and lines(spec_method=None) == []
+
+
+def test_the_moe_warmer_tells_a_plan_by_engine_planned() -> None:
+    """An offline plan is ``Engine.planned``, as for the async correction: a planned MoE
+    engine without derived experts says so and never reads a runner's model; a worker's
+    reads its built model."""
+    from tq_warmup_plugin.warmers import vllm_fused_moe
+
+    def lines(runner: object, **fields: object) -> list[object]:
+        base: dict[str, object] = dict(features=None, runner_v2=False, pooling=False,
+                                       spec_method=None, spec_tokens=0, draft_probs=False,
+                                       max_logprobs=20, moe=True, runner=runner)  # fmt: skip
+        engine = Engine(**{**base, **fields})  # type: ignore[arg-type]
+        return list(vllm_fused_moe.tq_warmup_engine_jobs(engine=engine))
+
+    (planned,) = lines(None, planned=True)  # no model to read: only the plan's experts
+    assert isinstance(planned, Declined) and "derived from the config" in planned.why
+    worker = SimpleNamespace(model=SimpleNamespace(modules=lambda: []))
+    (live,) = lines(worker)
+    assert isinstance(live, Declined) and "no layer holds MoE expert weights" in live.why

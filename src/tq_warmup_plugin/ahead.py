@@ -10,20 +10,19 @@ in two (2 CPUs, vLLM 0.26.0, ``python -m benchmarks.tqbench ahead-cost``,
 depend only on engine arguments a worker knows before it loads its model
 (``engine_plan.EngineRequest``), and the worker then spends seconds to minutes on weights,
 ``torch.compile``, profiling and the KV cache. So ``Worker.load_model`` (a hybrid model's
-``determine_available_memory``, where its block is final: ``LATE``) starts one child
-``python -m tq_warmup_plugin.ahead_child``: CPU only (``CUDA_VISIBLE_DEVICES=""``: no CUDA
-context, no GPU memory), with the worker's own environment, so it compiles into the Triton
-cache the worker reads (its ``TRITON_CACHE_DIR``, ``TRITON_CACHE_MANAGER`` and shipped
-layers), for the worker's GPU architecture, the very keys ``precompile`` builds, in forked
-processes, last job first.
+``determine_available_memory``, where its block is final: ``LATE``) forks one child
+(``_fork``, ``ahead_child.run_child``): vLLM already imported, CPU only (Triton's
+compile-only target: no CUDA call, no GPU memory), with the worker's own environment, so it
+compiles into the Triton cache the worker reads (its ``TRITON_CACHE_DIR``,
+``TRITON_CACHE_MANAGER`` and shipped layers), for the worker's GPU architecture, the very
+keys ``precompile`` builds, in forked processes, last job first. (Until session 23 the child
+was a fresh ``python -m`` interpreter, whose import of vLLM was 15-29 s of its time.)
 
 The engine warmers do not wait for it. They run as before and find on disk what it has
 built; what it has not, they compile, first job first, so the two meet in the middle; then a
 child still running is killed. The warmers' time is thus at most what it was without the
-child (and the CPUs it shares); the child's own time was 25-28 s on the H200 beside a
-starting worker, most of it vLLM's import (vLLM 0.26.0, serve-jit runs M-N), so it is done
-for a worker that loads a real model and not for a restart over a warm cache, where nothing
-is left to compile. Nothing it does can stop vLLM starting: a child that fails or cannot
+child (and the CPUs it shares). Over a warm cache (a restart, a shipped layer) it finds
+everything built and ends. Nothing it does can stop vLLM starting: a child that fails or cannot
 start costs its one line in the report. ``TQ_WARMUP_AHEAD=0`` turns it off.
 
 A V2 worker starts no child unless ``TQ_WARMUP_AHEAD`` is set on: it reached its warmup
@@ -37,7 +36,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass
 from types import ModuleType
@@ -47,12 +45,9 @@ from . import compat, patching
 from .settings import Settings
 
 if TYPE_CHECKING:  # register() imports this module: the rest comes when a worker starts
-    import subprocess
-
     from .engine_plan import EngineRequest
 
 __all__ = [
-    "CHILD_MODULE",
     "LATE",
     "MODULE",
     "PROCESSES",
@@ -61,6 +56,7 @@ __all__ = [
     "install",
     "remove",
     "request_of",
+    "spawn",
     "start",
     "wait",
 ]
@@ -70,10 +66,8 @@ MODULE = compat.WORKER_MODULE
 PROCESSES = 4
 """The child's compile processes, at most half the CPUs: the worker beside it is loading
 its model (the same bound the worker's own compile threads have, ``DEFAULT_THREADS``)."""
-CHILD_MODULE = "tq_warmup_plugin.ahead_child"
-"""What the child runs (``python -m``)."""
 OUTPUT_LIMIT = 1 << 16
-"""The most bytes of the child's one JSON line that are read."""
+"""The most bytes of the child's one JSON line that are read (``ahead_child.OUTPUT_LIMIT``)."""
 V2_NOT_STARTED = "not started: the V2 runner reaches its warmup before a child is done"
 """Why a V2 worker has no child (``Settings.ahead_v2``; ``TQ_WARMUP_AHEAD=1`` starts one)."""
 
@@ -82,7 +76,9 @@ V2_NOT_STARTED = "not started: the V2 runner reaches its warmup before a child i
 class Child:
     """The child of this worker process, while it runs and once it has ended."""
 
-    process: subprocess.Popen[bytes] | None
+    pid: int | None
+    out: int | None
+    """The read end of the pipe its result line comes on."""
     started: float
     why: str = ""
     """Why there is no child (it could not start), else empty."""
@@ -158,8 +154,6 @@ def start(worker: Any, settings: Settings | None = None) -> None:
     global _child
     if _child is not None:
         return
-    import subprocess
-
     from .report import error_line
 
     started = time.perf_counter()
@@ -170,22 +164,60 @@ def start(worker: Any, settings: Settings | None = None) -> None:
         if request is None or arch is None:
             return
         if request.runner_v2 and not (settings is not None and settings.ahead_v2):
-            _child = Child(None, started, V2_NOT_STARTED)
+            _child = Child(None, None, started, V2_NOT_STARTED)
             return
         processes = max(1, min(PROCESSES, (os.cpu_count() or 1) // 2))
-        argument = json.dumps({"request": request.to_dict(), "arch": arch, "processes": processes})
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-        process = subprocess.Popen(
-            [sys.executable, "-m", CHILD_MODULE, argument],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-        )
     except Exception as exc:
-        _child = Child(None, started, f"did not start: {error_line(exc)}")
+        _child = Child(None, None, started, f"did not start: {error_line(exc)}")
         return
-    _child = Child(process, started)
+    spawn({"request": request.to_dict(), "arch": arch, "processes": processes})
+
+
+def spawn(given: dict[str, Any]) -> None:
+    """Fork this process's child for ``given`` (``{"request", "arch", "processes"}``, what
+    ``ahead_child.run_child`` takes); ``wait`` reaps it. A fork that fails is its one line.
+
+    The child runs ``ahead_child.run_child`` and exits, never returning here; the worker keeps
+    its pid and the pipe its result line comes on.
+
+    Why a fork and not a fresh interpreter: the child's own import of vLLM took 15-29 s beside
+    a starting worker (24.6 s of a MoE child's 31.4 s, H200, 0.26.0, serve-jit run AG), and
+    a V2 worker reached its warmup 15 s after ``load_model``; the worker has vLLM imported.
+    The fork has the worker's memory and none of its threads or its CUDA context: it runs
+    Triton's compiler on the compile-only target (``use_compile_only_target``) and vLLM's CPU
+    objects, and touches no GPU. Its standard streams go to ``/dev/null`` (the worker's log
+    is the worker's); the exit is ``os._exit``, so none of the worker's exit handlers run."""
+    import warnings
+
+    from .report import error_line
+
+    global _child
+    started = time.perf_counter()
+    pipe: tuple[int, ...] = ()
+    try:
+        pipe = read, write = os.pipe()
+        with warnings.catch_warnings():  # Python 3.12+: a fork of a threaded process warns
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+    except OSError as exc:  # no descriptor, no process left (EMFILE, EAGAIN, ENOMEM)
+        for fd in pipe:
+            os.close(fd)
+        _child = Child(None, None, started, f"did not start: {error_line(exc)}")
+        return
+    if pid == 0:  # pragma: no cover - the child's side, which ends in os._exit
+        code = 1
+        try:
+            os.close(read)
+            null = os.open(os.devnull, os.O_RDWR)
+            os.dup2(null, 1)
+            os.dup2(null, 2)
+            from . import ahead_child
+
+            code = ahead_child.run_child(given, write)
+        finally:
+            os._exit(code)
+    os.close(write)
+    _child = Child(pid, read, started)
 
 
 def wait(timeout: float = 0.0) -> str:
@@ -196,64 +228,70 @@ def wait(timeout: float = 0.0) -> str:
     child, _child = _child, None
     if child is None:
         return ""
-    if child.process is None:
+    if child.pid is None or child.out is None:
         return f"compile-ahead child {child.why}"
-    import subprocess
-
-    process = child.process
     try:
-        process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-        _close(process)
-        ran = time.perf_counter() - child.started
-        return f"compile-ahead child stopped after {ran:.1f} s: the worker's own warmers were done"
-    out = _written(process)
+        code = _reap(child.pid, timeout)
+        if code is None:
+            ran = time.perf_counter() - child.started
+            return (
+                f"compile-ahead child stopped after {ran:.1f} s: the worker's own warmers were done"
+            )
+        out = _written(child.out)
+    finally:
+        os.close(child.out)
     try:
         result = json.loads(out.decode("utf-8", "replace") or "null")
         built, errors, seconds = int(result["built"]), list(result["errors"]), result["seconds"]
+        failed = int(result.get("failed", len(errors)))
     except (ValueError, TypeError, KeyError):
-        return f"compile-ahead child exited {process.returncode} without its result"
+        return f"compile-ahead child exited {code} without its result"
     text = f"compile-ahead child: {built} jobs in {float(seconds):.1f} s"
-    phases = [
-        f"{name} {result[name]:.1f} s"
-        for name in ("import", "plan")
-        if isinstance(result.get(name), int | float)
-    ]
-    text += f" ({', '.join(phases)})" if phases else ""
-    if errors:
-        text += f", {len(errors)} failed (first: {str(errors[0])[:200]})"
+    if isinstance(result.get("plan"), int | float):
+        text += f" (plan {result['plan']:.1f} s)"
+    if failed:
+        first = str(errors[0])[:200] if errors else "?"
+        text += f", {failed} failed (first: {first})"
     return text
 
 
-def _written(process: subprocess.Popen[bytes]) -> bytes:
-    """What an ended child left in its stdout pipe, at most ``OUTPUT_LIMIT`` bytes, without
+def _reap(pid: int, timeout: float) -> int | str | None:
+    """The child's exit code once it has ended (within ``timeout`` seconds), else None after
+    killing and reaping it. Where another reaper took it first, ``"reaped elsewhere"``."""
+    import signal
+
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status)
+            if time.monotonic() >= deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return None
+            time.sleep(0.01)
+    except ChildProcessError:  # e.g. a SIGCHLD handler of the host reaped it
+        return "reaped elsewhere"
+
+
+def _written(fd: int) -> bytes:
+    """What an ended child left in its pipe, at most ``OUTPUT_LIMIT`` bytes, without
     blocking: a compile process it forked may still hold the pipe open for a moment.
-    (``communicate(timeout=0)`` is no way to read it: it raises ``TimeoutExpired`` once its
-    zero seconds are up even where the child has long exited and written its line, so
-    every child read as stopped: 108.7 s after a V2 child started, H200, serve-jit run O.)"""
-    stream = process.stdout
-    if stream is None:
-        return b""
+    (``communicate(timeout=0)`` was no way to read a child's pipe: it raised
+    ``TimeoutExpired`` even where the child had long exited and written its line, so every
+    child read as stopped: 108.7 s after a V2 child started, H200, serve-jit run O.)"""
     out = b""
     try:
-        fd = stream.fileno()
         os.set_blocking(fd, False)
         while len(out) < OUTPUT_LIMIT:
             chunk = os.read(fd, OUTPUT_LIMIT - len(out))
             if not chunk:
                 break
             out += chunk
-    except (BlockingIOError, OSError, ValueError):
+    except (BlockingIOError, OSError):
         pass
-    _close(process)
     return out
-
-
-def _close(process: subprocess.Popen[bytes]) -> None:
-    if process.stdout is not None:
-        process.stdout.close()
 
 
 LATE = "determine_available_memory"

@@ -1,9 +1,12 @@
-"""The compile-ahead child's process (``ahead``): ``python -m tq_warmup_plugin.ahead_child
-JSON`` builds one worker's offline engine jobs (``engine_plan``) for its GPU architecture
-into the Triton cache its environment names, host launchers included where Triton builds
-them (``compat.build_host_launcher``), and prints one JSON line: the jobs built, the error
-lines, the seconds, and of them those of vLLM's import and of the plan. Its own module, so
-that nothing the worker imports loads it.
+"""The compile-ahead child's work (``ahead``): build one worker's offline engine jobs
+(``engine_plan``) for its GPU architecture into the Triton cache its environment names, host
+launchers included where Triton builds them (``compat.build_host_launcher``), and write one
+JSON line: the jobs built, the error lines, the seconds, and of them those of the plan.
+
+The worker forks it (``ahead.start``), so it has vLLM imported already; ``python -m
+tq_warmup_plugin.ahead_child JSON`` runs the same work in a fresh interpreter, vLLM's
+import included (``benchmarks/tqbench/ahead_cost.py`` times that). Its own module, so that
+nothing the worker imports loads it before the fork.
 """
 
 from __future__ import annotations
@@ -13,15 +16,22 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from .report import error_line
 
-__all__ = ["die_with_parent", "main"]
+__all__ = ["ERRORS_KEPT", "OUTPUT_LIMIT", "die_with_parent", "main", "run_child"]
+
+OUTPUT_LIMIT = 1 << 16
+"""The most bytes of the one JSON line, which the worker reads from a pipe whose buffer
+(64 KiB on Linux) must hold it all: a child blocked on a full pipe never ends."""
+ERRORS_KEPT = 8
+"""Error lines kept in the result (the worker's report names the first)."""
 
 
 def die_with_parent() -> None:
-    """Be killed with the process that started this one (Linux ``PR_SET_PDEATHSIG``), so
+    """Be killed with the thread that started this process (Linux ``PR_SET_PDEATHSIG``), so
     that no compile outlives its worker, nor the child that the worker stopped: the child
     sets it for itself and for each compile process it forks. Elsewhere, nothing."""
     import ctypes
@@ -31,35 +41,43 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """The child: build the request's offline jobs for the target, print one JSON line."""
-    argv = sys.argv[1:] if argv is None else argv
+def run_child(given: Mapping[str, Any], out: int) -> int:
+    """Build ``given``'s jobs (``{"request", "arch", "processes"}``) and write the result
+    line to file descriptor ``out``; the exit code (1 where a job failed)."""
     began = time.perf_counter()
     phases: dict[str, float] = {}
     die_with_parent()
-    sys.stdout.flush()
-    real_stdout = os.dup(1)
-    os.dup2(2, 1)  # vLLM's import talks on stdout; the result line is ours alone
     try:
         from .engine_plan import EngineRequest, build, cpu_engine, jobs
         from .shipped.precompile import use_compile_only_target
         from .warmup import plugin_manager
 
-        given = json.loads(argv[0])
         use_compile_only_target(int(given["arch"]))
-        engine = cpu_engine(EngineRequest.from_dict(given["request"]))  # vLLM's import
-        phases["import"] = time.perf_counter() - began
+        engine = cpu_engine(EngineRequest.from_dict(given["request"]))  # vLLM's import, if new
         todo, _, errors = jobs(plugin_manager(), engine)
-        phases["plan"] = time.perf_counter() - began - phases["import"]
+        phases["plan"] = time.perf_counter() - began
         processes = int(given["processes"])
         done, failed = build(todo, processes=processes, each=die_with_parent)
-        result = {"built": len(done), "errors": errors + failed}
+        result: dict[str, Any] = {"built": len(done), "errors": errors + failed}
     except Exception as exc:  # one line, as the worker's own errors are
         result = {"built": 0, "errors": [error_line(exc)]}
+    failures = len(result["errors"])
+    result["errors"] = [str(line)[:400] for line in result["errors"][:ERRORS_KEPT]]
+    result["failed"] = failures
     result["seconds"] = time.perf_counter() - began
     result.update(phases)  # where its time went: the worker's report line says it
-    os.write(real_stdout, (json.dumps(result) + "\n").encode())
-    return 0 if not result["errors"] else 1
+    os.write(out, (json.dumps(result) + "\n").encode()[:OUTPUT_LIMIT])
+    return 0 if not failures else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The child's work in a fresh interpreter: the result line on stdout, vLLM's talk on
+    stderr."""
+    argv = sys.argv[1:] if argv is None else argv
+    sys.stdout.flush()
+    result_fd = os.dup(1)
+    os.dup2(2, 1)  # vLLM's import talks on stdout; the result line is ours alone
+    return run_child(json.loads(argv[0]), result_fd)
 
 
 if __name__ == "__main__":

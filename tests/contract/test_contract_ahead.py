@@ -1,8 +1,8 @@
 """Contract: the compile-ahead child and ``precompile`` build, on vLLM's own CPU objects, the
 keys the engine warmers then launch in the worker, so the worker compiles none of them.
 
-The child runs for real (``python -m tq_warmup_plugin.ahead_child``: vLLM's import, Triton's
-compile for sm90) into a fresh Triton cache; then the warmers run in this process on the
+The child runs for real (forked from this process as from a worker: Triton's compile for
+sm90) into a fresh Triton cache; then the warmers run in this process on the
 contract runner of ``test_contract_vllm_kernels`` (the keys that module holds to serving),
 with Triton's compile listener counting compiles and disk loads; over an empty cache the
 same launches compile, so the count can fail.
@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import fakes
 import pytest
@@ -25,7 +24,7 @@ from test_contract_vllm_kernels import VOCAB, engine, fake_runner, feats
 from test_contract_vllm_kernels import _driver as _driver  # autouse: sm90, the SM count
 
 import tq_warmup_plugin
-from tq_warmup_plugin import compat, engine_plan
+from tq_warmup_plugin import ahead, compat, engine_plan
 from tq_warmup_plugin.report import CompileCounter
 from tq_warmup_plugin.warmup import plugin_manager
 
@@ -49,19 +48,11 @@ def request(block_size: int, k: int) -> engine_plan.EngineRequest:
     )
 
 
-def run_child(req: engine_plan.EngineRequest, cache: Path) -> dict[str, Any]:
-    src = str(Path(tq_warmup_plugin.__file__).parents[1])
-    env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "PYTHONPATH": src}
-    argument = json.dumps({"request": req.to_dict(), "arch": 90, "processes": 2})
-    done = subprocess.run(
-        [sys.executable, "-m", "tq_warmup_plugin.ahead_child", argument],
-        env=env,
-        capture_output=True,
-        timeout=600,
-    )
-    result: dict[str, Any] = json.loads(done.stdout.decode().splitlines()[-1])
-    assert done.returncode == (1 if result["errors"] else 0)
-    return result
+def run_child(req: engine_plan.EngineRequest) -> str:
+    """The worker's own way: fork this process (vLLM imported) into the real child, which
+    builds into this process's ``TRITON_CACHE_DIR``; its report line."""
+    ahead.spawn({"request": req.to_dict(), "arch": 90, "processes": 2})
+    return ahead.wait(600)
 
 
 def _per_signature_launchers() -> bool:
@@ -90,13 +81,14 @@ def test_after_the_child_the_warmers_compile_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cache = tmp_path / "triton"
-    result = run_child(request(32, 3), cache)
-    assert result["errors"] == []
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    line = run_child(request(32, 3))
     offline, _, _ = engine_plan.jobs(
         plugin_manager(load_entry_points=False), engine_plan.cpu_engine(request(32, 3))
     )
-    assert result["built"] == len(offline) > 0
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    assert len(offline) > 0
+    assert line.startswith(f"compile-ahead child: {len(offline)} jobs in "), line
+    assert "failed" not in line, line
     counter = warm_in_process(32, 3)
     assert counter.loaded > 0
     assert counter.compiled == 0

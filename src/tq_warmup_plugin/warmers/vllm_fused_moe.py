@@ -111,10 +111,12 @@ def token_counts(first: int, last: int, signature_of: Callable[[int], Hashable])
 def tq_warmup_engine_jobs(engine: Engine) -> Iterable[Job | Declined]:
     if not engine.moe:
         return []
-    offline = bool(engine.planned_experts)
-    found = engine.planned_experts or compat.moe_experts(engine.runner)
+    offline = engine.planned
+    found = engine.planned_experts if offline else compat.moe_experts(engine.runner)
     experts = sorted(set(found), key=repr)
     warn = engine.jit_monitor_error
+    if offline and not experts:
+        return [Declined(FAMILY, "no experts derived from the config: warmed at startup")]
     if not experts:
         return [Declined(FAMILY, "no layer holds MoE expert weights (w13_weight, w2_weight)")]
     if offline and not engine.gpu_name:
