@@ -25,11 +25,12 @@ child (and the CPUs it shares). Over a warm cache (a restart, a shipped layer) i
 everything built and ends. Nothing it does can stop vLLM starting: a child that fails or cannot
 start costs its one line in the report. ``TQ_WARMUP_AHEAD=0`` turns it off.
 
-A V2 worker starts no child unless ``TQ_WARMUP_AHEAD`` is set on: it reached its warmup
-15 s after ``load_model``, when the child (its vLLM import 15.3 s beside the worker's
-``torch.compile``) was not done, and the child's CPUs cost that worker 2.2 s of warmers
-and 6.1 s of startup (H200, 0.26.0, serve-jit run T). A V1 worker's way to its warmup is
-longer, and there the child cut the warmers from 7.5 s to 3.4 s (run M).
+Measured as a fork (H200, 0.26.0, serve-jit runs AK-AM): its plan took 0.1 s and its builds
+5.3-10.7 s in 4 processes, done before the worker's warmers, a V2 worker's included (a V2
+worker reaches its warmup about 15 s after ``load_model``, which the fresh interpreter's import
+alone outlasted, so until then a V2 worker started none: run T). A V2 worker's vLLM-kernel
+warmers took 0.12 s with it and 10.8 s without (run AK); a MoE worker's 2.4 s, forwards
+included, where the fresh interpreter left 10.9 s (runs AL, AG).
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from . import compat, patching
-from .settings import Settings
 
 if TYPE_CHECKING:  # register() imports this module: the rest comes when a worker starts
     from .engine_plan import EngineRequest
@@ -51,7 +51,6 @@ __all__ = [
     "LATE",
     "MODULE",
     "PROCESSES",
-    "V2_NOT_STARTED",
     "Child",
     "install",
     "remove",
@@ -68,8 +67,6 @@ PROCESSES = 4
 its model (the same bound the worker's own compile threads have, ``DEFAULT_THREADS``)."""
 OUTPUT_LIMIT = 1 << 16
 """The most bytes of the child's one JSON line that are read (``ahead_child.OUTPUT_LIMIT``)."""
-V2_NOT_STARTED = "not started: the V2 runner reaches its warmup before a child is done"
-"""Why a V2 worker has no child (``Settings.ahead_v2``; ``TQ_WARMUP_AHEAD=1`` starts one)."""
 
 
 @dataclass
@@ -148,9 +145,8 @@ def _arch() -> int | None:
     return int(major) * 10 + int(minor)
 
 
-def start(worker: Any, settings: Settings | None = None) -> None:
-    """Start this worker's child, once; any failure is its one line, never an exception.
-    A V2 worker starts none unless ``TQ_WARMUP_AHEAD`` is set on (``Settings.ahead_v2``)."""
+def start(worker: Any) -> None:
+    """Start this worker's child, once; any failure is its one line, never an exception."""
     global _child
     if _child is not None:
         return
@@ -162,9 +158,6 @@ def start(worker: Any, settings: Settings | None = None) -> None:
         request = request_of(worker, feats)
         arch = _arch() if request is not None else None
         if request is None or arch is None:
-            return
-        if request.runner_v2 and not (settings is not None and settings.ahead_v2):
-            _child = Child(None, None, started, V2_NOT_STARTED)
             return
         processes = max(1, min(PROCESSES, (os.cpu_count() or 1) // 2))
     except Exception as exc:
@@ -309,7 +302,7 @@ def _hybrid(worker: Any) -> bool:
     return bool(getattr(model, "is_hybrid", False))
 
 
-def install(module: ModuleType, settings: Settings) -> None:
+def install(module: ModuleType) -> None:
     """Wrap ``Worker.load_model`` to start the child first, and for a hybrid model
     ``Worker.determine_available_memory`` instead (``LATE``)."""
     cls = getattr(module, "Worker", None)
@@ -321,7 +314,7 @@ def install(module: ModuleType, settings: Settings) -> None:
     @patching.wraps(original)
     def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not _hybrid(self):
-            start(self, settings)
+            start(self)
         return original(self, *args, **kwargs)
 
     patching.replace(cls, "load_model", load_model)
@@ -331,7 +324,7 @@ def install(module: ModuleType, settings: Settings) -> None:
     @patching.wraps(late)
     def determine_available_memory(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _hybrid(self):
-            start(self, settings)
+            start(self)
         return late(self, *args, **kwargs)
 
     patching.replace(cls, LATE, determine_available_memory)

@@ -49,8 +49,8 @@ def run_child(given: Mapping[str, Any], out: int) -> int:
     die_with_parent()
     try:
         from .engine_plan import EngineRequest, build, cpu_engine, jobs
+        from .plugins import plugin_manager
         from .shipped.precompile import use_compile_only_target
-        from .warmup import plugin_manager
 
         use_compile_only_target(int(given["arch"]))
         engine = cpu_engine(EngineRequest.from_dict(given["request"]))  # vLLM's import, if new

@@ -115,7 +115,7 @@ def patches(settings: Settings) -> dict[str, list[Patch]]:
     """What to do to which vLLM module once it has executed, in order."""
     todo: dict[str, list[Patch]] = {compat.WARMUP_MODULE: [lambda m: _hook_warmup(m, settings)]}
     if settings.vllm_kernels and settings.ahead:
-        todo.setdefault(ahead.MODULE, []).append(lambda m: ahead.install(m, settings))
+        todo.setdefault(ahead.MODULE, []).append(ahead.install)
     for guard in guards.active(settings):
         todo.setdefault(guard.MODULE, []).append(guard.install)
     return todo

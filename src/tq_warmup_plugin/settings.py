@@ -81,15 +81,13 @@ class Settings(NamedTuple):
         that a TurboQuant server reaches and vLLM's warmup leaves out (slot mapping at
         TurboQuant's block size, the rejection sampler's greedy and random batches,
         logprobs; ``engine_warmup``).
-    ahead: ``TQ_WARMUP_AHEAD`` (default on for the V1 runner): with ``vllm_kernels``, a
-        CPU-only child started at ``load_model`` builds those kernels' keys while the worker
-        loads its model (``ahead``), so a cold worker does not compile them in
-        ``kernel_warmup``; ``0`` never starts it.
-    ahead_v2: ``TQ_WARMUP_AHEAD`` set on (``1``): the child on the V2 runner too. Unset, a
-        V2 worker starts none: it reached ``kernel_warmup`` 15 s after ``load_model``, before
-        the child was done, and the child's CPUs cost it 2.2 s of warmers and 6.1 s of
-        startup (H200, vLLM 0.26.0, serve-jit run T: 8.6 s / 72.1 s with it, 6.4 s / 66.0 s
-        without); on V1 the child cut the warmers from 7.5 s to 3.4 s (run M).
+    ahead: ``TQ_WARMUP_AHEAD`` (default on): with ``vllm_kernels``, a CPU-only fork of the
+        worker started at ``load_model`` builds those kernels' keys while the worker loads
+        its model (``ahead``), so a cold worker does not compile them in ``kernel_warmup``:
+        a V2 worker's vLLM-kernel warmers took 0.12 s with it and 10.8 s without (H200,
+        vLLM 0.26.0, serve-jit run AK); ``0`` never starts it. (Until session 23 a V2
+        worker started none unless it was ``1``: the child was then a fresh interpreter
+        whose vLLM import outlasted the worker's way to its warmup, run T.)
     """
 
     enabled: bool = True
@@ -106,7 +104,6 @@ class Settings(NamedTuple):
     driver_cache_override: bool = False
     vllm_kernels: bool = True
     ahead: bool = True
-    ahead_v2: bool = False
 
 
 _FLAG_VALUES = "1, true, on, yes / 0, false, off, no (any case)"
@@ -199,7 +196,6 @@ def parse(env: Mapping[str, str] | None = None) -> tuple[Settings, list[str]]:
         driver_cache_override=_flag(env, "TQ_WARMUP_DRIVER_CACHE_OVERRIDE", False, problems),
         vllm_kernels=_flag(env, "TQ_WARMUP_VLLM_KERNELS", True, problems),
         ahead=_flag(env, "TQ_WARMUP_AHEAD", True, problems),
-        ahead_v2=env.get("TQ_WARMUP_AHEAD", "").strip().lower() in _TRUE,
     )
     return settings, problems
 

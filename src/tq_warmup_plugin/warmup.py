@@ -20,25 +20,13 @@ from typing import Any, Generic, TypeVar
 
 import pluggy
 
-from . import ahead, compat, engine_warmup, hookspecs, launches, spec_problem, workspace
+from . import ahead, compat, engine_warmup, launches, spec_problem, workspace
 from .discovery import discover
 from .geometry import Geometry
 from .guards import draft_seq_lens, prefix_fast_path
+from .plugins import plugin_manager
 from .report import CompileCounter, Report, error_line
 from .settings import Settings
-from .warmers import (
-    triton_jit,
-    turboquant,
-    vllm_async_spec,
-    vllm_eagle,
-    vllm_fused_moe,
-    vllm_logprobs,
-    vllm_rejection,
-    vllm_slot_mapping,
-    vllm_top_k_top_p,
-    vllm_unwarmed,
-    vllm_zero_blocks,
-)
 
 # A child of vLLM's "vllm" logger inherits its handlers and format.
 logger = logging.getLogger("vllm.tq_warmup_plugin")
@@ -54,29 +42,6 @@ __all__ = [
 ]
 
 K = TypeVar("K", bound=Hashable)
-
-
-def plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
-    """A manager with the built-in warmers and, optionally, third-party ones."""
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
-    pm.add_hookspecs(hookspecs)
-    pm.register(turboquant)
-    pm.register(triton_jit)
-    for warmer in (
-        vllm_slot_mapping,
-        vllm_rejection,
-        vllm_logprobs,
-        vllm_top_k_top_p,
-        vllm_eagle,
-        vllm_fused_moe,
-        vllm_zero_blocks,
-        vllm_async_spec,
-        vllm_unwarmed,
-    ):
-        pm.register(warmer)
-    if load_entry_points:
-        pm.load_setuptools_entrypoints(hookspecs.ENTRY_POINT_GROUP)
-    return pm
 
 
 @dataclass(frozen=True)
