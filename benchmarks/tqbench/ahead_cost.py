@@ -1,12 +1,15 @@
 """The ``ahead-cost`` command: what the compile-ahead child costs, by phase, in one run.
 
-The child (``tq_warmup_plugin.ahead_child``) imports vLLM's sampler modules, then builds a
-worker's offline engine jobs (``engine_plan``) for sm90 in forked processes. This times, in
-fresh interpreters on this machine (a CPU is enough: the compiles are Triton's, for the
-target):
-- the import alone (what the child imports before its first compile);
-- the whole child for a V1 ngram and a V2 engine (Llama 3's vocabulary, bf16, block 32),
-  with one compile process and with ``--processes``, each over an empty Triton cache.
+The child's work (``tq_warmup_plugin.ahead_child.run_child``) builds a worker's offline
+engine jobs (``engine_plan``) for sm90 in forked processes. A worker forks its child with
+vLLM imported (``ahead.spawn``, since session 23), so the import below is what the child no
+longer pays; ``python -m tq_warmup_plugin.ahead_child`` runs the same work in a fresh
+interpreter. This times, on this machine (a CPU is enough: the compiles are Triton's, for
+the target):
+- the import alone (what a fresh interpreter imports before its first compile);
+- the whole fresh-interpreter child for a V1 ngram and a V2 engine (Llama 3's vocabulary,
+  bf16, block 32), with one compile process and with ``--processes``, each over an empty
+  Triton cache.
 
     CUDA_VISIBLE_DEVICES="" python -m benchmarks.tqbench ahead-cost [--processes 2]
 
