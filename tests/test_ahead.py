@@ -319,6 +319,36 @@ def test_a_child_that_cannot_start_is_one_line(
     monkeypatch.setattr(os, "fork", no_fork)
     ahead.start(worker())
     assert ahead.wait().startswith("compile-ahead child did not start: BlockingIOError")
+    monkeypatch.delattr(os, "fork")  # a platform without fork: still a line, never a raise
+    ahead.start(worker())
+    assert ahead.wait().startswith("compile-ahead child did not start: AttributeError")
+
+
+def test_a_child_gone_before_it_is_stopped_is_one_line(
+    child: Callable[[ChildBody], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child still running at ``wait`` is killed; one that vanished just then (another
+    reaper) makes the kill fail, and the worker's warmup goes on with one line."""
+
+    def hangs(given: dict[str, Any], out: int) -> int:
+        time.sleep(30)
+        return 0
+
+    child(hangs)
+    ahead.start(worker())
+    assert ahead._child is not None and ahead._child.pid is not None
+    pid = ahead._child.pid
+
+    real_kill = os.kill
+
+    def lost(target: int, sig: int) -> None:
+        real_kill(target, sig)
+        os.waitpid(target, 0)  # the other reaper, just before
+        raise ProcessLookupError(3, "No such process")
+
+    monkeypatch.setattr(os, "kill", lost)
+    assert ahead.wait(0.2) == "compile-ahead child was reaped elsewhere, without its result"
+    assert not _alive(pid)
 
 
 def test_load_model_starts_it_and_the_hook_is_undone(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -35,6 +35,7 @@ included, where the fresh interpreter left 10.9 s (runs AL, AG).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -192,7 +193,7 @@ def spawn(given: dict[str, Any]) -> None:
         with warnings.catch_warnings():  # Python 3.12+: a fork of a threaded process warns
             warnings.simplefilter("ignore", DeprecationWarning)
             pid = os.fork()
-    except OSError as exc:  # no descriptor, no process left (EMFILE, EAGAIN, ENOMEM)
+    except Exception as exc:  # no descriptor or process left (EMFILE, EAGAIN), no fork at all
         for fd in pipe:
             os.close(fd)
         _child = Child(None, None, started, f"did not start: {error_line(exc)}")
@@ -232,12 +233,15 @@ def wait(timeout: float = 0.0) -> str:
             )
         out = _written(child.out)
     finally:
-        os.close(child.out)
+        with contextlib.suppress(OSError):
+            os.close(child.out)
     try:
         result = json.loads(out.decode("utf-8", "replace") or "null")
         built, errors, seconds = int(result["built"]), list(result["errors"]), result["seconds"]
         failed = int(result.get("failed", len(errors)))
     except (ValueError, TypeError, KeyError):
+        if isinstance(code, str):
+            return f"compile-ahead child was {code}, without its result"
         return f"compile-ahead child exited {code} without its result"
     text = f"compile-ahead child: {built} jobs in {float(seconds):.1f} s"
     if isinstance(result.get("plan"), int | float):
@@ -264,7 +268,7 @@ def _reap(pid: int, timeout: float) -> int | str | None:
                 os.waitpid(pid, 0)
                 return None
             time.sleep(0.01)
-    except ChildProcessError:  # e.g. a SIGCHLD handler of the host reaped it
+    except OSError:  # gone: e.g. a SIGCHLD handler of the host reaped it
         return "reaped elsewhere"
 
 
