@@ -11,7 +11,7 @@ depend only on engine arguments a worker knows before it loads its model
 (``engine_plan.EngineRequest``), and the worker then spends seconds to minutes on weights,
 ``torch.compile``, profiling and the KV cache. So ``Worker.load_model`` (a hybrid model's
 ``determine_available_memory``, where its block is final: ``LATE``) forks one child
-(``_fork``, ``ahead_child.run_child``): vLLM already imported, CPU only (Triton's
+(``spawn``, ``ahead_child.run_child``): vLLM already imported, CPU only (Triton's
 compile-only target: no CUDA call, no GPU memory), with the worker's own environment, so it
 compiles into the Triton cache the worker reads (its ``TRITON_CACHE_DIR``,
 ``TRITON_CACHE_MANAGER`` and shipped layers), for the worker's GPU architecture, the very
@@ -183,6 +183,7 @@ def spawn(given: dict[str, Any]) -> None:
     is the worker's); the exit is ``os._exit``, so none of the worker's exit handlers run."""
     import warnings
 
+    from . import ahead_child  # imported here, not in the fork: no import lock to inherit
     from .report import error_line
 
     global _child
@@ -205,8 +206,6 @@ def spawn(given: dict[str, Any]) -> None:
             null = os.open(os.devnull, os.O_RDWR)
             os.dup2(null, 1)
             os.dup2(null, 2)
-            from . import ahead_child
-
             code = ahead_child.run_child(given, write)
         finally:
             os._exit(code)
