@@ -66,8 +66,6 @@ MODULE = compat.WORKER_MODULE
 PROCESSES = 4
 """The child's compile processes, at most half the CPUs: the worker beside it is loading
 its model (the same bound the worker's own compile threads have, ``DEFAULT_THREADS``)."""
-OUTPUT_LIMIT = 1 << 16
-"""The most bytes of the child's one JSON line that are read (``ahead_child.OUTPUT_LIMIT``)."""
 
 
 @dataclass
@@ -272,11 +270,13 @@ def _reap(pid: int, timeout: float) -> int | str | None:
 
 
 def _written(fd: int) -> bytes:
-    """What an ended child left in its pipe, at most ``OUTPUT_LIMIT`` bytes, without
+    """What an ended child left in its pipe, at most ``ahead_child.OUTPUT_LIMIT`` bytes, without
     blocking: a compile process it forked may still hold the pipe open for a moment.
     (``communicate(timeout=0)`` was no way to read a child's pipe: it raised
     ``TimeoutExpired`` even where the child had long exited and written its line, so every
     child read as stopped: 108.7 s after a V2 child started, H200, serve-jit run O.)"""
+    from .ahead_child import OUTPUT_LIMIT
+
     out = b""
     try:
         os.set_blocking(fd, False)
