@@ -118,11 +118,19 @@ ChildBody = Callable[[dict[str, Any], int], int]
 @pytest.fixture
 def child(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[ChildBody], None]]:
     """Sets a stand-in for the forked child's work (``ahead_child.run_child``): the fork
-    runs it with the worker's request and the result pipe, and exits with what it returns."""
+    runs it with what the worker gives it (the worker's ``VllmConfig`` under ``"config"``)
+    and the result pipe, and exits with what it returns."""
     monkeypatch.setattr(ahead, "_arch", lambda: 90)
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
     monkeypatch.setattr(ahead, "_child", None)
-    yield lambda body: monkeypatch.setattr(ahead_child, "run_child", body)
+
+    def stand_in(body: ChildBody) -> None:
+        def run_child(given: dict[str, Any], out: int, config: Any = None) -> int:
+            return body({**given, "config": config}, out)
+
+        monkeypatch.setattr(ahead_child, "run_child", run_child)
+
+    yield stand_in
     ahead.wait(1)
 
 
@@ -135,17 +143,21 @@ def says(result: dict[str, Any], code: int = 0) -> ChildBody:
 
 
 def test_the_childs_result_is_one_line(child: Callable[[ChildBody], None]) -> None:
+    w = worker(spec=SimpleNamespace(method="ngram", num_speculative_tokens=4))
+
     def body(given: dict[str, Any], out: int) -> int:
         assert given["arch"] == 90 and given["processes"] >= 1
+        assert given["config"] is w.vllm_config and given["verify"] is True  # the defaults
         built = given["request"]["spec_tokens"]
-        os.write(out, json.dumps({"built": built, "errors": [], "seconds": 1.5}).encode())
+        result = {"built": built, "errors": [], "seconds": 1.5, "keys": 3}
+        os.write(out, json.dumps(result).encode())
         return 0
 
     child(body)
-    ahead.start(worker(spec=SimpleNamespace(method="ngram", num_speculative_tokens=4)))
+    ahead.start(w)
     assert ahead._child is not None and ahead._child.pid not in (None, os.getpid())
     line = ahead.wait(60)
-    assert line == "compile-ahead child: 4 jobs in 1.5 s"
+    assert line == "compile-ahead child: 4 jobs (3 TurboQuant keys) in 1.5 s"
     assert ahead.wait() == ""  # reaped once
 
 

@@ -391,7 +391,7 @@ def test_inspect_lists_the_first_launches(capsys: pytest.CaptureFixture[str]) ->
 def stubbed_precompile(monkeypatch: pytest.MonkeyPatch) -> fakes.RecordingWarmer:
     """precompile without vLLM or Triton: vLLM 0.26.0 and Triton 3.6.0 'installed', the
     fake warmer compiling."""
-    from tq_warmup_plugin import compat, warmup
+    from tq_warmup_plugin import compat, keyplan, warmup
     from tq_warmup_plugin.shipped import manifest, precompile
 
     warmer = fakes.RecordingWarmer()
@@ -404,7 +404,7 @@ def stubbed_precompile(monkeypatch: pytest.MonkeyPatch) -> fakes.RecordingWarmer
     )
     monkeypatch.setattr(precompile, "use_compile_only_target", lambda arch: None)
     monkeypatch.setattr(warmup, "plugin_manager", lambda: fakes.manager(warmer))
-    monkeypatch.setattr(warmup, "CompileCounter", fakes.StubCounter)
+    monkeypatch.setattr(keyplan, "CompileCounter", fakes.StubCounter)
     return warmer
 
 

@@ -84,21 +84,22 @@ GATE_COLUMNS = (
     "jit_registry_collects",
     "hybrid_turboquant",
     "tq_block_aligned",
+    "v1_block_table_aligned",
     "v1_block_table_rounded",
     "v2_runner_default",
 )
 T, F = True, False
 GATES = {
-    (0, 20): (F, F, F, F, F, F, T, F, F, F, F, F, F, T, T, T, F, F, F, F, F, F, F, F, F, F, F),
-    (0, 21): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T, T, T, F, F, F, F, F, T, F, F, F),
-    (0, 23): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T, T, T, F, F, F, F, F, T, F, F, F),
-    (0, 24): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T, T, T, F, F, F, F, F, T, F, F, F),
-    (0, 25): (F, F, T, T, T, T, T, T, T, T, T, F, F, T, T, T, T, T, F, F, F, F, F, T, T, F, T),
-    (0, 26): (T, T, T, T, T, T, T, T, T, T, T, F, F, T, T, T, T, T, F, T, F, F, F, T, T, F, T),
-    (0, 28): (T, T, T, T, T, T, T, T, F, T, T, F, T, T, F, T, T, T, F, F, F, F, F, T, T, T, T),
-    (0, 29): (T, F, T, T, T, T, T, T, F, T, T, F, T, T, F, T, T, T, T, F, F, F, T, T, T, T, T),
-    (0, 30): (T, F, T, T, T, T, T, T, F, T, T, T, T, T, F, T, T, F, T, F, T, T, T, T, T, T, T),
-    (0, 33): (T, F, T, T, T, T, T, T, F, T, T, T, T, T, F, T, T, F, T, F, T, T, T, T, T, T, T),
+    (0, 20): (F, F, F, F, F, F, T, F, F, F, F, F, F, T, T, T, F, F, F, F, F, F, F, F, F, F, F, F),
+    (0, 21): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T, T, T, F, F, F, F, F, T, F, T, F, F),
+    (0, 23): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T, T, T, F, F, F, F, F, T, F, T, F, F),
+    (0, 24): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T, T, T, F, F, F, F, F, T, F, T, F, F),
+    (0, 25): (F, F, T, T, T, T, T, T, T, T, T, F, F, T, T, T, T, T, F, F, F, F, F, T, T, T, F, T),
+    (0, 26): (T, T, T, T, T, T, T, T, T, T, T, F, F, T, T, T, T, T, F, T, F, F, F, T, T, T, F, T),
+    (0, 28): (T, T, T, T, T, T, T, T, F, T, T, F, T, T, F, T, T, T, F, F, F, F, F, T, T, T, T, T),
+    (0, 29): (T, F, T, T, T, T, T, T, F, T, T, F, T, T, F, T, T, T, T, F, F, F, T, T, T, T, T, T),
+    (0, 30): (T, F, T, T, T, T, T, T, F, T, T, T, T, T, F, T, T, F, T, F, T, T, T, T, T, T, T, T),
+    (0, 33): (T, F, T, T, T, T, T, T, F, T, T, T, T, T, F, T, T, F, T, F, T, T, T, T, T, T, T, T),
 }
 
 
@@ -300,7 +301,9 @@ def test_every_kernel_module_is_a_known_vllm_module(
     ("version", "bs", "v2", "width"),
     [
         ((0, 26), 16, True, 64),
-        ((0, 26), 16, False, 63),
+        ((0, 26), 16, False, 64),
+        ((0, 22), 48, False, 22),
+        ((0, 20), 16, False, 63),
         ((0, 27), 16, False, 64),
         ((0, 33), 48, False, 24),
         ((0, 33), 256, True, 4),
@@ -347,7 +350,10 @@ def test_every_version_comparison_lives_in_the_release_table() -> None:
 
 @pytest.mark.parametrize(
     ("version", "block", "width"),
-    [("0.24.0", 16, 57), ("0.26.0", 32, 32)],  # V1: ceil(900 / 16); V2: ceil(900 / 32) -> x4
+    [
+        ("0.24.0", 16, 64),
+        ("0.26.0", 32, 32),
+    ],  # ceil(900 / 16) -> x8 (V1), ceil(900 / 32) -> x4 (V2)
 )
 def test_a_plan_request_from_flags_alone_reads_no_environment(
     version: str, block: int, width: int

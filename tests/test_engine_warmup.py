@@ -11,7 +11,7 @@ from typing import Any
 import fakes
 import pytest
 
-from tq_warmup_plugin import compat, engine_warmup, install, warmup
+from tq_warmup_plugin import compat, engine_warmup, install, keyplan, warmup
 from tq_warmup_plugin.engine import Declined, Engine, Job
 from tq_warmup_plugin.hookspecs import hookimpl
 from tq_warmup_plugin.settings import Settings
@@ -263,8 +263,8 @@ def one_layer_worker(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
     monkeypatch.setattr(compat, "workspace_manager", lambda feats: None)
     monkeypatch.setattr(warmup, "discover", lambda worker, feats: found)
-    monkeypatch.setattr(warmup, "compile_all", lambda pm, todo, threads, progress: [])
-    monkeypatch.setattr(warmup, "CompileCounter", fakes.StubCounter)
+    monkeypatch.setattr(keyplan, "compile_all", lambda pm, todo, threads, progress: [])
+    monkeypatch.setattr(keyplan, "CompileCounter", fakes.StubCounter)
     monkeypatch.setattr(compat, "engine_of", lambda worker, feats: engine().__dict__)
     return SimpleNamespace(use_v2_model_runner=False, vllm_config=None)
 

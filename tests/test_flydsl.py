@@ -12,7 +12,7 @@ import fakes
 import pytest
 from fakes import RecordingWarmer, StubCounter, manager
 
-from tq_warmup_plugin import compat, warmup
+from tq_warmup_plugin import compat, keyplan, warmup
 from tq_warmup_plugin.discovery import discover
 from tq_warmup_plugin.settings import Settings
 
@@ -69,7 +69,7 @@ def test_a_worker_of_flydsl_layers_is_skipped_not_warmed(monkeypatch: pytest.Mon
         [fakes.table(64)],
     )
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.30.0")
-    monkeypatch.setattr(warmup, "CompileCounter", StubCounter)
+    monkeypatch.setattr(keyplan, "CompileCounter", StubCounter)
     warmer = RecordingWarmer(None)
     report = warmup.run(worker, Settings(), manager(warmer))
     assert warmer.seen == [] and report.distinct == 0
@@ -84,7 +84,7 @@ def test_beside_plain_layers_the_note_is_on_the_report_line(
     feats = compat.features((0, 30))
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.30.0")
     monkeypatch.setattr(compat, "workspace_manager", lambda feats: None)
-    monkeypatch.setattr(warmup, "CompileCounter", StubCounter)
+    monkeypatch.setattr(keyplan, "CompileCounter", StubCounter)
     report = warmup.run(
         mixed_worker(feats), Settings(vllm_kernels=False), manager(RecordingWarmer(None))
     )

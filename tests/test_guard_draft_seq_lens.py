@@ -17,7 +17,7 @@ import fakes
 import pytest
 from conftest import Log
 
-from tq_warmup_plugin import compat, guards, install, spec_problem, warmup
+from tq_warmup_plugin import compat, guards, install, keyplan, spec_problem, warmup
 from tq_warmup_plugin.discovery import Discovery
 from tq_warmup_plugin.guards import draft_seq_lens as guard
 from tq_warmup_plugin.guards import spec_graphs
@@ -227,8 +227,8 @@ def test_warmup_warns_once_on_turboquant_workers(
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
     monkeypatch.setattr(compat, "workspace_manager", lambda feats: None)
     monkeypatch.setattr(warmup, "discover", lambda worker, feats: found)
-    monkeypatch.setattr(warmup, "compile_all", lambda pm, todo, threads, progress: [])
-    monkeypatch.setattr(warmup, "CompileCounter", fakes.StubCounter)  # no Triton here
+    monkeypatch.setattr(keyplan, "compile_all", lambda pm, todo, threads, progress: [])
+    monkeypatch.setattr(keyplan, "CompileCounter", fakes.StubCounter)  # no Triton here
     found = Discovery(geometries={"layers.0.attn": fakes.geometry()})
     worker = SimpleNamespace(
         use_v2_model_runner=False,

@@ -120,7 +120,7 @@ def test_run_reserves_then_plans_with_the_real_workspace(
 ) -> None:
     from fakes import RecordingWarmer, StubCounter, manager
 
-    from tq_warmup_plugin import warmup, workspace
+    from tq_warmup_plugin import keyplan, warmup, workspace
     from tq_warmup_plugin.discovery import Discovery
     from tq_warmup_plugin.settings import Settings
     from tq_warmup_plugin.warmers.turboquant import turboquant_contributions
@@ -138,7 +138,7 @@ def test_run_reserves_then_plans_with_the_real_workspace(
 
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
     monkeypatch.setattr(warmup, "discover", lambda worker, feats: Discovery(geometries={"l": g}))
-    monkeypatch.setattr(warmup, "CompileCounter", StubCounter)
+    monkeypatch.setattr(keyplan, "CompileCounter", StubCounter)
     monkeypatch.setattr(workspace, "reserve", reserve)
     monkeypatch.setattr(workspace, "buffer_sizes", sizes)
     warmer = RecordingWarmer(None)

@@ -11,7 +11,7 @@ import fakes
 import pytest
 from fakes import FAILING, RecordingWarmer, StubCounter, manager
 
-from tq_warmup_plugin import compat, warmup
+from tq_warmup_plugin import compat, keyplan, warmup
 from tq_warmup_plugin.discovery import Discovery
 from tq_warmup_plugin.geometry import Geometry
 from tq_warmup_plugin.hookspecs import hookimpl
@@ -56,7 +56,7 @@ def found(monkeypatch: pytest.MonkeyPatch) -> Discovery:
 
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
     monkeypatch.setattr(compat, "workspace_manager", lambda feats: None)
-    monkeypatch.setattr(warmup, "CompileCounter", StubCounter)
+    monkeypatch.setattr(keyplan, "CompileCounter", StubCounter)
     monkeypatch.setattr(warmup, "discover", discover)
     monkeypatch.setattr(compat, "preallocate_prefill_buffers", PREALLOCATED.record)
     PREALLOCATED.calls.clear()

@@ -159,15 +159,27 @@ def start(worker: Any) -> None:
         if request is None or arch is None:
             return
         processes = max(1, min(PROCESSES, (os.cpu_count() or 1) // 2))
+        verify = _verify_rows()
     except Exception as exc:
         _child = Child(None, None, started, f"did not start: {error_line(exc)}")
         return
-    spawn({"request": request.to_dict(), "arch": arch, "processes": processes})
+    given = {"request": request.to_dict(), "arch": arch, "processes": processes, "verify": verify}
+    spawn(given, worker.vllm_config)
 
 
-def spawn(given: dict[str, Any]) -> None:
-    """Fork this process's child for ``given`` (``{"request", "arch", "processes"}``, what
-    ``ahead_child.run_child`` takes); ``wait`` reaps it. A fork that fails is its one line.
+def _verify_rows() -> bool:
+    """Whether this process's settings serve verify batches as decode rows (the batched
+    verify guard, ``guards.active``): the geometry the worker discovers then has them."""
+    from .settings import load
+
+    chosen = load()
+    return chosen.spec_guard and not chosen.spec_piecewise
+
+
+def spawn(given: dict[str, Any], config: Any = None) -> None:
+    """Fork this process's child for ``given`` (``{"request", "arch", "processes",
+    "verify"}``) and the worker's ``config`` (what ``ahead_child.run_child`` takes);
+    ``wait`` reaps it. A fork that fails is its one line.
 
     The child runs ``ahead_child.run_child`` and exits, never returning here; the worker keeps
     its pid and the pipe its result line comes on.
@@ -204,7 +216,7 @@ def spawn(given: dict[str, Any]) -> None:
             null = os.open(os.devnull, os.O_RDWR)
             os.dup2(null, 1)
             os.dup2(null, 2)
-            code = ahead_child.run_child(given, write)
+            code = ahead_child.run_child(given, write, config)
         finally:
             os._exit(code)
     os.close(write)
@@ -240,7 +252,9 @@ def wait(timeout: float = 0.0) -> str:
         if isinstance(code, str):
             return f"compile-ahead child was {code}, without its result"
         return f"compile-ahead child exited {code} without its result"
-    text = f"compile-ahead child: {built} jobs in {float(seconds):.1f} s"
+    keys = result.get("keys")
+    of = f" ({keys} TurboQuant keys)" if isinstance(keys, int) and keys else ""
+    text = f"compile-ahead child: {built} jobs{of} in {float(seconds):.1f} s"
     if isinstance(result.get("plan"), int | float):
         text += f" (plan {result['plan']:.1f} s)"
     if failed:

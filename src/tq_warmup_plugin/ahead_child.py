@@ -1,7 +1,8 @@
-"""The compile-ahead child's work (``ahead``): build one worker's offline engine jobs
-(``engine_plan``) for its GPU architecture into the Triton cache its environment names, host
-launchers included where Triton builds them (``compat.build_host_launcher``), and write one
-JSON line: the jobs built, the error lines, the seconds, and of them those of the plan.
+"""The compile-ahead child's work (``ahead``): build one worker's TurboQuant keys, planned
+from its config (``planning.worker_plan``), and its offline engine jobs (``engine_plan``)
+for its GPU architecture into the Triton cache its environment names, host launchers
+included where Triton builds them (``compat.build_host_launcher``), and write one JSON line:
+the jobs built, the error lines, the seconds, and of them those of the plan.
 
 The worker forks it (``ahead.start``), so it has vLLM imported already; ``python -m
 tq_warmup_plugin.ahead_child JSON`` runs the same work in a fresh interpreter, vLLM's
@@ -17,17 +18,33 @@ import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .report import error_line
 
-__all__ = ["ERRORS_KEPT", "OUTPUT_LIMIT", "die_with_parent", "main", "run_child"]
+if TYPE_CHECKING:
+    import pluggy
+
+    from .compat import Features
+    from .engine import Job
+
+__all__ = [
+    "ERRORS_KEPT",
+    "FAMILY",
+    "OUTPUT_LIMIT",
+    "die_with_parent",
+    "key_jobs",
+    "main",
+    "run_child",
+]
 
 OUTPUT_LIMIT = 1 << 16
 """The most bytes of the one JSON line, which the worker reads from a pipe whose buffer
 (64 KiB on Linux) must hold it all: a child blocked on a full pipe never ends."""
 ERRORS_KEPT = 8
 """Error lines kept in the result (the worker's report names the first)."""
+FAMILY = "TurboQuant"
+"""The jobs of TurboQuant's own keys, for error lines."""
 
 
 def die_with_parent() -> None:
@@ -41,24 +58,67 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 
 
-def run_child(given: Mapping[str, Any], out: int) -> int:
-    """Build ``given``'s jobs (``{"request", "arch", "processes"}``) and write the result
-    line to file descriptor ``out``; the exit code (1 where a job failed)."""
+def key_jobs(
+    pm: pluggy.PluginManager, config: Any, given: Mapping[str, Any], feats: Features
+) -> list[Job]:
+    """One job per TurboQuant key of the layers a worker of ``config`` will discover
+    (``planning.worker_plan``, the batched verify path's rows where ``given["verify"]``),
+    as its warmup plans them (``keyplan.plan_keys``); a plan that fails raises its one line."""
+    from functools import partial
+
+    from . import compat, keyplan, planning
+    from .engine import Job
+
+    request = given["request"]
+    planned = planning.worker_plan(config, feats, int(given["arch"]), bool(request["runner_v2"]))
+    verify = 0
+    if given.get("verify"):
+        threshold = compat.spec_decode_threshold(config)
+        verify = threshold if threshold > 1 and feats.spec_verify_batched else 0
+    keys = keyplan.plan_keys(pm, planning.named_geometries(planned, verify)).keys
+    return [Job(FAMILY, keyplan.describe(key), partial(_compile, pm, key)) for key in keys]
+
+
+def _compile(pm: pluggy.PluginManager, key: Any) -> None:
+    from .keyplan import compile_one
+
+    line = compile_one(pm, key)
+    if line is not None:
+        raise RuntimeError(line)
+
+
+def run_child(given: Mapping[str, Any], out: int, config: Any = None) -> int:
+    """Build ``given``'s jobs (``{"request", "arch", "processes", "verify"}``) and write
+    the result line to file descriptor ``out``; the exit code (1 where a job failed).
+    ``config``: the worker's ``VllmConfig``, which a fork shares: its TurboQuant keys come
+    first, as the worker's own warmup compiles them first; None (``python -m``): the
+    engine jobs alone. The TurboQuant plan failing costs its one error line, not the
+    engine jobs."""
     began = time.perf_counter()
     phases: dict[str, float] = {}
     die_with_parent()
+    keys = 0
     try:
         from .engine_plan import EngineRequest, build, cpu_engine, jobs
         from .plugins import plugin_manager
         from .shipped.precompile import use_compile_only_target
 
         use_compile_only_target(int(given["arch"]))
-        engine = cpu_engine(EngineRequest.from_dict(given["request"]))  # vLLM's import, if new
-        todo, _, errors = jobs(plugin_manager(), engine)
+        request = EngineRequest.from_dict(given["request"])
+        engine = cpu_engine(request)  # vLLM's import, if new
+        pm = plugin_manager()
+        todo, _, errors = jobs(pm, engine)
+        if config is not None:
+            try:
+                ours = key_jobs(pm, config, given, request.features)
+            except Exception as exc:  # a config unlike any planned: the worker plans its own
+                errors.append(f"{FAMILY} keys not planned: {error_line(exc)}")
+            else:
+                keys, todo = len(ours), ours + todo
         phases["plan"] = time.perf_counter() - began
         processes = int(given["processes"])
         done, failed = build(todo, processes=processes, each=die_with_parent)
-        result: dict[str, Any] = {"built": len(done), "errors": errors + failed}
+        result: dict[str, Any] = {"built": len(done), "errors": errors + failed, "keys": keys}
     except Exception as exc:  # one line, as the worker's own errors are
         result = {"built": 0, "errors": [error_line(exc)]}
     failures = len(result["errors"])

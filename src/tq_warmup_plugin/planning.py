@@ -32,7 +32,12 @@ __all__ = [
     "kv_view_strides",
     "model_scale",
     "model_shape",
+    "named_geometries",
     "plan_geometry",
+    "plan_shape",
+    "shape_of",
+    "verify_len",
+    "worker_plan",
 ]
 
 
@@ -113,21 +118,33 @@ def effective_block_size(feats: Features, requested: int, model_dtype_bytes: int
     return align * -(-16 * model_dtype_bytes // align)
 
 
-def block_table_width(feats: Features, max_model_len: int, block_size: int, v2: bool) -> int:
+def block_table_width(
+    feats: Features, max_model_len: int, block_size: int, v2: bool, kernel_block: int = 0
+) -> int:
     """Row stride of the runner's block table, for planning without a worker.
 
     V2 runner (read in 0.26 and 0.33): ``cdiv(max_model_len, bs)`` rounded up to a
-    multiple of ``128 // bs`` when bs <= 128. V1: 0.27+ round up to a multiple of
-    ``128 / gcd(128, bs)``; 0.20-0.26 do not round.
-    """
+    multiple of ``128 // bs`` when bs <= 128. V1 (``MultiGroupBlockTable``): 0.21-0.26
+    round the same way, 0.27+ to a multiple of ``128 / gcd(128, bs)``, 0.20 not at all;
+    where the kernels run blocks of ``kernel_block`` tokens, smaller than the manager's
+    (a hybrid model's, ``compat.kernel_block_size``), the row holds each manager block as
+    ``bs // kernel_block`` kernel blocks (``BlockTable``'s ``blocks_per_kv_block``,
+    0.21-0.31; the kernel block table of ``AttentionGroup``, 0.32+). Until session 24 a V1
+    plan left 0.21-0.26 unrounded: for 1000 tokens of 16 it said 63 where vLLM's table
+    has 64 (read off vLLM's own table, ``test_contract_worker_plan``)."""
     blocks = -(-max_model_len // block_size)
     if v2 and block_size <= 128:
         align = 128 // block_size
     elif not v2 and feats.v1_block_table_rounded:
         align = 128 // math.gcd(128, block_size)
+    elif not v2 and feats.v1_block_table_aligned and block_size <= 128:
+        align = 128 // block_size
     else:
         align = 1
-    return -(-blocks // align) * align
+    width = -(-blocks // align) * align
+    if v2 or not kernel_block or block_size % kernel_block:
+        return width
+    return width * (block_size // kernel_block)
 
 
 # Models whose vLLM code sets the attention scale from a config field instead of
@@ -283,13 +300,24 @@ def model_shape(
                 max_model_len=max_model_len,
             )
             parallel = config.ParallelConfig(tensor_parallel_size=tp)
-            one = config.ParallelConfig(tensor_parallel_size=1)
             model_config.verify_with_parallel_config(parallel)
         except Exception as exc:  # vLLM and transformers raise anything from a config
             line = _inspect_failure(_exception_line(exc))
             if "trust_remote_code" in line and not trust_remote_code:
                 line += " (pass --trust-remote-code to run the model's own config code)"
             raise UnsupportedModel(line) from None
+    return shape_of(model_config, parallel)
+
+
+def shape_of(model_config: Any, parallel: Any) -> ModelShape:
+    """The attention of vLLM's own ``ModelConfig`` on one rank of ``parallel`` (its
+    ``ParallelConfig``): a directory's (``model_shape``) or a starting worker's
+    (``worker_plan``); raises UnsupportedModel with one line where vLLM would not run
+    TurboQuant on it."""
+    config = importlib.import_module(compat.MODEL_CONFIG_MODULE)
+    tp = int(getattr(parallel, "tensor_parallel_size", 1))
+    with _vllm_quiet():
+        one = config.ParallelConfig(tensor_parallel_size=1)
         arch = str(model_config.architecture)
         if model_config.use_mla:
             raise UnsupportedModel(
@@ -432,14 +460,12 @@ def plan_geometry(request: PlanRequest, model_dir: str | None) -> Planned:
     explicit flags, which take precedence. Raises PlanError with one line."""
     if request.kv_cache_dtype is None:
         raise PlanError("need --kv-cache-dtype (or --geometry-json)")
-    feats = _features(request)
-    tp = request.tensor_parallel_size
+    _features(request)  # an unsupported release is said before vLLM reads the model
     shape: ModelShape | None = None
     if model_dir is not None:
         try:
-            shape = model_shape(
-                model_dir, tp, request.dtype, request.max_model_len, request.trust_remote_code
-            )
+            shape = model_shape(model_dir, request.tensor_parallel_size, request.dtype,
+                                request.max_model_len, request.trust_remote_code)  # fmt: skip
         except ImportError as exc:
             raise PlanError(
                 f"--model needs vLLM installed to read the config ({exc}); or give "
@@ -452,6 +478,18 @@ def plan_geometry(request: PlanRequest, model_dir: str | None) -> Planned:
                 f"--model {request.model}: config.json says float32 and TurboQuant runs the "
                 "model in 16 bits: pass --dtype bfloat16 or float16 (what vLLM's --dtype is)"
             )
+    return plan_shape(request, shape)
+
+
+def plan_shape(request: PlanRequest, shape: ModelShape | None) -> Planned:
+    """The geometry of a model's ``shape`` (``model_shape``, ``shape_of``; None: the flags
+    alone) under ``request``'s engine arguments, which take precedence. Its block is the
+    kernels' (``compat.kernel_block_size``): a hybrid model's manager block of thousands
+    of tokens runs kernel blocks of 16. Raises PlanError with one line."""
+    if request.kv_cache_dtype is None:
+        raise PlanError("need --kv-cache-dtype (or --geometry-json)")
+    feats = _features(request)
+    tp = request.tensor_parallel_size
     heads = request.num_heads or (shape.total_heads if shape else None)
     kv_heads = request.num_kv_heads or (shape.total_kv_heads if shape else None) or heads
     head_size = request.head_size or (shape.head_size if shape else None)
@@ -490,18 +528,20 @@ def plan_geometry(request: PlanRequest, model_dir: str | None) -> Planned:
     if scale is None:
         scale = shape.scale if shape and shape.scale is not None else head_size**-0.5
     bs = effective_block_size(feats, request.block_size, DTYPE_BYTES[dtype])
+    kernel = compat.kernel_block_size(bs)
     layout = preset(request.kv_cache_dtype, head_size)
     runner = request.runner or ("v2" if feats.v2_runner_default else "v1")
+    width = block_table_width(feats, max_model_len, bs, runner == "v2", kernel)
     geometry = Geometry(
         cache_dtype=request.kv_cache_dtype,
         head_size=head_size,
         num_heads=hq,
         num_kv_heads=hk,
-        block_size=bs,
+        block_size=kernel,
         scale=scale,
-        kv_strides=kv_view_strides(feats, bs, hk, layout.slot_size_aligned),
+        kv_strides=kv_view_strides(feats, kernel, hk, layout.slot_size_aligned),
         model_dtype=dtype,
-        block_table_width=block_table_width(feats, max_model_len, bs, runner == "v2"),
+        block_table_width=width,
         max_num_seqs=request.max_num_seqs,
         max_model_len=max_model_len,
         max_num_batched_tokens=request.max_num_batched_tokens,
@@ -527,3 +567,51 @@ def plan_geometry(request: PlanRequest, model_dir: str | None) -> Planned:
     return Planned(
         geometry, layers, bool(skip) or shape is None, note, local, vocab, moe, experts, why
     )
+
+
+def verify_len(feats: Features, spec_tokens: int, parallel_drafting: bool = False) -> int:
+    """The query length the batched verify path serves as decode rows (``1 + k``, doubled
+    drafts under ``parallel_drafting``: ``compat.spec_decode_threshold``, 0.21-0.32) where
+    the release has it (``Features.spec_verify_batched``), else 0: the geometry's
+    ``verify_len`` that discovery reads off a served builder (``verify_rows.rows_of``)."""
+    if not spec_tokens or not feats.spec_verify_batched:
+        return 0
+    return 1 + (2 if parallel_drafting else 1) * spec_tokens
+
+
+def named_geometries(planned: Planned, verify: int = 0) -> dict[str, Geometry]:
+    """A plan's distinct geometries by name (its chunked local layers' apart), each with
+    the batched verify path's query length ``verify`` (0: none)."""
+    named = {"geometry0": planned.geometry}
+    if planned.local is not None:
+        named["local"] = planned.local
+    return {name: dataclasses.replace(g, verify_len=verify) for name, g in named.items()}
+
+
+def worker_plan(vllm_config: Any, feats: Features, arch: int, runner_v2: bool) -> Planned:
+    """What a worker of this ``VllmConfig`` will discover, planned before its model exists
+    (the compile-ahead child, ``ahead``): the shape from its own ``ModelConfig`` on its
+    rank (``shape_of``) and its engine arguments (the manager block as its
+    ``CacheConfig`` has it, final where the child starts). A guess that misses the layers
+    a worker then reads costs that worker the keys' compiles, never a wrong key: the
+    worker plans its own from what it discovers. Raises PlanError or UnsupportedModel
+    with one line."""
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    scheduler = vllm_config.scheduler_config
+    attention = getattr(vllm_config, "attention_config", None)
+    splits = getattr(attention, "tq_max_kv_splits_for_cuda_graph", PlanRequest.kv_splits)
+    request = PlanRequest(
+        kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
+        vllm_version=".".join(map(str, feats.version)),
+        tensor_parallel_size=int(parallel.tensor_parallel_size),
+        max_model_len=int(model.max_model_len),
+        block_size=int(vllm_config.cache_config.block_size),
+        runner="v2" if runner_v2 else "v1",
+        max_num_seqs=int(scheduler.max_num_seqs),
+        max_num_batched_tokens=int(scheduler.max_num_batched_tokens),
+        kv_splits=int(splits),
+        arch=arch,
+        enable_dbo=compat.ubatching(vllm_config),
+    )
+    return plan_shape(request, shape_of(model, parallel))

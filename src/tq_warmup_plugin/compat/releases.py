@@ -152,9 +152,14 @@ class Features(NamedTuple):
     """0.25+: ``Platform._align_heterogeneous_kv_block_size`` grows TurboQuant's block
     until its page covers a boundary layer's (``planning.effective_block_size``);
     0.20-0.24 keep the requested size."""
+    v1_block_table_aligned: bool
+    """0.21+: the V1 block table's row (``MultiGroupBlockTable``) is rounded up to a
+    multiple of ``128 // block_size`` blocks where ``block_size <= 128`` ("as required by
+    some attention backends such as TRTLLM", read in the 0.21.0, 0.22.0 and 0.26.0 wheels);
+    0.20.0's is not (``planning.block_table_width``)."""
     v1_block_table_rounded: bool
-    """0.27+: the V1 block table's row is rounded up to a multiple of
-    ``128 / gcd(128, block_size)``; 0.20-0.26 do not round (``planning.block_table_width``)."""
+    """0.27+: that rounding is to a multiple of ``128 / gcd(128, block_size)`` blocks, for
+    every block size (``get_block_table_width``, 0.30 and 0.33)."""
     v2_runner_default: bool
     """0.25+: the V2 model runner is what a worker runs unless told otherwise; 0.20-0.24
     run V1 (the ``--runner`` default of ``inspect`` and ``precompile``)."""
@@ -189,6 +194,7 @@ def features(version: Version) -> Features:
         jit_registry_collects=version >= (0, 29),
         hybrid_turboquant=version >= (0, 21),
         tq_block_aligned=version >= (0, 25),
+        v1_block_table_aligned=version >= (0, 21),
         v1_block_table_rounded=version >= (0, 27),
         v2_runner_default=version >= (0, 25),
     )
