@@ -1,4 +1,5 @@
-"""The compile-ahead child: vLLM's own kernel keys built while the worker loads its model.
+"""The compile-ahead child: TurboQuant's and vLLM's own kernel keys built while the worker
+loads its model.
 
 Why: from a cold Triton cache the engine warmers' compiles cost a TurboQuant worker 7.2 s
 (V1 with ngram) and 8.7 s (V2) of startup on the H200 (vLLM 0.26.0, one server on 16 CPUs,
@@ -9,7 +10,10 @@ in two (2 CPUs, vLLM 0.26.0, ``python -m benchmarks.tqbench ahead-cost``,
 ``benchmarks/results/ahead-cost.json``). But those keys
 depend only on engine arguments a worker knows before it loads its model
 (``engine_plan.EngineRequest``), and the worker then spends seconds to minutes on weights,
-``torch.compile``, profiling and the KV cache. So ``Worker.load_model`` (a hybrid model's
+``torch.compile``, profiling and the KV cache; and so do TurboQuant's own keys (1.2-2.3 s
+cold in the worker, runs AK-AM), whose layers the child plans from the worker's config
+(``planning.worker_plan``) as ``precompile`` plans them from a model's. So
+``Worker.load_model`` (a hybrid model's
 ``determine_available_memory``, where its block is final: ``LATE``) forks one child
 (``spawn``, ``ahead_child.run_child``): vLLM already imported, CPU only (Triton's
 compile-only target: no CUDA call, no GPU memory), with the worker's own environment, so it
@@ -18,8 +22,8 @@ compiles into the Triton cache the worker reads (its ``TRITON_CACHE_DIR``,
 keys ``precompile`` builds, in forked processes, last job first. (Until session 23 the child
 was a fresh ``python -m`` interpreter, whose import of vLLM was 15-29 s of its time.)
 
-The engine warmers do not wait for it. They run as before and find on disk what it has
-built; what it has not, they compile, first job first, so the two meet in the middle; then a
+The worker's warmup does not wait for it. Its TurboQuant keys and engine warmers run as
+before and find on disk what it has built; what it has not, they compile, first job first, so the two meet in the middle; then a
 child still running is killed. The warmers' time is thus at most what it was without the
 child (and the CPUs it shares). Over a warm cache (a restart, a shipped layer) it finds
 everything built and ends. Nothing it does can stop vLLM starting: a child that fails or cannot
