@@ -56,8 +56,17 @@ print(next(r for r in reqs if re.match(r"(openai|oss)[-_]harmony\b", r, re.I)))
 PY
 )
 echo "vllm-env: vllm $VERSION wants $HARMONY"
+# compressed-tensors, at vLLM's own pin: Qwen3-Next's model class imports vLLM's quantization
+# code, which imports it, so without it vLLM cannot inspect that model and its tests skip.
+COMPRESSED=$("$DIR/bin/python" - <<'PY'
+import importlib.metadata as md
+reqs = [r.split(";")[0].strip() for r in md.requires("vllm") or []]
+print(next(r for r in reqs if r.startswith("compressed-tensors")))
+PY
+)
 # torch in the same command as the extras: otherwise xgrammar's torch>=1.10 resolves to CUDA torch.
-"${PIP[@]}" install "${CONSTRAINTS[@]}" "$TORCH" "triton==$TRITON" "${EXTRAS[@]}" "$HARMONY" "${TEST_TOOLS[@]}"
+"${PIP[@]}" install "${CONSTRAINTS[@]}" "$TORCH" "triton==$TRITON" "${EXTRAS[@]}" "$HARMONY" \
+  "$COMPRESSED" "${TEST_TOOLS[@]}"
 "$DIR/bin/python" - "$VERSION" "$TRITON" <<'PY'
 import sys, importlib.metadata as md
 want = {"vllm": sys.argv[1], "triton": sys.argv[2], "torch": "2.13.0+cpu"}

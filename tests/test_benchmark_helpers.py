@@ -516,3 +516,19 @@ def test_ahead_cost_table_gives_each_child_its_ratio_to_one_process() -> None:
     assert lines[1].split()[-1] == "7.2"  # the import, no ratio
     assert lines[2].split()[-2:] == ["20.0", "1.00"]
     assert lines[3].split()[-2:] == ["10.0", "0.50"]
+
+
+def test_ahead_cost_table_gives_each_fork_its_ratio_to_the_engine_jobs_alone() -> None:
+    from benchmarks.tqbench.ahead_cost import table
+
+    rows = [
+        {"engine": "V1", "processes": 2, "fork": "engine jobs", "built": 10, "keys": 0,
+         "seconds": 8.0},
+        {"engine": "V1", "processes": 2, "fork": "engine jobs and TurboQuant keys",
+         "built": 40, "keys": 30, "seconds": 20.0},
+    ]  # fmt: skip
+    lines = table(7.25, rows).splitlines()
+    assert lines[2].startswith("fork, vLLM imported")  # no fresh-interpreter rows
+    assert "V1, engine jobs, 10 jobs (0 keys)" in lines[3]
+    assert lines[3].split()[-2:] == ["8.0", "1.00"]
+    assert "40 jobs (30 keys)" in lines[4] and lines[4].split()[-2:] == ["20.0", "2.50"]

@@ -159,3 +159,42 @@ def test_boundary_rule_per_release() -> None:
     assert planning.boundary_layers(new, 48, hybrid=True) == ()
     with pytest.raises(planning.UnsupportedModel, match=r"0\.20 refuses"):
         planning.boundary_layers(old, 48, hybrid=True)
+
+
+_SIZE_QWEN3_NEXT = """
+import json, sys
+from vllm.config import ModelConfig
+from benchmarks.tqbench.serve_jit import qwen3_next_config
+from tq_warmup_plugin import compat
+open(sys.argv[1] + "/config.json", "w").write(json.dumps(qwen3_next_config(4096)))
+try:  # vLLM inspects the model class when it reads the config, or when it sizes it
+    model = ModelConfig(model=sys.argv[1], skip_tokenizer_init=True, dtype="bfloat16")
+    sizes = [compat.hybrid_block_size(model, 1, "turboquant_4bit_nc", 16, k) for k in (0, 2, 4)]
+except Exception as exc:
+    sizes = str(exc)[:160]
+print(json.dumps(sizes))
+"""
+
+
+@pytest.mark.real_vllm
+def test_a_hybrids_block_is_the_one_the_h200_logged(tmp_path: Path) -> None:
+    """The serve-jit Qwen3-Next with MTP k=2: "Setting attention block size to 2160 tokens"
+    (H200, 0.26.0, run Z); its Mamba state grows with the draft tokens, and so does the
+    block (k = 0, 2, 4). In a fresh interpreter, as ``precompile`` runs: the model's GDN
+    kernels ask the CUDA device for its name when imported beside the compile-only driver
+    other tests start. Qwen3-Next's model class imports vLLM's quantization code, which
+    needs ``compressed-tensors`` (the CI's venvs have vLLM's pin of it); where it is missing
+    this is skipped."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).parents[1]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", _SIZE_QWEN3_NEXT, str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=600, check=True)  # fmt: skip
+    sizes = json.loads(out.stdout.strip().splitlines()[-1])
+    if isinstance(sizes, str):
+        pytest.skip(f"vLLM cannot inspect Qwen3-Next here: {sizes}")
+    assert sizes == [2096, 2160, 2224]

@@ -10,7 +10,7 @@ from typing import Any
 import fakes
 import pytest
 
-from tq_warmup_plugin import compat, launches, warmup
+from tq_warmup_plugin import compat, keyplan, launches, warmup
 from tq_warmup_plugin.discovery import PREFILL_ONLY_PATHS, discover
 from tq_warmup_plugin.settings import Settings
 
@@ -100,7 +100,7 @@ def test_run_on_a_pooling_worker(
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
     monkeypatch.setattr(compat, "workspace_manager", lambda *a, **k: manager)
     monkeypatch.setattr(compat, "preallocate_prefill_buffers", lambda *a: 0)
-    monkeypatch.setattr(warmup, "CompileCounter", fakes.StubCounter)
+    monkeypatch.setattr(keyplan, "CompileCounter", fakes.StubCounter)
     report = warmup.run(
         pooling_worker(chunked, cached),
         Settings(launch=False, vllm_kernels=False),

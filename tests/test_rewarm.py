@@ -10,7 +10,7 @@ from typing import Any
 import fakes
 import pytest
 
-from tq_warmup_plugin import compat, launches, warmup
+from tq_warmup_plugin import compat, keyplan, launches, warmup
 from tq_warmup_plugin.discovery import Discovery
 from tq_warmup_plugin.settings import Settings
 
@@ -40,7 +40,7 @@ def test_second_warmup_makes_no_launch_twice(
     monkeypatch.setattr(compat, "preallocate_prefill_buffers", lambda *a: 0)
     monkeypatch.setattr(compat, "flash_attn_available", lambda: True)
     monkeypatch.setattr(warmup, "discover", lambda worker, feats: found)
-    monkeypatch.setattr(warmup, "CompileCounter", fakes.StubCounter)
+    monkeypatch.setattr(keyplan, "CompileCounter", fakes.StubCounter)
     monkeypatch.setattr(launches, "_launch", lambda x, impl, dev: made.append((str(dev), x)))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(launches, "_LAUNCHED", set())

@@ -9,7 +9,7 @@ from typing import Any
 import fakes
 import pytest
 
-from tq_warmup_plugin import compat, install, warmup, workspace
+from tq_warmup_plugin import compat, install, keyplan, warmup, workspace
 from tq_warmup_plugin.settings import Settings
 
 torch = pytest.importorskip("torch")
@@ -92,7 +92,7 @@ def oom_run(monkeypatch: pytest.MonkeyPatch) -> OomManager:
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
     monkeypatch.setattr(compat, "workspace_manager", lambda feats: manager)
     monkeypatch.setattr(compat, "preallocate_prefill_buffers", lambda *a: 0)
-    monkeypatch.setattr(warmup, "CompileCounter", fakes.StubCounter)
+    monkeypatch.setattr(keyplan, "CompileCounter", fakes.StubCounter)
     pm = fakes.manager(fakes.RecordingWarmer(None))
     real_run = warmup.run
     monkeypatch.setattr(warmup, "run", lambda w, s, pm_=None: real_run(w, s, pm))

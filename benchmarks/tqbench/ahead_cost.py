@@ -1,15 +1,19 @@
 """The ``ahead-cost`` command: what the compile-ahead child costs, by phase, in one run.
 
 The child's work (``tq_warmup_plugin.ahead_child.run_child``) builds a worker's offline
-engine jobs (``engine_plan``) for sm90 in forked processes. A worker forks its child with
-vLLM imported (``ahead.spawn``, since session 23), so the import below is what the child no
-longer pays; ``python -m tq_warmup_plugin.ahead_child`` runs the same work in a fresh
-interpreter. This times, on this machine (a CPU is enough: the compiles are Triton's, for
-the target):
+engine jobs (``engine_plan``) and, since session 24, its TurboQuant keys (the layers planned
+from the worker's config, ``planning.worker_plan``) for sm90 in forked processes. A worker
+forks its child with vLLM imported (``ahead.spawn``, since session 23), so the import below
+is what the child no longer pays; ``python -m tq_warmup_plugin.ahead_child`` runs the engine
+jobs alone in a fresh interpreter. This times, on this machine (a CPU is enough: the
+compiles are Triton's, for the target):
 - the import alone (what a fresh interpreter imports before its first compile);
 - the whole fresh-interpreter child for a V1 ngram and a V2 engine (Llama 3's vocabulary,
   bf16, block 32), with one compile process and with ``--processes``, each over an empty
-  Triton cache.
+  Triton cache;
+- the child's work as the fork runs it, vLLM imported first, for the same engines with the
+  serve-jit runs' dense Llama (8 layers, 16/8 heads of 128) as the worker's model: the
+  engine jobs alone and with the TurboQuant keys, at ``--processes``.
 
     CUDA_VISIBLE_DEVICES="" python -m benchmarks.tqbench ahead-cost [--processes 2]
 
@@ -25,13 +29,15 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 from benchmarks.tqbench.cli import new_parser
 from benchmarks.tqbench.matrix import DEFAULT_RESULTS_DIR
 from benchmarks.tqbench.register_cost import sample, write_summary
 
-__all__ = ["ENGINES", "add_parser", "child_seconds", "cmd_ahead_cost", "table"]
+__all__ = ["ENGINES", "add_parser", "child_seconds", "cmd_ahead_cost", "fork_seconds", "table",
+           "worker_config"]  # fmt: skip
 
 _IMPORT_PROBE = """
 import json, time
@@ -78,15 +84,82 @@ def child_seconds(engine: dict[str, Any], processes: int) -> dict[str, Any]:
     return result
 
 
+_FORK_PROBE = """
+import json, os, sys, tempfile
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+given, with_keys = json.loads(sys.argv[1]), sys.argv[2] == "1"
+import vllm.config  # a worker has vLLM imported: the fork inherits it
+from benchmarks.tqbench.ahead_cost import worker_config
+from tq_warmup_plugin import ahead_child
+with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as model:
+    os.environ["TRITON_CACHE_DIR"] = cache
+    config = worker_config(model, given["request"]) if with_keys else None
+    read, write = os.pipe()
+    ahead_child.run_child(given, write, config)
+    os.close(write)
+    print(os.read(read, ahead_child.OUTPUT_LIMIT).decode().strip())
+"""
+
+
+def worker_config(directory: str, request: dict[str, Any]) -> Any:
+    """The config of a worker serving the serve-jit runs' dense Llama (its ``config.json``
+    written to ``directory``) with ``request``'s engine arguments: what the child plans the
+    TurboQuant layers from."""
+    from types import SimpleNamespace
+
+    from vllm.config import ModelConfig, ParallelConfig
+
+    from benchmarks.tqbench.phases import build_model_config, parse_geometry
+
+    config = build_model_config(parse_geometry("128x16x8"), 8, request["max_model_len"],
+                                vocab_size=request["vocab_size"])  # fmt: skip
+    (Path(directory) / "config.json").write_text(json.dumps(config))
+    model = ModelConfig(model=directory, skip_tokenizer_init=True, dtype="bfloat16",
+                        max_model_len=request["max_model_len"])  # fmt: skip
+    tokens = request["spec_tokens"]
+    spec = SimpleNamespace(method=request["spec_method"], num_speculative_tokens=tokens)
+    return SimpleNamespace(
+        model_config=model,
+        parallel_config=ParallelConfig(),
+        cache_config=SimpleNamespace(cache_dtype="turboquant_4bit_nc",
+                                     block_size=request["block_size"]),
+        scheduler_config=SimpleNamespace(max_num_seqs=request["max_num_seqs"],
+                                         max_num_batched_tokens=request["max_num_batched_tokens"]),
+        speculative_config=spec if tokens else None,
+    )  # fmt: skip
+
+
+def fork_seconds(engine: dict[str, Any], processes: int, with_keys: bool) -> dict[str, Any]:
+    """The forked child's work, vLLM imported first, over an empty Triton cache: its line."""
+    given = {"request": _request(engine), "arch": 90, "processes": processes, "verify": True}
+    out = subprocess.run(
+        [sys.executable, "-c", _FORK_PROBE, json.dumps(given), "1" if with_keys else "0"],
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True,
+        timeout=1200, check=True,
+    )  # fmt: skip
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
 def table(import_s: float, rows: list[dict[str, Any]]) -> str:
     """The printed table: the import, then each engine's child at 1 and N processes."""
     lines = [f"{'phase':<52}{'seconds':>9}{'vs 1':>7}", f"{'import (fresh interpreter)':<52}"
              f"{import_s:>9.1f}{'':>7}"]  # fmt: skip
-    serial = {r["engine"]: r["seconds"] for r in rows if r["processes"] == 1}
+    serial = {r["engine"]: r["seconds"] for r in rows if r["processes"] == 1 and "fork" not in r}
     for r in rows:
+        if "fork" in r:
+            continue
         name = f"child, {r['engine']}, {r['processes']} process(es), {r['built']} jobs"
         ratio = r["seconds"] / serial[r["engine"]] if serial.get(r["engine"]) else float("nan")
         lines.append(f"{name:<52}{r['seconds']:>9.1f}{ratio:>7.2f}")
+    lines.append(f"{'fork, vLLM imported':<52}{'seconds':>9}{'vs jobs':>9}")
+    alone = {r["engine"]: r["seconds"] for r in rows if r.get("fork") == "engine jobs"}
+    for r in rows:
+        if "fork" not in r:
+            continue
+        name = f"{r['engine']}, {r['fork']}, {r['built']} jobs ({r['keys']} keys)"
+        ratio = r["seconds"] / alone[r["engine"]] if alone.get(r["engine"]) else float("nan")
+        lines.append(f"{name:<52}{r['seconds']:>9.1f}{ratio:>9.2f}")
     return "\n".join(lines)
 
 
@@ -98,6 +171,12 @@ def cmd_ahead_cost(args: argparse.Namespace) -> int:
         for processes in sorted({1, args.processes}):
             result = child_seconds(engine, processes)
             rows.append({"engine": name, "processes": processes, "built": result["built"],
+                         "errors": result["errors"], "seconds": result["seconds"]})  # fmt: skip
+        for with_keys in (False, True):
+            result = fork_seconds(engine, args.processes, with_keys)
+            what = "engine jobs and TurboQuant keys" if with_keys else "engine jobs"
+            rows.append({"engine": name, "processes": args.processes, "fork": what,
+                         "built": result["built"], "keys": result.get("keys", 0),
                          "errors": result["errors"], "seconds": result["seconds"]})  # fmt: skip
     print(table(import_s, rows))
     from importlib.metadata import version

@@ -23,11 +23,12 @@ keys ``precompile`` builds, in forked processes, last job first. (Until session 
 was a fresh ``python -m`` interpreter, whose import of vLLM was 15-29 s of its time.)
 
 The worker's warmup does not wait for it. Its TurboQuant keys and engine warmers run as
-before and find on disk what it has built; what it has not, they compile, first job first, so the two meet in the middle; then a
-child still running is killed. The warmers' time is thus at most what it was without the
-child (and the CPUs it shares). Over a warm cache (a restart, a shipped layer) it finds
-everything built and ends. Nothing it does can stop vLLM starting: a child that fails or cannot
-start costs its one line in the report. ``TQ_WARMUP_AHEAD=0`` turns it off.
+before and find on disk what it has built; what it has not, they compile, first job first,
+so the two meet in the middle; then a child still running is killed. The warmers' time is
+thus at most what it was without the child (and the CPUs it shares). Over a warm cache (a
+restart, a shipped layer) it finds everything built and ends. Nothing it does can stop vLLM
+starting: a child that fails or cannot start costs its one line in the report.
+``TQ_WARMUP_AHEAD=0`` turns it off.
 
 Measured as a fork (H200, 0.26.0, serve-jit runs AK-AM): its plan took 0.1 s and its builds
 5.3-10.7 s in 4 processes, done before the worker's warmers, a V2 worker's included (a V2

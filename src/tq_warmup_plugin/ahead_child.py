@@ -66,16 +66,12 @@ def key_jobs(
     as its warmup plans them (``keyplan.plan_keys``); a plan that fails raises its one line."""
     from functools import partial
 
-    from . import compat, keyplan, planning
+    from . import keyplan, planning
     from .engine import Job
 
-    request = given["request"]
-    planned = planning.worker_plan(config, feats, int(given["arch"]), bool(request["runner_v2"]))
-    verify = 0
-    if given.get("verify"):
-        threshold = compat.spec_decode_threshold(config)
-        verify = threshold if threshold > 1 and feats.spec_verify_batched else 0
-    keys = keyplan.plan_keys(pm, planning.named_geometries(planned, verify)).keys
+    v2, verify = bool(given["request"]["runner_v2"]), bool(given.get("verify"))
+    planned = planning.worker_plan(config, feats, int(given["arch"]), v2, verify)
+    keys = keyplan.plan_keys(pm, planning.named_geometries(planned)).keys
     return [Job(FAMILY, keyplan.describe(key), partial(_compile, pm, key)) for key in keys]
 
 

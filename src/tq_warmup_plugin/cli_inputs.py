@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from . import compat, planning, safe_io
+from . import planning, safe_io
 from .geometry import Geometry, Reported, read_report
 from .planning import Planned
 
@@ -98,10 +98,4 @@ def geometries(args: argparse.Namespace) -> tuple[dict[str, Geometry], Planned]:
         if model is not None:  # a local config: nothing to download
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
         planned = planning.plan_geometry(request, model)
-    spec = getattr(args, "speculative_config", None) or {}
-    _, tokens, _ = compat.speculative_fields(spec)
-    verify = planning.verify_len(
-        planned.geometry.features, tokens, bool(spec.get("parallel_drafting", False))
-    )  # the batched verify path's rows, which the worker's TurboQuant layers serve
-    named = planning.named_geometries(planned, verify)
-    return named, planned._replace(geometry=named["geometry0"])
+    return planning.named_geometries(planned), planned

@@ -12,7 +12,7 @@ import dataclasses
 import importlib
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 from . import compat
@@ -190,6 +190,10 @@ class ModelShape(NamedTuple):
     experts_why: str = ""
     """Why a MoE model's experts are not derived offline (their keys then warm in a
     worker, by model forwards)."""
+    config: Any = None
+    """vLLM's ``ModelConfig`` it was read from, for what only vLLM computes from the model:
+    a hybrid's attention block (``compat.hybrid_block_size``); None where that is known
+    already (a worker's, whose block vLLM has set)."""
 
 
 def _dtype_text(value: Any) -> str | None:
@@ -377,6 +381,7 @@ def shape_of(model_config: Any, parallel: Any) -> ModelShape:
             moe=bool(getattr(model_config, "is_moe", False)),
             experts=experts,
             experts_why=experts_why,
+            config=model_config,
         )
 
 
@@ -443,6 +448,9 @@ class PlanRequest:
     attention_chunk_size: int | None = None
     vocab_size: int | None = None
     """The logits' width vLLM's sampler kernels are keyed by; None: the model's."""
+    speculative_config: Mapping[str, object] | None = None
+    """vLLM's ``--speculative-config``: its draft tokens give the layers the batched verify
+    path's rows (``verify_len``) and grow a hybrid's Mamba state, and so its block."""
 
 
 def _features(request: PlanRequest) -> Features:
@@ -520,14 +528,21 @@ def plan_shape(request: PlanRequest, shape: ModelShape | None) -> Planned:
             )
         note = f"{shape.architecture}, {len(shape.attention_layers)} attention layers"
         note += f", boundary {', '.join(map(str, skip))}" if skip else ", no boundary layers"
-        if shape.hybrid:  # vLLM sizes a hybrid's attention pages to its Mamba state
-            note += "; hybrid: block size and page padding may differ, --geometry-json is exact"
     else:
         layers, note = 0, "from flags"
     scale = request.scale
     if scale is None:
         scale = shape.scale if shape and shape.scale is not None else head_size**-0.5
-    bs = effective_block_size(feats, request.block_size, DTYPE_BYTES[dtype])
+    _, tokens, _ = compat.speculative_fields(request.speculative_config)
+    bs = request.block_size
+    if not (shape is not None and shape.hybrid):  # a hybrid has no boundary layers to cover
+        bs = effective_block_size(feats, bs, DTYPE_BYTES[dtype])
+    if shape is not None and shape.hybrid and shape.config is not None:
+        try:
+            bs = compat.hybrid_block_size(shape.config, tp, request.kv_cache_dtype, bs, tokens)
+            note += f"; hybrid: attention block {bs} tokens (vLLM's, to its Mamba state)"
+        except compat.CompatError as exc:
+            note += f"; hybrid: block {bs} ({exc}), --geometry-json is exact"
     kernel = compat.kernel_block_size(bs)
     layout = preset(request.kv_cache_dtype, head_size)
     runner = request.runner or ("v2" if feats.v2_runner_default else "v1")
@@ -549,6 +564,7 @@ def plan_shape(request: PlanRequest, shape: ModelShape | None) -> Planned:
         fp8_e4b15=compat.fp8_e4b15((request.arch // 10, request.arch % 10)),
         features=feats,
         ubatch_sliced=compat.ubatch_sliced(feats, request.enable_dbo, runner == "v2"),
+        verify_len=verify_len(feats, tokens, _parallel_drafting(request.speculative_config)),
     )
     chunk = request.attention_chunk_size
     if chunk is None:
@@ -579,28 +595,40 @@ def verify_len(feats: Features, spec_tokens: int, parallel_drafting: bool = Fals
     return 1 + (2 if parallel_drafting else 1) * spec_tokens
 
 
-def named_geometries(planned: Planned, verify: int = 0) -> dict[str, Geometry]:
-    """A plan's distinct geometries by name (its chunked local layers' apart), each with
-    the batched verify path's query length ``verify`` (0: none)."""
+def _parallel_drafting(spec: Mapping[str, object] | None) -> bool:
+    return bool(spec and spec.get("parallel_drafting", False))
+
+
+def named_geometries(planned: Planned) -> dict[str, Geometry]:
+    """A plan's distinct geometries by name (its chunked local layers' apart)."""
     named = {"geometry0": planned.geometry}
     if planned.local is not None:
         named["local"] = planned.local
-    return {name: dataclasses.replace(g, verify_len=verify) for name, g in named.items()}
+    return named
 
 
-def worker_plan(vllm_config: Any, feats: Features, arch: int, runner_v2: bool) -> Planned:
+_SPEC_FIELDS = ("method", "num_speculative_tokens", "parallel_drafting")
+"""What a plan reads of a worker's ``SpeculativeConfig`` (its ``--speculative-config``)."""
+
+
+def worker_plan(
+    vllm_config: Any, feats: Features, arch: int, runner_v2: bool, verify_rows: bool
+) -> Planned:
     """What a worker of this ``VllmConfig`` will discover, planned before its model exists
     (the compile-ahead child, ``ahead``): the shape from its own ``ModelConfig`` on its
     rank (``shape_of``) and its engine arguments (the manager block as its
-    ``CacheConfig`` has it, final where the child starts). A guess that misses the layers
-    a worker then reads costs that worker the keys' compiles, never a wrong key: the
-    worker plans its own from what it discovers. Raises PlanError or UnsupportedModel
-    with one line."""
+    ``CacheConfig`` has it, final where the child starts; the batched verify path's rows
+    where ``verify_rows``, the guard's setting). A guess that misses the layers a worker
+    then reads costs that worker the keys' compiles, never a wrong key: the worker plans
+    its own from what it discovers. Raises PlanError or UnsupportedModel with one line."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     scheduler = vllm_config.scheduler_config
     attention = getattr(vllm_config, "attention_config", None)
     splits = getattr(attention, "tq_max_kv_splits_for_cuda_graph", PlanRequest.kv_splits)
+    spec = getattr(vllm_config, "speculative_config", None)
+    served = verify_rows and compat.spec_decode_threshold(vllm_config) > 1  # the guard's test
+    drafts = {name: getattr(spec, name) for name in _SPEC_FIELDS if hasattr(spec, name)}
     request = PlanRequest(
         kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
         vllm_version=".".join(map(str, feats.version)),
@@ -613,5 +641,6 @@ def worker_plan(vllm_config: Any, feats: Features, arch: int, runner_v2: bool) -
         kv_splits=int(splits),
         arch=arch,
         enable_dbo=compat.ubatching(vllm_config),
+        speculative_config=drafts if served else None,
     )
-    return plan_shape(request, shape_of(model, parallel))
+    return plan_shape(request, shape_of(model, parallel)._replace(config=None))

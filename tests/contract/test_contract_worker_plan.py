@@ -114,9 +114,8 @@ def discovered(case: Case, config: Any) -> Geometry:
 
 def planned(config: Any) -> Geometry:
     """What the child plans for the same worker (``ahead_child.key_jobs``' geometry)."""
-    _, tokens, _ = compat.speculative_of(config)
-    plan = planning.worker_plan(config, feats(), 90, runner_v2=False)
-    return planning.named_geometries(plan, planning.verify_len(feats(), tokens))["geometry0"]
+    plan = planning.worker_plan(config, feats(), 90, runner_v2=False, verify_rows=True)
+    return planning.named_geometries(plan)["geometry0"]
 
 
 def forget(keys: list[Any]) -> None:
@@ -198,3 +197,28 @@ def test_the_childs_keys_are_found_by_the_workers_warmup(
     with CompileCounter() as cold:
         assert keyplan.compile_all(pm, keys[:1], threads=1) == []
     assert cold.compiled == 1
+
+
+def test_precompile_plans_a_hybrid_at_vllms_block() -> None:
+    """``precompile --model`` of a hybrid plans at the block vLLM gives its attention for the
+    Mamba state (``compat.hybrid_block_size`` from the default 16: 304 tokens for Jamba, run
+    as kernel blocks of 16, on 0.22-0.30), where it planned TurboQuant's own 32 before
+    session 24; the worker that runs at that block discovers the planned geometry."""
+    request = planning.PlanRequest(
+        kv_cache_dtype=PRESET, model="jamba-v0.1", tensor_parallel_size=1, dtype="bfloat16",
+        max_model_len=4096, runner="v1", max_num_seqs=REQS, max_num_batched_tokens=TOKENS,
+        kv_splits=SPLITS,
+    )  # fmt: skip
+    plan = planning.plan_geometry(request, str(MODELS / "jamba-v0.1"))
+    block = compat.hybrid_block_size(plan_model("jamba-v0.1"), 1, PRESET, 16, 0)
+    assert block > 32 and f"attention block {block} tokens" in plan.note
+    case = Case("jamba-v0.1", 1, 4096, block)
+    _split_here(case)
+    assert plan.geometry == discovered(case, worker_config(case))
+
+
+def plan_model(name: str, directory: Path | None = None) -> Any:
+    from vllm.config import ModelConfig
+
+    return ModelConfig(model=str(directory or MODELS / name), skip_tokenizer_init=True,
+                       max_model_len=4096, dtype="bfloat16")  # fmt: skip

@@ -30,6 +30,7 @@ __all__ = [
     "engine_of",
     "full_decode_graphs",
     "graph_tokens",
+    "hybrid_block_size",
     "kernel_block_size",
     "kv_block_zeroer",
     "logits_of",
@@ -365,6 +366,42 @@ def slot_mapping_tables(runner: Any) -> list[Any]:
     0.26+ mark mamba-like groups ``slot_mapping_mode == NONE``; they map nothing."""
     tables = runner.input_batch.block_table.block_tables
     return [t for t in tables if _mode(t) != "none"]
+
+
+def hybrid_block_size(
+    model_config: Any, tp: int, cache_dtype: str, block_size: int, spec_tokens: int
+) -> int:
+    """The attention block vLLM gives a hybrid (attention + Mamba) model: its own
+    ``Platform._align_hybrid_block_size`` over TurboQuant's backend (0.21-0.33), which grows
+    the block until a TurboQuant page covers the model's Mamba state, on a ``VllmConfig`` of
+    the model (a CPU device: the method reads the model, cache, parallel and speculative
+    configs only) and vLLM's default ``mamba_cache_mode`` (``none``: prefix caching off,
+    vLLM's default for Qwen3-Next). The state grows with the draft tokens, and so does the
+    block: 2096, 2160 and 2224 tokens at k = 0, 2 and 4 for the serve-jit Qwen3-Next (vLLM
+    0.22-0.33 on the CPU; the H200 logged "Setting attention block size to 2160 tokens"
+    with MTP k=2, 0.26.0, run Z). A worker does this after loading its model, which is why
+    ``precompile --model`` planned such a model at TurboQuant's own 32 before session 24.
+    Raises CompatError where vLLM cannot say (a model class that does not import)."""
+    from types import SimpleNamespace
+
+    config_module = importlib.import_module(paths.MODEL_CONFIG_MODULE)
+    platform = importlib.import_module(paths.PLATFORM_INTERFACE_MODULE).Platform
+    backend = getattr(importlib.import_module(paths.BACKEND_MODULE), paths.BACKEND_CLASS)
+    try:
+        cache = config_module.CacheConfig(cache_dtype=cache_dtype, block_size=block_size)
+        config = config_module.VllmConfig(
+            device_config=config_module.DeviceConfig(device="cpu"),
+            cache_config=cache,
+            parallel_config=config_module.ParallelConfig(tensor_parallel_size=tp),
+        )
+        object.__setattr__(config, "model_config", model_config)  # not re-validated
+        cache.block_size = block_size  # whatever the platform's own checks made of it
+        spec = SimpleNamespace(num_speculative_tokens=spec_tokens) if spec_tokens else None
+        object.__setattr__(config, "speculative_config", spec)
+        platform._align_hybrid_block_size(config, backend)
+    except Exception as exc:  # vLLM raises anything from a model class or a config
+        raise CompatError(f"vLLM could not size the hybrid block: {exc!r}"[:300]) from None
+    return int(cache.block_size)
 
 
 def kernel_block_size(block_size: int) -> int:

@@ -38,6 +38,7 @@ __all__ = [
     "MODEL_UTILS_MODULE",
     "MOE_ACTIVATION_MODULE",
     "PLATFORMS_MODULE",
+    "PLATFORM_INTERFACE_MODULE",
     "PLATFORM_UTILS_MODULE",
     "REJECTION_MODULE",
     "SAMPLER_MODULE",
@@ -88,6 +89,9 @@ MOE_ACTIVATION_MODULE = "vllm.model_executor.layers.fused_moe.activation"
 TRITON_EXPERTS_MODULE = "vllm.model_executor.layers.fused_moe.experts.triton_moe"
 CUSTOM_OPS_MODULE = "vllm._custom_ops"
 PLATFORMS_MODULE = "vllm.platforms"
+PLATFORM_INTERFACE_MODULE = "vllm.platforms.interface"
+"""``Platform``, whose ``_align_hybrid_block_size`` sizes a hybrid model's attention block
+to its Mamba state (0.21-0.33)."""
 PLATFORM_UTILS_MODULE = "vllm.utils.platform_utils"  # 0.26+
 
 # Modules whose global ``kernel_warmup`` vLLM calls: the defining module, the
