@@ -399,3 +399,49 @@ def test_load_model_starts_it_and_the_hook_is_undone(monkeypatch: pytest.MonkeyP
     w.load_model()
     hybrid.determine_available_memory()
     assert started == [w, hybrid]
+
+
+def test_a_turboquant_plan_that_fails_costs_its_line_not_the_engine_jobs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The child's own work (not forked here): the worker's config that ``planning`` cannot
+    read is one error line among the results, and the engine jobs are built all the same,
+    the TurboQuant keys first where the plan works."""
+    from tq_warmup_plugin import engine_plan
+    from tq_warmup_plugin.engine import Job
+    from tq_warmup_plugin.shipped import precompile
+
+    built: list[list[str]] = []
+    engine_job = Job("slot mapping", "block 32", lambda: None)
+    monkeypatch.setattr(precompile, "use_compile_only_target", lambda arch: None)
+    monkeypatch.setattr(ahead_child, "die_with_parent", lambda: None)  # not this process
+    monkeypatch.setattr(engine_plan, "cpu_engine", lambda request: object())
+    monkeypatch.setattr(engine_plan, "jobs", lambda pm, engine: ([engine_job], [], []))
+
+    def build(todo: list[Job], **kwargs: Any) -> tuple[list[Job], list[str]]:
+        built.append([f"{job.family}: {job.what}" for job in todo])
+        return todo, []
+
+    monkeypatch.setattr(engine_plan, "build", build)
+    req = ahead.request_of(worker(), FEATS)
+    assert req is not None
+    given = {"request": req.to_dict(), "arch": 90, "processes": 1, "verify": True}
+
+    def result(config: Any) -> dict[str, Any]:
+        read, write = os.pipe()
+        code = ahead_child.run_child(given, write, config)
+        os.close(write)
+        out = json.loads(os.read(read, ahead_child.OUTPUT_LIMIT))
+        os.close(read)
+        return {**out, "code": code}
+
+    broken = result(SimpleNamespace())  # no model config: nothing to plan from
+    assert (broken["code"], broken["built"], broken["keys"], broken["failed"]) == (1, 1, 0, 1)
+    assert broken["errors"][0].startswith("TurboQuant keys not planned: AttributeError")
+    assert built[-1] == ["slot mapping: block 32"]
+
+    key = Job(ahead_child.FAMILY, "decode", lambda: None)
+    monkeypatch.setattr(ahead_child, "key_jobs", lambda pm, config, given, feats: [key])
+    planned = result(SimpleNamespace())
+    assert (planned["code"], planned["built"], planned["keys"], planned["errors"]) == (0, 2, 1, [])
+    assert built[-1] == ["TurboQuant: decode", "slot mapping: block 32"]  # the worker's order

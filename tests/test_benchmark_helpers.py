@@ -532,3 +532,14 @@ def test_ahead_cost_table_gives_each_fork_its_ratio_to_the_engine_jobs_alone() -
     assert "V1, engine jobs, 10 jobs (0 keys)" in lines[3]
     assert lines[3].split()[-2:] == ["8.0", "1.00"]
     assert "40 jobs (30 keys)" in lines[4] and lines[4].split()[-2:] == ["20.0", "2.50"]
+
+
+@pytest.mark.parametrize("version", ["0.22.0", "0.26.0", "0.33.0"])
+def test_ahead_cost_asks_the_child_what_it_takes(version: str) -> None:
+    """Each engine's request is one the child accepts (``EngineRequest.from_dict``)."""
+    from benchmarks.tqbench.ahead_cost import ENGINES, engine_request
+    from tq_warmup_plugin.engine_plan import EngineRequest
+
+    for args in ENGINES.values():
+        request = EngineRequest.from_dict(json.loads(json.dumps(engine_request(args, version))))
+        assert (request.spec_method, request.runner_v2) == (args["spec_method"], args["runner_v2"])

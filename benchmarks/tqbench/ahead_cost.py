@@ -36,8 +36,8 @@ from benchmarks.tqbench.cli import new_parser
 from benchmarks.tqbench.matrix import DEFAULT_RESULTS_DIR
 from benchmarks.tqbench.register_cost import sample, write_summary
 
-__all__ = ["ENGINES", "add_parser", "child_seconds", "cmd_ahead_cost", "fork_seconds", "table",
-           "worker_config"]  # fmt: skip
+__all__ = ["ENGINES", "add_parser", "child_seconds", "cmd_ahead_cost", "engine_request",
+           "fork_seconds", "table", "worker_config"]  # fmt: skip
 
 _IMPORT_PROBE = """
 import json, time
@@ -54,26 +54,22 @@ ENGINES: dict[str, dict[str, Any]] = {
 """The two workers of serve-jit runs M-N, by their engine arguments."""
 
 
-def _request(engine: dict[str, Any]) -> dict[str, Any]:
+def engine_request(engine: dict[str, Any], version: str | None = None) -> dict[str, Any]:
+    """The child's request for one of ``ENGINES`` on ``version`` (None: the installed
+    vLLM), built by ``EngineRequest`` itself, so a field it gains has its default here (a
+    hand-written dict went stale when the MoE fields came: every child refused it)."""
     from tq_warmup_plugin import compat
+    from tq_warmup_plugin.engine_plan import EngineRequest
 
-    return {
-        "features": compat.installed_vllm_version(),
-        "vocab_size": 128256,
-        "model_dtype": "bfloat16",
-        "block_size": 32,
-        "max_model_len": 4096,
-        "max_num_seqs": 256,
-        "max_num_batched_tokens": 8192,
-        "draft_probs": False,
-        "max_logprobs": 20,
-        **engine,
-    }
+    feats = compat.release_features(version or compat.installed_vllm_version() or "")
+    return EngineRequest(features=feats, vocab_size=128256, model_dtype="bfloat16",
+                         block_size=32, max_model_len=4096, max_num_seqs=256,
+                         max_num_batched_tokens=8192, **engine).to_dict()  # fmt: skip
 
 
 def child_seconds(engine: dict[str, Any], processes: int) -> dict[str, Any]:
     """One real child over an empty Triton cache: its own JSON line (jobs, errors, seconds)."""
-    argument = json.dumps({"request": _request(engine), "arch": 90, "processes": processes})
+    argument = json.dumps({"request": engine_request(engine), "arch": 90, "processes": processes})
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_CACHE_DIR": cache}
         out = subprocess.run(
@@ -131,7 +127,7 @@ def worker_config(directory: str, request: dict[str, Any]) -> Any:
 
 def fork_seconds(engine: dict[str, Any], processes: int, with_keys: bool) -> dict[str, Any]:
     """The forked child's work, vLLM imported first, over an empty Triton cache: its line."""
-    given = {"request": _request(engine), "arch": 90, "processes": processes, "verify": True}
+    given = {"request": engine_request(engine), "arch": 90, "processes": processes, "verify": True}
     out = subprocess.run(
         [sys.executable, "-c", _FORK_PROBE, json.dumps(given), "1" if with_keys else "0"],
         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True,
