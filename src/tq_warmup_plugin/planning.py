@@ -537,13 +537,14 @@ def plan_shape(request: PlanRequest, shape: ModelShape | None) -> Planned:
     bs = request.block_size
     if not (shape is not None and shape.hybrid):  # a hybrid has no boundary layers to cover
         bs = effective_block_size(feats, bs, DTYPE_BYTES[dtype])
-    if shape is not None and shape.hybrid and shape.config is not None:
-        try:
-            bs = compat.hybrid_block_size(shape.config, tp, request.kv_cache_dtype, bs, tokens)
-            note += f"; hybrid: attention block {bs} tokens (vLLM's, to its Mamba state)"
-        except compat.CompatError as exc:
-            note += f"; hybrid: block {bs} ({exc}), --geometry-json is exact"
-    kernel = compat.kernel_block_size(bs)
+    with _vllm_quiet():  # vLLM's platform says what it cannot import (0.33), the CLI not
+        if shape is not None and shape.hybrid and shape.config is not None:
+            try:
+                bs = compat.hybrid_block_size(shape.config, tp, request.kv_cache_dtype, bs, tokens)
+                note += f"; hybrid: attention block {bs} tokens (vLLM's, to its Mamba state)"
+            except compat.CompatError as exc:
+                note += f"; hybrid: block {bs} ({exc}), --geometry-json is exact"
+        kernel = compat.kernel_block_size(bs)
     layout = preset(request.kv_cache_dtype, head_size)
     runner = request.runner or ("v2" if feats.v2_runner_default else "v1")
     width = block_table_width(feats, max_model_len, bs, runner == "v2", kernel)
