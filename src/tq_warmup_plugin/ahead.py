@@ -5,17 +5,16 @@ Why: from a cold Triton cache the engine warmers' compiles cost a TurboQuant wor
 (V1 with ngram) and 8.7 s (V2) of startup on the H200 (vLLM 0.26.0, one server on 16 CPUs,
 ``benchmarks/results/serve-jit`` run J), over the 5 s a worker may add. Triton holds the GIL
 for most of a compile (its AST walk and MLIR passes), so the worker's threads help little,
-and processes do: the child's V1 ngram keys took 23.9 s in one compile process and 15.5 s
-in two (2 CPUs, vLLM 0.26.0, ``python -m benchmarks.tqbench ahead-cost``,
-``benchmarks/results/ahead-cost.json``, session 24; 27.1 and 16.1 s in its run before).
-But those keys depend only on engine arguments a worker knows before it loads its model
+and processes do: the child's V1 ngram keys took 23.9 s in one compile process and 15.5 s in
+two (2 CPUs, vLLM 0.26.0, ``python -m benchmarks.tqbench ahead-cost``,
+``benchmarks/results/ahead-cost.json``, session 24; 27.1 and 16.1 s in its run before). But
+those keys depend only on engine arguments a worker knows before it loads its model
 (``engine_plan.EngineRequest``), and the worker then spends seconds to minutes on weights,
 ``torch.compile``, profiling and the KV cache; and so do TurboQuant's own keys (1.2-2.3 s
 cold in the worker, runs AK-AM), whose layers the child plans from the worker's config
 (``planning.worker_plan``) as ``precompile`` plans them from a model's: beside the engine
 jobs, a dense Llama's 6 keys left the fork's 10.5 s as it was (2 processes, the same
-``ahead-cost`` run). So
-``Worker.load_model`` (a hybrid model's
+``ahead-cost`` run). So ``Worker.load_model`` (a hybrid model's
 ``determine_available_memory``, where its block is final: ``LATE``) forks one child
 (``spawn``, ``ahead_child.run_child``): vLLM already imported, CPU only (Triton's
 compile-only target: no CUDA call, no GPU memory), with the worker's own environment, so it
