@@ -593,7 +593,7 @@ def verify_len(feats: Features, spec_tokens: int, parallel_drafting: bool = Fals
     ``verify_len`` that discovery reads off a served builder (``verify_rows.rows_of``)."""
     if not spec_tokens or not feats.spec_verify_batched:
         return 0
-    return 1 + (2 if parallel_drafting else 1) * spec_tokens
+    return compat.spec_query_len(spec_tokens, parallel_drafting)
 
 
 def _parallel_drafting(spec: Mapping[str, object] | None) -> bool:

@@ -35,6 +35,7 @@ __all__ = [
     "prefix_reused",
     "single_token_decode_support",
     "spec_decode_threshold",
+    "spec_query_len",
     "speculative_decoding",
     "speculative_setup",
     "turboquant_impl_class",
@@ -87,7 +88,15 @@ def spec_decode_threshold(vllm_config: Any) -> int:
     own = getattr(importlib.import_module(paths.ATTENTION_MODULE), "max_decode_query_len", None)
     if own is not None:
         return int(own(vllm_config))
-    return 1 + (2 if getattr(spec, "parallel_drafting", False) else 1) * int(k)
+    return spec_query_len(int(k), bool(getattr(spec, "parallel_drafting", False)))
+
+
+def spec_query_len(spec_tokens: int, parallel_drafting: bool = False) -> int:
+    """The most query tokens of a request under speculative decoding: ``1 + k``, with twice
+    the drafts under ``parallel_drafting`` (0.21-0.32's threshold; 0.33's own
+    ``max_decode_query_len`` says the same for these configurations, which the contract
+    tests hold)."""
+    return 1 + (2 if parallel_drafting else 1) * spec_tokens
 
 
 def single_token_decode_support() -> Any:
