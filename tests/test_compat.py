@@ -385,3 +385,21 @@ def test_the_kernel_block_is_the_block_where_vllm_cannot_say(
     # guess whose miss costs a compile (the real choice: tests/contract/test_contract_hybrid_block).
     monkeypatch.setattr(compat.vllm_paths, "WORKER_UTILS_MODULE", "tq_no_such_module")
     assert compat.kernel_block_size(2160) == 2160
+
+
+def test_a_hybrid_vllm_cannot_size_is_planned_at_its_block_with_one_line() -> None:
+    """Where vLLM cannot size a hybrid's block (here: no vLLM, or a model it cannot read),
+    the plan keeps the block it was given and its note says why in one line."""
+    shape = planning.ModelShape(
+        architecture="HybridForCausalLM", head_size=128, total_heads=16, total_kv_heads=2,
+        num_heads=16, num_kv_heads=2, num_layers=8, attention_layers=(3, 7), hybrid=True,
+        dtype="bfloat16", config_dtype="bfloat16", max_model_len=4096, scale=None,
+        config=object(),
+    )  # fmt: skip
+    with pytest.raises(compat.CompatError, match="could not size the hybrid block"):
+        compat.hybrid_block_size(object(), 1, "turboquant_4bit_nc", 16, 0)
+    request = planning.PlanRequest(kv_cache_dtype="turboquant_4bit_nc", vllm_version="0.26.0")
+    planned = planning.plan_shape(request, shape)
+    assert planned.geometry.block_size == 16  # no boundary layers: not TurboQuant's 32
+    assert "; hybrid: block 16 (vLLM could not size the hybrid block: " in planned.note
+    assert planned.note.endswith("--geometry-json is exact") and "\n" not in planned.note

@@ -384,10 +384,10 @@ def hybrid_block_size(
     Raises CompatError where vLLM cannot say (a model class that does not import)."""
     from types import SimpleNamespace
 
-    config_module = importlib.import_module(paths.MODEL_CONFIG_MODULE)
-    platform = importlib.import_module(paths.PLATFORM_INTERFACE_MODULE).Platform
-    backend = getattr(importlib.import_module(paths.BACKEND_MODULE), paths.BACKEND_CLASS)
-    try:
+    try:  # a release without the method (0.20) or the backend is one line too
+        config_module = importlib.import_module(paths.MODEL_CONFIG_MODULE)
+        platform = importlib.import_module(paths.PLATFORM_INTERFACE_MODULE).Platform
+        backend = getattr(importlib.import_module(paths.BACKEND_MODULE), paths.BACKEND_CLASS)
         cache = config_module.CacheConfig(cache_dtype=cache_dtype, block_size=block_size)
         config = config_module.VllmConfig(
             device_config=config_module.DeviceConfig(device="cpu"),
