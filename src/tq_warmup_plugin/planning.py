@@ -130,8 +130,8 @@ def block_table_width(
     (a hybrid model's, ``compat.kernel_block_size``), the row holds each manager block as
     ``bs // kernel_block`` kernel blocks (``BlockTable``'s ``blocks_per_kv_block``,
     0.21-0.31; the kernel block table of ``AttentionGroup``, 0.32+). Until session 24 a V1
-    plan left 0.21-0.26 unrounded: for 1000 tokens of 16 it said 63 where vLLM's table
-    has 64 (read off vLLM's own table, ``test_contract_worker_plan``)."""
+    plan left 0.21-0.26 unrounded: for 900 tokens of 16 it said 57 where vLLM's own table
+    has 64 (``test_contract_worker_plan``)."""
     blocks = -(-max_model_len // block_size)
     if v2 and block_size <= 128:
         align = 128 // block_size
@@ -535,10 +535,11 @@ def plan_shape(request: PlanRequest, shape: ModelShape | None) -> Planned:
         scale = shape.scale if shape and shape.scale is not None else head_size**-0.5
     _, tokens, _ = compat.speculative_fields(request.speculative_config)
     bs = request.block_size
-    if not (shape is not None and shape.hybrid):  # a hybrid has no boundary layers to cover
+    hybrid = shape is not None and shape.hybrid
+    if not hybrid:  # a hybrid has no boundary layers to cover
         bs = effective_block_size(feats, bs, DTYPE_BYTES[dtype])
     with _vllm_quiet():  # vLLM's platform says what it cannot import (0.33), the CLI not
-        if shape is not None and shape.hybrid and shape.config is not None:
+        if hybrid and shape is not None and shape.config is not None:
             try:
                 bs = compat.hybrid_block_size(shape.config, tp, request.kv_cache_dtype, bs, tokens)
                 note += f"; hybrid: attention block {bs} tokens (vLLM's, to its Mamba state)"
@@ -608,10 +609,6 @@ def named_geometries(planned: Planned) -> dict[str, Geometry]:
     return named
 
 
-_SPEC_FIELDS = ("method", "num_speculative_tokens", "parallel_drafting")
-"""What a plan reads of a worker's ``SpeculativeConfig`` (its ``--speculative-config``)."""
-
-
 def worker_plan(
     vllm_config: Any, feats: Features, arch: int, runner_v2: bool, verify_rows: bool
 ) -> Planned:
@@ -627,9 +624,7 @@ def worker_plan(
     scheduler = vllm_config.scheduler_config
     attention = getattr(vllm_config, "attention_config", None)
     splits = getattr(attention, "tq_max_kv_splits_for_cuda_graph", PlanRequest.kv_splits)
-    spec = getattr(vllm_config, "speculative_config", None)
     served = verify_rows and compat.spec_decode_threshold(vllm_config) > 1  # the guard's test
-    drafts = {name: getattr(spec, name) for name in _SPEC_FIELDS if hasattr(spec, name)}
     request = PlanRequest(
         kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
         vllm_version=".".join(map(str, feats.version)),
@@ -642,6 +637,6 @@ def worker_plan(
         kv_splits=int(splits),
         arch=arch,
         enable_dbo=compat.ubatching(vllm_config),
-        speculative_config=drafts if served else None,
+        speculative_config=compat.speculative_config_of(vllm_config) if served else None,
     )
     return plan_shape(request, shape_of(model, parallel)._replace(config=None))

@@ -42,6 +42,7 @@ __all__ = [
     "sampling_metadata",
     "slot_mapping_tables",
     "spec_decode_metadata",
+    "speculative_config_of",
     "speculative_fields",
     "speculative_of",
     "swapped",
@@ -90,7 +91,8 @@ def engine_of(worker: Any, feats: Features) -> dict[str, Any]:
 
 
 _SPEC_FIELDS = (
-    "method", "num_speculative_tokens", "rejection_sample_method", "draft_sample_method"
+    "method", "num_speculative_tokens", "rejection_sample_method", "draft_sample_method",
+    "parallel_drafting",
 )  # fmt: skip
 
 
@@ -119,10 +121,16 @@ def speculative_fields(config: Mapping[str, object] | None) -> tuple[str | None,
 
 def speculative_of(vllm_config: Any) -> tuple[str | None, int, bool]:
     """``speculative_fields`` of a ``VllmConfig``'s ``speculative_config`` (all releases)."""
+    return speculative_fields(speculative_config_of(vllm_config))
+
+
+def speculative_config_of(vllm_config: Any) -> dict[str, object] | None:
+    """A ``VllmConfig``'s ``speculative_config`` as the ``--speculative-config`` fields the
+    plugin reads (all releases; ``parallel_drafting`` where it has one), None without."""
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is None:
-        return None, 0, False
-    return speculative_fields({k: getattr(spec, k) for k in _SPEC_FIELDS if hasattr(spec, k)})
+        return None
+    return {k: getattr(spec, k) for k in _SPEC_FIELDS if hasattr(spec, k)}
 
 
 def graph_tokens(config: Any) -> int:
