@@ -221,6 +221,9 @@ def prepare_row(args: argparse.Namespace, name: str, work: Path) -> Prepared:
         config = qwen3_next_config(args.max_model_len)
         (model_dir / "config.json").write_text(json.dumps(config, indent=1))
     env = serve_env(args, work / name / "triton", Path(args.stub))
+    # inductor's FX graph cache is per user (/tmp/torchinductor_USER): a row's own, or the
+    # rank count and the async correction a row before compiled would start warm here
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(work / name / "inductor")
     env["TQ_WARMUP_VLLM_KERNELS"] = "1" if row.warmers else "0"
     env["TQ_WARMUP_AHEAD"] = "1" if row.ahead else "0"
     if args.driver_cache:
