@@ -11,7 +11,8 @@ two (2 CPUs, vLLM 0.26.0, ``python -m benchmarks.tqbench ahead-cost``,
 those keys depend only on engine arguments a worker knows before it loads its model
 (``engine_plan.EngineRequest``), and the worker then spends seconds to minutes on weights,
 ``torch.compile``, profiling and the KV cache; and so do TurboQuant's own keys (1.2-2.3 s
-cold in the worker, runs AK-AM), whose layers the child plans from the worker's config
+cold in the worker, runs AK-AM; 57-73 ms once the child built them, runs AQ-AR), whose
+layers the child plans from the worker's config
 (``planning.worker_plan``) as ``precompile`` plans them from a model's: beside the engine
 jobs, a dense Llama's 6 keys left the fork's 10.5 s as it was (2 processes, the same
 ``ahead-cost`` run). So ``Worker.load_model`` (a hybrid model's
