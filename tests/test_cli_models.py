@@ -123,6 +123,23 @@ def test_llama4_plans_its_chunked_local_layers(capsys: pytest.CaptureFixture[str
 
 
 @pytest.mark.real_vllm
+def test_inspect_takes_vllms_prefix_caching_flags_for_a_hybrid(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--enable-prefix-caching`` reaches the hybrid's block as vLLM's own flag does
+    (``test_contract_worker_plan`` holds the block to vLLM's); ``--mamba-cache-mode align``
+    keeps the block it has without prefix caching, on every release."""
+    argv = ("--model", str(MODELS / "jamba-v0.1"), "--max-model-len", "4096")
+    blocks = []
+    for extra in ((), ("--enable-prefix-caching",), ("--enable-prefix-caching",
+                                                      "--mamba-cache-mode", "align")):  # fmt: skip
+        planned, _ = planned_keys(capsys, *argv, *extra)
+        blocks.append(int(planned["source"].split("attention block ")[1].split()[0]))
+    off, on, align = blocks
+    assert align == off and on >= off
+
+
+@pytest.mark.real_vllm
 @pytest.mark.parametrize("family", sorted(REFUSED))
 def test_models_vllm_runs_without_turboquant_are_refused(
     family: str, capsys: pytest.CaptureFixture[str]

@@ -100,7 +100,8 @@ FROM_REPORT = ("--model", "--trust-remote-code", "--kv-cache-dtype", "--head-siz
                 "--num-heads", "--num-kv-heads", "--tensor-parallel-size", "-tp",
                 "--block-size", "--max-num-seqs", "--max-model-len", "--max-num-batched-tokens",
                 "--kv-splits", "--attention-chunk-size", "--dtype", "--scale", "--runner",
-                "--enable-dbo", "--vllm-version")  # fmt: skip
+                "--enable-dbo", "--vllm-version", "--enable-prefix-caching",
+                "--no-enable-prefix-caching", "--mamba-cache-mode")  # fmt: skip
 
 
 def report_conflicts(argv: Sequence[str]) -> list[str]:
@@ -194,6 +195,19 @@ def geometry_flags(p: argparse.ArgumentParser) -> None:
         type=speculative_config,
         help="vLLM's --speculative-config JSON: also plan vLLM's own kernels it reaches "
         "(the rejection sampler, top-k/top-p); they are planned only with a vocabulary",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=_plan_default("--enable-prefix-caching"),
+        help="vLLM's --enable-prefix-caching: a hybrid model's block may follow its Mamba "
+        "chunk (vLLM's default for hybrids: off)",
+    )
+    p.add_argument(
+        "--mamba-cache-mode",
+        choices=["none", "align", "all"],
+        default=_plan_default("--mamba-cache-mode"),
+        help="vLLM's --mamba-cache-mode (with prefix caching, none lets vLLM choose)",
     )
     p.add_argument(
         "--vocab-size",

@@ -451,6 +451,11 @@ class PlanRequest:
     speculative_config: Mapping[str, object] | None = None
     """vLLM's ``--speculative-config``: its draft tokens give the layers the batched verify
     path's rows (``verify_len``) and grow a hybrid's Mamba state, and so its block."""
+    enable_prefix_caching: bool = False
+    """vLLM's ``--enable-prefix-caching``, opt-in for a hybrid model (0.22-0.33): it may
+    align the hybrid's block to its Mamba chunk (``compat.hybrid_block_size``)."""
+    mamba_cache_mode: str = "none"
+    """vLLM's ``--mamba-cache-mode``; ``none`` with prefix caching is vLLM's own choice."""
 
 
 def _features(request: PlanRequest) -> Features:
@@ -541,7 +546,10 @@ def plan_shape(request: PlanRequest, shape: ModelShape | None) -> Planned:
     with _vllm_quiet():  # vLLM's platform says what it cannot import (0.33), the CLI not
         if hybrid and shape is not None and shape.config is not None:
             try:
-                bs = compat.hybrid_block_size(shape.config, tp, request.kv_cache_dtype, bs, tokens)
+                bs = compat.hybrid_block_size(
+                    shape.config, tp, request.kv_cache_dtype, bs, tokens,
+                    request.enable_prefix_caching, request.mamba_cache_mode,
+                )  # fmt: skip
                 note += f"; hybrid: attention block {bs} tokens (vLLM's, to its Mamba state)"
             except compat.CompatError as exc:
                 note += f"; hybrid: block {bs} ({exc}), --geometry-json is exact"

@@ -217,6 +217,32 @@ def test_precompile_plans_a_hybrid_at_vllms_block() -> None:
     assert plan.geometry == discovered(case, worker_config(case))
 
 
+def test_precompile_plans_a_hybrid_with_prefix_caching_at_vllms_block() -> None:
+    """``--enable-prefix-caching`` (opt-in for hybrids): vLLM picks the Mamba cache mode
+    (``all`` for Jamba on 0.22-0.26, ``align`` on 0.30+) and ``all`` aligns the block to
+    the model's Mamba chunk (2048 tokens for Jamba, against 304 without). The plan with the
+    flag is what a worker at vLLM's block discovers; the plan without it is not, wherever
+    the two blocks differ (before session 25 ``precompile`` had no such flag)."""
+    base = dict(kv_cache_dtype=PRESET, model="jamba-v0.1", tensor_parallel_size=1,
+                dtype="bfloat16", max_model_len=4096, runner="v1", max_num_seqs=REQS,
+                max_num_batched_tokens=TOKENS, kv_splits=SPLITS)  # fmt: skip
+    model = plan_model("jamba-v0.1")
+    off = compat.hybrid_block_size(model, 1, PRESET, 16, 0)
+    on = compat.hybrid_block_size(model, 1, PRESET, 16, 0, prefix_caching=True)
+    chunk = model.get_mamba_chunk_size()
+    assert on == off or (on > off and on % chunk == 0), (off, on, chunk)
+    plan = planning.plan_geometry(
+        planning.PlanRequest(**base, enable_prefix_caching=True), str(MODELS / "jamba-v0.1")
+    )
+    assert f"attention block {on} tokens" in plan.note
+    case = Case("jamba-v0.1", 1, 4096, on)
+    _split_here(case)
+    worker = discovered(case, worker_config(case))
+    assert plan.geometry == worker
+    unflagged = planning.plan_geometry(planning.PlanRequest(**base), str(MODELS / "jamba-v0.1"))
+    assert (unflagged.geometry == worker) == (on == off)
+
+
 def plan_model(name: str, directory: Path | None = None) -> Any:
     from vllm.config import ModelConfig
 

@@ -377,26 +377,43 @@ def slot_mapping_tables(runner: Any) -> list[Any]:
 
 
 def hybrid_block_size(
-    model_config: Any, tp: int, cache_dtype: str, block_size: int, spec_tokens: int
+    model_config: Any,
+    tp: int,
+    cache_dtype: str,
+    block_size: int,
+    spec_tokens: int,
+    prefix_caching: bool = False,
+    mamba_cache_mode: str = "none",
 ) -> int:
     """The attention block vLLM gives a hybrid (attention + Mamba) model: its own
     ``Platform._align_hybrid_block_size`` over TurboQuant's backend (0.21-0.33), which grows
     the block until a TurboQuant page covers the model's Mamba state, on a ``VllmConfig`` of
     the model (a CPU device: the method reads the model, cache, parallel and speculative
-    configs only) and vLLM's default ``mamba_cache_mode`` (``none``: prefix caching off,
-    vLLM's default for Qwen3-Next). The state grows with the draft tokens, and so does the
-    block: 2096, 2160 and 2224 tokens at k = 0, 2 and 4 for the serve-jit Qwen3-Next (vLLM
-    0.22-0.33 on the CPU; the H200 logged "Setting attention block size to 2160 tokens"
-    with MTP k=2, 0.26.0, run Z). A worker does this after loading its model, which is why
-    ``precompile --model`` planned such a model at TurboQuant's own 32 before session 24.
-    Raises CompatError where vLLM cannot say (a model class that does not import)."""
+    configs only). The state grows with the draft tokens, and so does the block: 2096, 2160
+    and 2224 tokens at k = 0, 2 and 4 for the serve-jit Qwen3-Next (vLLM 0.22-0.33 on the
+    CPU; the H200 logged "Setting attention block size to 2160 tokens" with MTP k=2, 0.26.0,
+    run Z). A worker does this after loading its model, which is why ``precompile --model``
+    planned such a model at TurboQuant's own 32 before session 24.
+
+    Prefix caching (opt-in for hybrids, 0.22-0.33) picks the ``mamba_cache_mode`` first, by
+    vLLM's own ``HybridAttentionMambaModelConfig`` as ``VllmConfig`` runs it: ``all`` for
+    a model that declares Mamba prefix caching on 0.22-0.26, whose block then aligns to the
+    Mamba chunk (Jamba: 2048 tokens where it is 304 without; CPU, session 25), ``align`` on
+    0.30+ and for other models, which keeps the block. Raises CompatError where vLLM cannot
+    say (a model class that does not import)."""
     from types import SimpleNamespace
 
     try:  # a release without the method (0.20) or the backend is one line too
         config_module = importlib.import_module(paths.MODEL_CONFIG_MODULE)
+        hybrid = importlib.import_module(paths.MODEL_CONFIGS_MODULE).HybridAttentionMambaModelConfig
         platform = importlib.import_module(paths.PLATFORM_INTERFACE_MODULE).Platform
         backend = getattr(importlib.import_module(paths.BACKEND_MODULE), paths.BACKEND_CLASS)
-        cache = config_module.CacheConfig(cache_dtype=cache_dtype, block_size=block_size)
+        cache = config_module.CacheConfig(
+            cache_dtype=cache_dtype,
+            block_size=block_size,
+            enable_prefix_caching=prefix_caching,
+            mamba_cache_mode=mamba_cache_mode,
+        )
         config = config_module.VllmConfig(
             device_config=config_module.DeviceConfig(device="cpu"),
             cache_config=cache,
@@ -406,6 +423,7 @@ def hybrid_block_size(
         cache.block_size = block_size  # whatever the platform's own checks made of it
         spec = SimpleNamespace(num_speculative_tokens=spec_tokens) if spec_tokens else None
         object.__setattr__(config, "speculative_config", spec)
+        hybrid.verify_and_update_config(config)
         platform._align_hybrid_block_size(config, backend)
     except Exception as exc:  # vLLM raises anything from a model class or a config
         raise CompatError(f"vLLM could not size the hybrid block: {exc!r}"[:300]) from None

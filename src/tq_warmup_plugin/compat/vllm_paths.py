@@ -33,6 +33,7 @@ __all__ = [
     "KERNEL_MODULES",
     "LAUNCHER_DEFAULT_KV_SPLITS",
     "LOGITS_PROCESSOR_MODULE",
+    "MODEL_CONFIGS_MODULE",
     "MODEL_CONFIG_MODULE",
     "MODEL_REGISTRY_MODULE",
     "MODEL_UTILS_MODULE",
@@ -139,6 +140,9 @@ DRAFT_CALL_SITE_MODULES = ("vllm.v1.spec_decode.llm_base_proposer",)
 UBATCH_VIEWS_V1 = ("block_table", "seq_lens", "slot_mapping")
 
 MODEL_CONFIG_MODULE = "vllm.config"
+MODEL_CONFIGS_MODULE = "vllm.model_executor.models.config"
+"""The models' ``VerifyAndUpdateConfig`` classes: ``HybridAttentionMambaModelConfig`` sets a
+hybrid's ``mamba_cache_mode`` from prefix caching (0.22-0.33)."""
 TQ_CONFIG_MODULE = "vllm.model_executor.layers.quantization.turboquant.config"
 TQ_DTYPE_PREFIX = "turboquant_"
 """What every TurboQuant ``kv_cache_dtype`` starts with (all releases); vLLM selects
