@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -40,24 +40,29 @@ VLLM_KERNEL_MODULES = (
 """vLLM's own kernel modules the engine warmers reach (``engine_warmup``)."""
 
 
+def forget_compiled(kernels: Iterable[Any]) -> None:
+    """Forget what each of ``kernels`` compiled into memory (a JITFunction itself, or the
+    one a heuristics/autotune wrapper holds; a JITFunction's own ``fn`` is the Python
+    function), so its next launch loads from disk or compiles, and is counted."""
+    from triton.runtime.jit import JITFunction
+
+    for value in kernels:
+        fn = value if isinstance(value, JITFunction) else getattr(value, "fn", None)
+        if isinstance(fn, JITFunction):
+            fn.device_caches.clear()
+
+
 def clear_vllm_kernel_caches() -> None:
     """Forget every compiled kernel of ``VLLM_KERNEL_MODULES``: a test that compiled
     them for real must not turn a later recorder's miss into a launch."""
     import importlib
-
-    from triton.runtime.jit import JITFunction
 
     for name in VLLM_KERNEL_MODULES:
         try:
             module = importlib.import_module(name)
         except ImportError:  # a release without it
             continue
-        for value in vars(module).values():
-            # A JITFunction itself, or the one a heuristics/autotune wrapper holds (a
-            # JITFunction's own ``fn`` is the Python function).
-            fn = value if isinstance(value, JITFunction) else getattr(value, "fn", None)
-            if isinstance(fn, JITFunction):
-                fn.device_caches.clear()
+        forget_compiled(vars(module).values())
 
 
 def block_table(block_size: int, max_len: int = 4096, tokens: int = 2048, reqs: int = 8) -> Any:

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from realvllm import layer_kv_cache, make_impl
+from realvllm import forget_compiled, layer_kv_cache, make_impl
 from test_contract_ahead import request
 from test_contract_hybrid_block import vllm_kernel_block
 from test_contract_vllm_kernels import _driver as _driver  # autouse: sm90, the SM count
@@ -118,18 +118,6 @@ def planned(config: Any) -> Geometry:
     return planning.named_geometries(plan)["geometry0"]
 
 
-def forget(keys: list[Any]) -> None:
-    """Forget the compiled kernels of ``keys`` held in memory (an earlier test's), so that
-    each is loaded from disk or compiled, and counted."""
-    from triton.runtime.jit import JITFunction
-
-    for key in keys:
-        kernel = compat.kernel_function(key.kernel)
-        fn = kernel if isinstance(kernel, JITFunction) else getattr(kernel, "fn", None)
-        if isinstance(fn, JITFunction):
-            fn.device_caches.clear()
-
-
 def _split_here(case: Case) -> None:
     split = bool(case.block) and kernel_of(case.block) != case.block
     table = compat.cpu_block_tables(case.block or 16, 64, 1, 64)[0]
@@ -187,13 +175,13 @@ def test_the_childs_keys_are_found_by_the_workers_warmup(
     ahead.spawn(given, config)
     line = ahead.wait(900)
     assert f"({len(keys)} TurboQuant keys)" in line and "failed" not in line, line
-    forget(keys)
+    forget_compiled(compat.kernel_function(key.kernel) for key in keys)
     warm = Report()
     keyplan.compile_into(warm, pm, keys, threads=1)
     assert (warm.compiled, warm.loaded, warm.failed) == (0, len(keys), 0)
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "empty"))
-    forget(keys)
+    forget_compiled(compat.kernel_function(key.kernel) for key in keys)
     with CompileCounter() as cold:
         assert keyplan.compile_all(pm, keys[:1], threads=1) == []
     assert cold.compiled == 1
