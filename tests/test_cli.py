@@ -226,6 +226,23 @@ def test_doctor_says_the_next_step_when_the_plugin_will_not_warm(
     assert rows["next step"][0].startswith(step) and "then" not in rows
 
 
+def test_doctor_names_what_a_newer_release_leaves_unguarded(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, gpu: Any
+) -> None:
+    """A release after ``NEWEST``: the wrong tokens the guards prevent on the releases
+    the plugin knows, and the flags that avoid them; a supported one has no such row."""
+    monkeypatch.setattr(cli, "_entry_point_visible", lambda: True)
+    for version, row in ((fakes.BEYOND_RELEASE, True), ("0.26.0", False)):
+        monkeypatch.setattr(compat, "installed_vllm_version", lambda v=version: v)
+        cli.main(["doctor"])
+        rows = rows_of(capsys.readouterr().out)
+        assert ("unguarded" in rows) is row
+        if row:
+            text = " ".join(rows["unguarded"])
+            assert "#46460" in text and "--no-enable-prefix-caching" in text
+            assert "PIECEWISE" in text
+
+
 def test_doctor_on_a_cpu_host_names_the_cpu_recipe_and_exits_1(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, gpu: Any
 ) -> None:

@@ -403,3 +403,14 @@ def test_a_hybrid_vllm_cannot_size_is_planned_at_its_block_with_one_line() -> No
     assert planned.geometry.block_size == 16  # no boundary layers: not TurboQuant's 32
     assert "; hybrid: block 16 (vLLM could not size the hybrid block: " in planned.note
     assert planned.note.endswith("--geometry-json is exact") and "\n" not in planned.note
+
+
+@pytest.mark.parametrize(
+    ("version", "beyond"),
+    [((compat.NEWEST[0], compat.NEWEST[1] + 1), True), ((1, 0), True), (compat.NEWEST, False),
+     (compat.OLDEST, False), ((0, 19), False), (None, False)],
+)  # fmt: skip
+def test_beyond_newest_is_a_release_after_the_ones_read(
+    version: tuple[int, int] | None, beyond: bool
+) -> None:
+    assert compat.beyond_newest(version) is beyond

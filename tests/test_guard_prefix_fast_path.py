@@ -4,6 +4,7 @@ routing, the Guard protocol, the setting, strict mode. The real builder and impl
 
 from __future__ import annotations
 
+import logging
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -181,12 +182,19 @@ def test_under_capture_vllms_choice_stands(
 
 
 def test_an_unsupported_release_installs_nothing(
-    backend: tuple[types.ModuleType, list[Any]], release: Any
+    backend: tuple[types.ModuleType, list[Any]], release: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A release newer than the plugin knows: unguarded, and its one WARNING says what
+    that risks and how an operator avoids it."""
     module, _ = backend
     release(fakes.BEYOND_RELEASE)
-    assert not guard.install(module)
+    with caplog.at_level(logging.WARNING, logger="vllm.tq_warmup_plugin"):
+        assert not guard.install(module)
     assert not guard.installed(module)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"tq-warmup: prefix-cache guard not installed: {fakes.OUTSIDE}; {guard.RISK}"
+    ]
+    assert "#46460" in guard.RISK and "--no-enable-prefix-caching" in guard.RISK
 
 
 def test_the_setting_and_the_guard_list() -> None:

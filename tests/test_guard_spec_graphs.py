@@ -137,7 +137,23 @@ def test_unsupported_release_leaves_the_builder_alone(
     assert log() == [
         (
             logging.WARNING,
-            "tq-warmup: speculative-decoding guard not installed: " + fakes.OUTSIDE,
+            f"tq-warmup: speculative-decoding guard not installed: {fakes.OUTSIDE}; {guard.RISK}",
+        )
+    ]
+    assert "wrong tokens" in guard.RISK and "PIECEWISE" in guard.RISK
+
+
+def test_a_release_before_the_oldest_gets_no_risk_line(
+    fake: types.ModuleType, monkeypatch: pytest.MonkeyPatch, log: Log
+) -> None:
+    """TurboQuant came with 0.20: before it there is no TurboQuant to get wrong."""
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.19.1")
+    assert not guard.install(fake)
+    assert log() == [
+        (
+            logging.WARNING,
+            "tq-warmup: speculative-decoding guard not installed: vLLM 0.19 is outside the "
+            f"supported releases {compat.SUPPORTED}",
         )
     ]
 

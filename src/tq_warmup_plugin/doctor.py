@@ -92,6 +92,10 @@ def diagnose(f: Facts) -> Diagnosis:
         ("VLLM_PLUGINS", f.vllm_plugins if f.vllm_plugins is not None else "unset (all load)"),
         ("GPU", ", ".join(dict.fromkeys(f.gpus)) or "none found"),
     ]
+    if compat.beyond_newest(compat.parse_version(f.vllm)):  # what the guards' WARNINGs say
+        from .guards import prefix_fast_path, spec_graphs
+
+        rows.append(("unguarded", f"{prefix_fast_path.RISK}; {spec_graphs.RISK}"))
     checks = [
         (problem is not None, problem or "", install_step(f.vllm, bool(f.gpus), f.checkout)),
         (

@@ -27,6 +27,7 @@ __all__ = [
     "Features",
     "UnsupportedRelease",
     "Version",
+    "beyond_newest",
     "distribution_version",
     "features",
     "gates_ending_at_newest",
@@ -64,6 +65,12 @@ def support_problem(version: Version | None) -> str | None:
     if not OLDEST <= version <= NEWEST:
         return f"vLLM {version[0]}.{version[1]} is outside the supported releases {SUPPORTED}"
     return None
+
+
+def beyond_newest(version: Version | None) -> bool:
+    """Whether ``version`` is a release after ``NEWEST``: one the plugin has not read,
+    where it warms and guards nothing (``support_problem``)."""
+    return version is not None and version > NEWEST
 
 
 class Features(NamedTuple):

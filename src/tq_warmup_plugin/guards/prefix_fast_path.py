@@ -54,6 +54,7 @@ from .gate import install_where_needed
 
 __all__ = [
     "MODULE",
+    "RISK",
     "first_chunks_only",
     "install",
     "installed",
@@ -189,12 +190,23 @@ def _guard(original: Callable[..., Any]) -> Callable[..., Any]:
     return _prefill_attention
 
 
+RISK = (
+    f"through vLLM {compat.NEWEST[0]}.{compat.NEWEST[1]} TurboQuant's first-chunk fast "
+    "path drops a prefix-cache hit's prefix (wrong tokens, upstream #46460): "
+    "--no-enable-prefix-caching avoids it"
+)
+"""What a release newer than the plugin knows may do unguarded (``install_where_needed``)."""
+
+
 def install(backend: ModuleType) -> bool:
     """Wrap ``TurboQuantAttentionImpl._prefill_attention`` where the installed release
     has the bug. Returns whether the guard is in place; never raises into vLLM's import
     (a failure is install_where_needed's WARNING, and ``missing`` tells strict mode)."""
     placed = install_where_needed(
-        "prefix-cache", lambda feats: feats.prefix_fast_path_unsafe, lambda: _apply(backend)
+        "prefix-cache",
+        lambda feats: feats.prefix_fast_path_unsafe,
+        lambda: _apply(backend),
+        RISK,
     )
     feats = _features()
     _failed[:] = [] if placed or feats is None or not feats.prefix_fast_path_unsafe else [True]

@@ -34,7 +34,7 @@ from typing import Any
 from .. import compat, patching
 from .gate import install_where_needed
 
-__all__ = ["MODULE", "capped_support", "install", "installed", "remove"]
+__all__ = ["MODULE", "RISK", "capped_support", "install", "installed", "remove"]
 
 logger = logging.getLogger("vllm.tq_warmup_plugin")
 
@@ -106,6 +106,14 @@ def _init_subclass_guarded(cls: Any, /, **kwargs: Any) -> None:
         _guard_class(cls)
 
 
+RISK = (
+    f"through vLLM {compat.NEWEST[0]}.{compat.NEWEST[1]} a FULL CUDA graph of a TurboQuant "
+    "verify batch ignores the context (wrong tokens with speculative decoding): "
+    '--compilation-config \'{"cudagraph_mode": "PIECEWISE"}\' avoids it'
+)
+"""What a release newer than the plugin knows may do unguarded (``install_where_needed``)."""
+
+
 def install(
     backend: ModuleType,
     exempt: Callable[[Any], bool] | None = None,
@@ -118,7 +126,10 @@ def install(
     global _exempt, _why
     _exempt, _why = exempt, why
     return install_where_needed(
-        "speculative-decoding", lambda feats: feats.spec_graphs_unsafe, lambda: _apply(backend)
+        "speculative-decoding",
+        lambda feats: feats.spec_graphs_unsafe,
+        lambda: _apply(backend),
+        RISK,
     )
 
 
