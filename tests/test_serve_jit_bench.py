@@ -86,6 +86,24 @@ def test_row_facts_reads_the_plugin_lines() -> None:
     assert serve_jit.row_facts(["tq-warmup: disabled by TQ_WARMUP"]) == {}
 
 
+def test_the_plugins_cost_counts_the_warmup_forwards_once() -> None:
+    """Run AR's hybrid line (H200, 0.26.0): 71 ms of TurboQuant warmup and 3318 ms of
+    vLLM kernels, whose 904 ms of forwards are inside them: 3389 ms, not 4293."""
+    line = (
+        "tq-warmup: 7 TurboQuant layers, 10 distinct kernel keys (decode 2): 0 compiled, 0 "
+        "from the shipped cache, 10 from Triton's disk cache, 0 failed; workspace 48.9 MiB; "
+        "71 ms; 22 first launches 12091 ms; vLLM kernels: fused MoE 9, KV block zeroing 3 (35 "
+        "launches, 10 compiled: _zero_kv_blocks_kernel x3, triton_red_fused_ge_sum_0, 3318 "
+        "ms); 9 warmup forwards 904 ms, 0 compiles in them; compile-ahead child: 44 jobs"
+    )
+    facts = serve_jit.row_facts([line])
+    assert (facts["warmup_ms"], facts["vllm_kernels_ms"], facts["plugin_ms"]) == (71, 3318, 3389)
+    plain = line.replace(
+        "10 compiled: _zero_kv_blocks_kernel x3, triton_red_fused_ge_sum_0", "0 compiled"
+    )
+    assert serve_jit.row_facts([plain])["plugin_ms"] == 3389
+
+
 def test_the_moe_row_is_a_mixtral_of_the_llamas_attention() -> None:
     llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
              "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
