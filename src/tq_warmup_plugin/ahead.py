@@ -109,7 +109,7 @@ def request_of(worker: Any, feats: compat.Features) -> EngineRequest | None:
     experts = _experts(config)
     return EngineRequest(
         features=feats,
-        runner_v2=bool(getattr(worker, "use_v2_model_runner", False)),
+        runner_v2=compat.worker_uses_v2(worker, feats),
         vocab_size=int(model.get_vocab_size()),
         model_dtype=str(model.dtype).removeprefix("torch."),
         block_size=int(cache.block_size),

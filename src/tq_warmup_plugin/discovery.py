@@ -130,7 +130,7 @@ def discover(worker: Any, feats: Features) -> Discovery:
         )
     tq_impl = compat.turboquant_impl_class()
     runner = worker.model_runner
-    use_v2 = compat.worker_uses_v2(worker)
+    use_v2 = compat.worker_uses_v2(worker, feats)
     ranges = compat.triton_pointer_ranges()  # HIP: storage sizes are part of the keys
     context = vllm_config.compilation_config.static_forward_context
     for groups in runner.attn_groups:

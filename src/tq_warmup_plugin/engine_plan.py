@@ -122,6 +122,8 @@ def runs_v2(feats: Features, spec_method: str | None, moe: bool, runner: str | N
     compiles (cost, never a wrong result)."""
     if runner is not None:
         return runner == "v2"
+    if not feats.v1_runner:  # 0.34+: V2 is the only runner, MoE and every method included
+        return True
     if not feats.v2_runner_default or moe:
         return False
     return spec_method is None or spec_method in V2_SPEC_METHODS
@@ -236,19 +238,22 @@ def cpu_engine(request: EngineRequest) -> Engine:
     classes as aligned, as a GPU allocation is."""
     import torch
 
-    sampler = importlib.import_module(compat.SAMPLER_MODULE).Sampler()
-    rejection = importlib.import_module(compat.REJECTION_MODULE).RejectionSampler
     dtype = getattr(torch, request.model_dtype)
-    tables = compat.cpu_block_tables(
-        request.block_size, request.max_model_len, request.max_num_seqs,
-        request.max_num_batched_tokens,
-    )  # fmt: skip
+    sampler = rejection = tables = None
+    if not request.runner_v2:  # V1's objects, which 0.34 removed with the V1 runner
+        sampler = importlib.import_module(compat.SAMPLER_MODULE).Sampler()
+        if request.spec_method:
+            rejection = importlib.import_module(compat.REJECTION_MODULE).RejectionSampler(sampler)
+        tables = compat.cpu_block_tables(
+            request.block_size, request.max_model_len, request.max_num_seqs,
+            request.max_num_batched_tokens,
+        )  # fmt: skip
     runner = SimpleNamespace(
         input_batch=SimpleNamespace(
             block_table=SimpleNamespace(block_tables=tables), vocab_size=request.vocab_size
         ),
         sampler=sampler,
-        rejection_sampler=rejection(sampler) if request.spec_method else None,
+        rejection_sampler=rejection,
         model=_Logits(request.vocab_size, dtype),
         model_config=SimpleNamespace(get_hidden_size=lambda: 1, dtype=dtype),
         device=torch.device("meta"),

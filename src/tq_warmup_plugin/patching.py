@@ -9,7 +9,7 @@ installing twice changes nothing and removing gives vLLM exactly what it had:
 * a module's function is replaced where it is defined and *rebound* in each loaded
   module that imported it by name (``from m import f`` copies the object: vLLM's
   ``gpu_worker`` does so for ``kernel_warmup``, ``llm_base_proposer`` for
-  ``extend_all_queries_by_N``, all releases);
+  ``extend_all_queries_by_N``, 0.20-0.33);
 * a class attribute is replaced in the class's own ``__dict__``, keeping what the
   class held there, or nothing when it inherited the name; ``restore`` puts exactly
   that back (a ``staticmethod`` or ``classmethod`` stays one);

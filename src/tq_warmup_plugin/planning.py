@@ -473,7 +473,10 @@ def plan_geometry(request: PlanRequest, model_dir: str | None) -> Planned:
     explicit flags, which take precedence. Raises PlanError with one line."""
     if request.kv_cache_dtype is None:
         raise PlanError("need --kv-cache-dtype (or --geometry-json)")
-    _features(request)  # an unsupported release is said before vLLM reads the model
+    feats = _features(request)  # an unsupported release is said before vLLM reads the model
+    if request.runner == "v1" and not feats.v1_runner:
+        v = feats.version
+        raise PlanError(f"--runner v1: vLLM {v[0]}.{v[1]} has no V1 model runner (removed in 0.34)")
     shape: ModelShape | None = None
     if model_dir is not None:
         try:
@@ -555,7 +558,7 @@ def plan_shape(request: PlanRequest, shape: ModelShape | None) -> Planned:
                 note += f"; hybrid: block {bs} ({exc}), --geometry-json is exact"
         kernel = compat.kernel_block_size(bs)
     layout = preset(request.kv_cache_dtype, head_size)
-    runner = request.runner or ("v2" if feats.v2_runner_default else "v1")
+    runner = request.runner or ("v2" if feats.v2_runner_default or not feats.v1_runner else "v1")
     width = block_table_width(feats, max_model_len, bs, runner == "v2", kernel)
     geometry = Geometry(
         cache_dtype=request.kv_cache_dtype,
@@ -574,7 +577,9 @@ def plan_shape(request: PlanRequest, shape: ModelShape | None) -> Planned:
         fp8_e4b15=compat.fp8_e4b15((request.arch // 10, request.arch % 10)),
         features=feats,
         ubatch_sliced=compat.ubatch_sliced(feats, request.enable_dbo, runner == "v2"),
-        verify_len=verify_len(feats, tokens, _parallel_drafting(request.speculative_config)),
+        verify_len=verify_len(
+            feats, tokens, _parallel_drafting(request.speculative_config), _method(request)
+        ),
     )
     chunk = request.attention_chunk_size
     if chunk is None:
@@ -595,18 +600,27 @@ def plan_shape(request: PlanRequest, shape: ModelShape | None) -> Planned:
     )
 
 
-def verify_len(feats: Features, spec_tokens: int, parallel_drafting: bool = False) -> int:
+def verify_len(
+    feats: Features, spec_tokens: int, parallel_drafting: bool = False, method: str | None = None
+) -> int:
     """The query length the batched verify path serves as decode rows (``1 + k``, doubled
-    drafts under ``parallel_drafting``: ``compat.spec_decode_threshold``, 0.21-0.32) where
-    the release has it (``Features.spec_verify_batched``), else 0: the geometry's
+    drafts under ``parallel_drafting``: ``compat.spec_decode_threshold``, 0.21-0.32; one
+    more for draft_model's correction token where ``Features.draft_slot_in_threshold``)
+    where the release has it (``Features.spec_verify_batched``), else 0: the geometry's
     ``verify_len`` that discovery reads off a served builder (``verify_rows.rows_of``)."""
     if not spec_tokens or not feats.spec_verify_batched:
         return 0
-    return compat.spec_query_len(spec_tokens, parallel_drafting)
+    extra = int(feats.draft_slot_in_threshold and method == "draft_model")
+    return compat.spec_query_len(spec_tokens, parallel_drafting) + extra
 
 
 def _parallel_drafting(spec: Mapping[str, object] | None) -> bool:
     return bool(spec and spec.get("parallel_drafting", False))
+
+
+def _method(request: PlanRequest) -> str | None:
+    method = (request.speculative_config or {}).get("method")
+    return None if method is None else str(method)
 
 
 def named_geometries(planned: Planned) -> dict[str, Geometry]:

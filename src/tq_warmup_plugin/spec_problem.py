@@ -25,7 +25,9 @@ def spec_decode_problem(
     lengths the plugin does not fix, else None. ``method`` is
     ``speculative_config.method`` (None without speculative decoding).
 
-    All causes need ``draft_cpu_seq_lens_stale`` (TurboQuant reading the CPU bound):
+    All causes need TurboQuant to read the CPU bound (``prefill_host_copies``, 0.21+); the
+    draft_model causes need ``draft_cpu_seq_lens_stale`` too (0.21-0.33: 0.34's V2 first
+    draft pass takes the bound plus its correction token):
     * async scheduling: the bound "assumes every draft was accepted" (``backend.py``
       0.22:405-409; V1 ``gpu_model_runner.py`` 0.22:1985-1993, V2 takes the scheduler's
       optimistic ``num_computed_tokens``, ``model_runner.py`` 0.33:1534-1542), so after
@@ -45,16 +47,17 @@ def spec_decode_problem(
     k = 1, 2, 4, every batched engine within the no-spec FULL noise (max |dlogprob|
     0.0040), guard off WRONG in the same runs (0.039, 0.016).
     """
-    if method is None or not feats.draft_cpu_seq_lens_stale:
+    if method is None or not feats.prefill_host_copies:
         return None
     causes = []
-    if method == "draft_model" and runner_v2:
+    draft_short = method == "draft_model" and feats.draft_cpu_seq_lens_stale
+    if draft_short and runner_v2:
         causes.append(
             "the V2 runner's first draft pass reads a CPU sequence length one short of "
             "its query (step=0), so a fresh prompt over 128 tokens crashes "
             '("expanded size ... (0)") and shorter ones attend wrong lengths'
         )
-    elif method == "draft_model" and not draft_guarded:
+    elif draft_short and not draft_guarded:
         causes.append(
             "extend_all_queries_by_N leaves the CPU sequence lengths one short, so a fresh "
             'prompt over 128 tokens crashes ("expanded size ... (0)"); '

@@ -91,7 +91,7 @@ def _run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None) -> Re
         feats,
         method,
         async_scheduling,
-        compat.worker_uses_v2(worker),
+        compat.worker_uses_v2(worker, feats),
         draft_seq_lens.in_place(),
         verify_batched=any(g.verify_len for g in found.geometries.values()),
     )

@@ -239,7 +239,7 @@ def block_table(runner: Any, group: Any, group_id: int, use_v2: bool) -> Any:
     0.32-0.33 (V1): when the kernel block size differs from the manager's, rows come
     from the attention group's ``kernel_block_table`` ([ubatch, reqs, width]).
     V2 (all releases): ``runner.block_tables.input_block_tables[gid]``.
-    V1 (all releases): ``runner.input_batch.block_table[gid].block_table.gpu``.
+    V1 (0.20-0.33): ``runner.input_batch.block_table[gid].block_table.gpu``.
     """
     kernel_table = getattr(group, "kernel_block_table", None)  # only set in 0.32+
     if kernel_table is not None:
@@ -289,9 +289,10 @@ def jit_registry(worker: Any, feats: Features) -> Any | None:
     return registry if callable(getattr(registry, "activate", None)) else None
 
 
-def worker_uses_v2(worker: Any) -> bool:
-    """``Worker.use_v2_model_runner`` exists in all releases."""
-    return bool(worker.use_v2_model_runner)
+def worker_uses_v2(worker: Any, feats: Features) -> bool:
+    """``Worker.use_v2_model_runner`` (0.20-0.33); 0.34 removed it with the V1 runner, and
+    every worker runs V2 (``Features.v1_runner``)."""
+    return not feats.v1_runner or bool(getattr(worker, "use_v2_model_runner", False))
 
 
 def ubatching(vllm_config: Any) -> bool:
@@ -309,7 +310,7 @@ def ubatch_sliced(feats: Features, ubatching: bool, runner_v2: bool) -> tuple[st
     an int32 ``seq_lens`` starts at ``4 * r`` bytes, token t of the int64 slot mapping at
     ``8 * t``, block-table row r at ``4 * r * width``). Nothing without microbatching.
 
-    V1 (all releases, ``_make_metadata_with_slice`` in ``v1/worker/ubatch_utils.py``):
+    V1 (0.20-0.33, ``_make_metadata_with_slice`` in ``v1/worker/ubatch_utils.py``):
     ``seq_lens[request_slice]`` (0.20-0.29:179, 0.30:282, 0.33:283; a clone only when
     the microbatch's last request continues in the next one), ``block_table_tensor
     [request_slice]`` and ``slot_mapping[token_slice]`` (0.20:230-231, 0.21-0.29:232-233,

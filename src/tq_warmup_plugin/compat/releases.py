@@ -3,7 +3,7 @@
 ``features()`` is the one place a release's behaviour is decided, one line per gate:
 gates are ranges of releases, so the table is not split per release. Everything here
 is pure except ``installed_vllm_version``, which reads the installed distribution's
-metadata without importing vLLM. Source: the released wheels of 0.20.0-0.33.0, read
+metadata without importing vLLM. Source: the released wheels of 0.20.0-0.34.0, read
 file by file; the ``real_vllm`` contract tests pin each gate down against the real code
 of the releases CI installs.
 
@@ -42,9 +42,9 @@ __all__ = [
 Version = tuple[int, int]
 
 OLDEST: Version = (0, 20)
-NEWEST: Version = (0, 33)
+NEWEST: Version = (0, 34)
 SUPPORTED = f"{OLDEST[0]}.{OLDEST[1]}-{NEWEST[0]}.{NEWEST[1]}"
-"""The supported releases as a person reads them: ``"0.20-0.33"``."""
+"""The supported releases as a person reads them: ``"0.20-0.34"``."""
 
 
 def parse_version(text: str | None) -> Version | None:
@@ -93,28 +93,39 @@ class Features(NamedTuple):
     """0.21+: a long continuation un-rotates MSE keys with an fp16 GEMM
     (``layer._tq_Pi_half``); 0.20 does it in fp32."""
     spec_graphs_unsafe: bool
-    """0.20-0.33: a FULL graph of a verify batch ignores the context (guards/spec_graphs.py)."""
+    """0.20-0.34: a FULL graph of a verify batch ignores the context (guards/spec_graphs.py).
+    0.34's backend differs from 0.33's by one unused attribute, and its
+    ``resolve_cudagraph_mode_and_sizes`` still captures FULL verify graphs from
+    ``UNIFORM_BATCH`` (``compilation.py`` 0.34:1615)."""
     spec_verify_batched: bool
-    """0.21-0.33: verify batches run as decode rows in FULL graphs (guards/batched_verify.py)."""
+    """0.21-0.34: verify batches run as decode rows in FULL graphs (guards/batched_verify.py);
+    0.34's V2 runner orders them with the same ``sort_batch_req_ids`` (0.34:2579)."""
     v1_tq_cache_dtype_lost: bool
     """0.25-0.26: V1 asks TurboQuant for the shape of dtype "auto" (guards/v1_cache_dtype.py)."""
     prefill_buffers_cached: bool
     """0.21+: the prefill loop caches its buffers on the impl (live.preallocate_prefill_buffers)."""
     draft_cpu_seq_lens_stale: bool
-    """0.21-0.33: a draft pass leaves CPU sequence lengths short (guards/draft_seq_lens.py)."""
+    """0.21-0.33: a draft pass leaves CPU sequence lengths short (guards/draft_seq_lens.py).
+    Ends with 0.34 (``JUDGED_ENDINGS``): the V1 runner and its ``extend_all_queries_by_N``
+    are gone, and the V2 draft_model speculator's first pass takes the bound plus its
+    correction token (``standalone_ar/speculator.py`` 0.34:331-333; 0.33:230 passed the
+    target's bound)."""
     v2_ubatches: bool
     """0.30+: the V2 runner makes its own microbatches (live.ubatch_sliced)."""
     rocm_flydsl: bool
     """0.28+: ROCm gfx950 runs the SoA/FlyDSL kernels instead (live.flydsl_layer)."""
     local_boundary_tq_backend: bool
-    """0.20-0.33: a chunked local boundary layer fails to start (guards/local_boundary.py)."""
+    """0.20-0.34: a chunked local boundary layer fails to start (guards/local_boundary.py);
+    ``chunked_local_attention.py`` is the same file in 0.33 and 0.34."""
     local_tq_spec_plain: bool
     """0.20-0.27: a chunked local TurboQuant layer's spec is plain (guards/local_boundary.py)."""
     prefix_fast_path_unsafe: bool
-    """0.20-0.33: the first-chunk fast path drops a cache hit's prefix
-    (guards/prefix_fast_path.py)."""
+    """0.20-0.34: the first-chunk fast path drops a cache hit's prefix
+    (guards/prefix_fast_path.py); 0.34's ``forward`` is 0.33's."""
     prefill_host_copies: bool
-    """0.21+: ``TurboQuantMetadata`` has ``query_start_loc_cpu`` and ``seq_lens_cpu``."""
+    """0.21+: ``TurboQuantMetadata`` has ``query_start_loc_cpu`` and ``seq_lens_cpu``, the
+    latter the runner's ``seq_lens_cpu_upper_bound`` (``turboquant_attn.py`` 0.34:297),
+    which the prefill loop takes as each request's exact length (``spec_problem``)."""
     local_prefill_real_lens: bool
     """0.21-0.29: on a chunked local attention layer (Llama 4) TurboQuant's prefill loop
     takes each *virtual* request's length from ``seq_lens_cpu_upper_bound``
@@ -170,6 +181,15 @@ class Features(NamedTuple):
     v2_runner_default: bool
     """0.25+: the V2 model runner is what a worker runs unless told otherwise; 0.20-0.24
     run V1 (the ``--runner`` default of ``inspect`` and ``precompile``)."""
+    draft_slot_in_threshold: bool
+    """0.34+: vLLM's ``max_decode_query_len``, the spec-as-decode threshold, counts the
+    draft model's correction token (``max_num_new_slots_for_drafting``, ``backend.py``
+    0.34:579-583; ``standalone_ar/config.py`` 0.34:24): ``2 + k`` for draft_model, where
+    0.33 gives ``1 + k`` (0.33:583)."""
+    v1_runner: bool
+    """0.20-0.33: the V1 model runner exists (``v1/worker/gpu_model_runner.py``, with its
+    ``block_table``, ``v1/sample`` samplers and ``v1/spec_decode`` drafters); 0.34 removed
+    it, and every worker runs V2 (``v1/worker/gpu/``)."""
 
 
 def features(version: Version) -> Features:
@@ -182,16 +202,16 @@ def features(version: Version) -> Features:
         continuation_seq_lens_sliced=version >= (0, 21),
         uses_workspace=version >= (0, 21),
         unrotate_fp16=version >= (0, 21),
-        spec_graphs_unsafe=OLDEST <= version <= (0, 33),
-        spec_verify_batched=(0, 21) <= version <= (0, 33),
+        spec_graphs_unsafe=OLDEST <= version <= (0, 34),
+        spec_verify_batched=(0, 21) <= version <= (0, 34),
         v1_tq_cache_dtype_lost=(0, 25) <= version <= (0, 26),
         prefill_buffers_cached=version >= (0, 21),
         draft_cpu_seq_lens_stale=(0, 21) <= version <= (0, 33),
         v2_ubatches=version >= (0, 30),
         rocm_flydsl=version >= (0, 28),
-        local_boundary_tq_backend=OLDEST <= version <= (0, 33),
+        local_boundary_tq_backend=OLDEST <= version <= (0, 34),
         local_tq_spec_plain=OLDEST <= version <= (0, 27),
-        prefix_fast_path_unsafe=OLDEST <= version <= (0, 33),
+        prefix_fast_path_unsafe=OLDEST <= version <= (0, 34),
         prefill_host_copies=version >= (0, 21),
         local_prefill_real_lens=(0, 21) <= version <= (0, 29),
         registry_warms_slot_mapping=version >= (0, 29),
@@ -204,10 +224,12 @@ def features(version: Version) -> Features:
         v1_block_table_aligned=version >= (0, 21),
         v1_block_table_rounded=version >= (0, 27),
         v2_runner_default=version >= (0, 25),
+        draft_slot_in_threshold=version >= (0, 34),
+        v1_runner=version <= (0, 33),
     )
 
 
-JUDGED_ENDINGS: dict[str, Version] = {}
+JUDGED_ENDINGS: dict[str, Version] = {"draft_cpu_seq_lens_stale": (0, 34), "v1_runner": (0, 34)}
 """Gates judged to end with the release before ``NEWEST`` (their bug fixed upstream in
 ``NEWEST``), by the release that fixed it. A gate that ends there and is not named here
 is one nobody re-judged when ``NEWEST`` moved (``gates_ending_at_newest``)."""

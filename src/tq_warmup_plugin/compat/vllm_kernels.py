@@ -1,4 +1,5 @@
-"""Where vLLM keeps the launchers of its own kernels around TurboQuant's (all releases).
+"""Where vLLM keeps the launchers of its own kernels around TurboQuant's (all releases; the
+V1 runner's samplers, block tables and drafter 0.20-0.33, ``Features.v1_runner``).
 
 ``engine_warmup`` calls vLLM's own launcher functions (slot mapping, the rejection
 sampler, top-k/top-p, logprobs) on a few bytes; this module finds them and builds their inputs,
@@ -14,7 +15,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from . import vllm_paths as paths
-from .live import ubatching
+from .live import ubatching, worker_uses_v2
 from .releases import Features
 
 __all__ = [
@@ -57,8 +58,8 @@ class CompatError(RuntimeError):
 
 
 def engine_of(worker: Any, feats: Features) -> dict[str, Any]:
-    """The fields of a live worker's ``engine.Engine`` (all releases:
-    ``use_v2_model_runner``, ``model_runner``, ``vllm_config.speculative_config``,
+    """The fields of a live worker's ``engine.Engine`` (``worker_uses_v2``; all releases:
+    ``model_runner``, ``vllm_config.speculative_config``,
     ``model_config.max_logprobs``, ``is_moe``, ``is_hybrid`` and ``is_pooling_model``
     under the same names)."""
     config = worker.vllm_config
@@ -66,7 +67,7 @@ def engine_of(worker: Any, feats: Features) -> dict[str, Any]:
     runner = worker.model_runner
     return dict(
         features=feats,
-        runner_v2=bool(getattr(worker, "use_v2_model_runner", False)),
+        runner_v2=worker_uses_v2(worker, feats),
         pooling=bool(getattr(runner, "is_pooling_model", False)),
         spec_method=method,
         spec_tokens=tokens,
@@ -370,7 +371,7 @@ def dummy_run(runner: Any, tokens: int) -> None:
 
 def slot_mapping_tables(runner: Any) -> list[Any]:
     """The V1 runner's ``BlockTable`` objects that map tokens to slots:
-    ``input_batch.block_table.block_tables`` (``MultiGroupBlockTable``, all releases).
+    ``input_batch.block_table.block_tables`` (``MultiGroupBlockTable``, 0.20-0.33).
     0.26+ mark mamba-like groups ``slot_mapping_mode == NONE``; they map nothing."""
     tables = runner.input_batch.block_table.block_tables
     return [t for t in tables if _mode(t) != "none"]
@@ -487,13 +488,13 @@ def _mode(table: Any) -> object:
 
 
 def spec_decode_metadata(draft_token_ids: list[list[int]], device: Any) -> Any:
-    """vLLM's own ``SpecDecodeMetadata.make_dummy`` (all releases)."""
+    """vLLM's own ``SpecDecodeMetadata.make_dummy`` (0.20-0.33, the V1 runner's)."""
     cls = importlib.import_module(paths.SPEC_METADATA_MODULE).SpecDecodeMetadata
     return cls.make_dummy(draft_token_ids, device)
 
 
 # The fields a sampling batch's mode is told by; every other field of vLLM's
-# ``SamplingMetadata`` (all releases) gets its "nothing requested" value below.
+# ``SamplingMetadata`` (0.20-0.33, the V1 runner's) gets its "nothing requested" value below.
 _EMPTY_FIELDS: dict[str, Any] = {
     "top_p": None,
     "top_k": None,
@@ -512,7 +513,7 @@ def sampling_metadata(
     """A real ``SamplingMetadata`` of ``num_reqs`` requests in one sampling mode.
 
     The rejection sampler's kernels read only the mode (``all_greedy``,
-    ``all_random``), ``temperature`` and ``generators`` (all releases); the sampler also
+    ``all_random``), ``temperature`` and ``generators`` (0.20-0.33); the sampler also
     ``max_num_logprobs`` (``logprobs``). A field this
     table does not know and that has no default raises ``CompatError``.
     """
@@ -552,7 +553,7 @@ def sampling_metadata(
 
 def top_k_top_p_function() -> Any:
     """``apply_top_k_top_p(logits, k, p)`` of ``v1/sample/ops/topk_topp_sampler.py``
-    (all releases), which both runners' samplers and the rejection sampler call; on a GPU
+    (all releases), which the V2 sampler calls, and V1's samplers (0.20-0.33); on a GPU
     it takes ``_topk_topp_kernel`` from 8 rows (0.26:351)."""
     return importlib.import_module(paths.TOPK_TOPP_MODULE).apply_top_k_top_p
 
@@ -569,7 +570,7 @@ def topk_logprobs_function() -> Any:
 
 
 def drafter_of(runner: Any) -> Any | None:
-    """The V1 runner's model-based proposer (``drafter``, all releases), or None: ngram
+    """The V1 runner's model-based proposer (``drafter``, 0.20-0.33), or None: ngram
     and suffix decoding have other drafters, and the V2 runner a ``speculator``."""
     drafter = getattr(runner, "drafter", None)
     needed = ("positions", "block_size", "max_model_len", "backup_next_token_ids")

@@ -1,4 +1,5 @@
-"""Every vLLM module, class and function name the plugin imports or patches (all releases).
+"""Every vLLM module, class and function name the plugin imports or patches (all releases;
+the V1 runner's, which 0.34 removed, are reached only on a V1 engine, ``Features.v1_runner``).
 
 Each path is written once, here: the accessors import them with
 ``importlib.import_module(NAME)``, never ``from vllm... import``, so the same string is
@@ -71,7 +72,8 @@ WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 ELASTIC_MODULE = "vllm.distributed.elastic_ep.elastic_execute"
 WORKSPACE_MODULE = "vllm.v1.worker.workspace"
 ATTENTION_MODULE = "vllm.v1.attention.backend"
-# vLLM's own kernels around TurboQuant's (engine_warmup), same modules in all releases.
+# vLLM's own kernels around TurboQuant's (engine_warmup), same modules in all releases but
+# the V1 runner's (block_table, sample.*, spec_decode.*: 0.20-0.33).
 BLOCK_TABLE_MODULE = "vllm.v1.worker.block_table"
 WORKER_UTILS_MODULE = "vllm.v1.worker.utils"
 """Defines ``select_common_block_size``, the attention kernel's block for a KV manager block."""
@@ -131,10 +133,11 @@ MODEL_UTILS_MODULE = "vllm.model_executor.models.utils"
 """Defines ``extract_layer_index`` in all releases."""
 
 SPEC_UTILS_MODULE = "vllm.v1.spec_decode.utils"
-"""Defines ``extend_all_queries_by_N`` in all releases, and the EAGLE helper kernels."""
+"""Defines ``extend_all_queries_by_N`` and the EAGLE helper kernels (0.20-0.33; 0.34
+removed the module with the V1 runner)."""
 EXTEND_QUERIES_FUNCTION = "extend_all_queries_by_N"
 DRAFT_CALL_SITE_MODULES = ("vllm.v1.spec_decode.llm_base_proposer",)
-"""Modules that import ``extend_all_queries_by_N`` by name (all releases: only this one)."""
+"""Modules that import ``extend_all_queries_by_N`` by name (0.20-0.33: only this one)."""
 
 # The attention metadata tensors a V1 microbatch gets as views (``compat.ubatch_sliced``).
 UBATCH_VIEWS_V1 = ("block_table", "seq_lens", "slot_mapping")

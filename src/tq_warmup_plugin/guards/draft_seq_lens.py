@@ -22,7 +22,7 @@ scheduling, the V2 runner's first draft pass) is ``spec_problem``'s WARNING.
 What: ``extend_all_queries_by_N`` of the defining module is wrapped so that, after
 vLLM's own function, the CPU lengths of the metadata it returns are raised by N too,
 as new tensors (vLLM's own are views of the runner's buffers); two fields that shared
-one tensor share the new one. The only call site, ``llm_base_proposer`` (all releases),
+one tensor share the new one. The only call site, ``llm_base_proposer`` (0.20-0.33),
 imports the name at module level after the defining module executed, so it binds the
 wrapper; a call site loaded before the guard is rebound.
 """
@@ -45,7 +45,7 @@ MODULE = compat.SPEC_UTILS_MODULE
 """The vLLM module this guard adjusts once it has executed."""
 
 CALL_SITES = compat.DRAFT_CALL_SITE_MODULES
-"""Modules that import ``extend_all_queries_by_N`` by name (all releases: only this one)."""
+"""Modules that import ``extend_all_queries_by_N`` by name (0.20-0.33: only this one)."""
 
 NAME = compat.EXTEND_QUERIES_FUNCTION
 # ``_seq_lens_cpu`` is gone from 0.30 (``backend.py`` 0.30:393-473); absent fields are skipped.
