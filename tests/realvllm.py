@@ -21,6 +21,15 @@ MAX_NUM_SEQS = 8
 PREFILL_BATCHES = [[(5, 3), (6, 4), (130, 20), (3, 3), (4, 4)], [(130, 16)]]
 
 
+def has_v1_runner() -> bool:
+    """Whether the installed vLLM has the V1 model runner (0.20-0.33; 0.34 removed it)."""
+    version = compat.parse_version(compat.installed_vllm_version())
+    return version is None or compat.features(version).v1_runner
+
+
+V1_RUNNER_ONLY = "0.34 removed the V1 runner: none of its kernels to warm"
+
+
 def activate_compile_only_driver() -> None:
     """Make Triton target sm90 on a host without a GPU (a compile-only driver: Triton
     compiles for the target, nothing launches)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -10,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import fakes
@@ -87,20 +89,36 @@ GATE_COLUMNS = (
     "v1_block_table_aligned",
     "v1_block_table_rounded",
     "v2_runner_default",
+    "draft_slot_in_threshold",
+    "v1_runner",
 )
 T, F = True, False
+# fmt: off
 GATES = {
-    (0, 20): (F, F, F, F, F, F, T, F, F, F, F, F, F, T, T, T, F, F, F, F, F, F, F, F, F, F, F, F),
-    (0, 21): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T, T, T, F, F, F, F, F, T, F, T, F, F),
-    (0, 23): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T, T, T, F, F, F, F, F, T, F, T, F, F),
-    (0, 24): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T, T, T, T, F, F, F, F, F, T, F, T, F, F),
-    (0, 25): (F, F, T, T, T, T, T, T, T, T, T, F, F, T, T, T, T, T, F, F, F, F, F, T, T, T, F, T),
-    (0, 26): (T, T, T, T, T, T, T, T, T, T, T, F, F, T, T, T, T, T, F, T, F, F, F, T, T, T, F, T),
-    (0, 28): (T, T, T, T, T, T, T, T, F, T, T, F, T, T, F, T, T, T, F, F, F, F, F, T, T, T, T, T),
-    (0, 29): (T, F, T, T, T, T, T, T, F, T, T, F, T, T, F, T, T, T, T, F, F, F, T, T, T, T, T, T),
-    (0, 30): (T, F, T, T, T, T, T, T, F, T, T, T, T, T, F, T, T, F, T, F, T, T, T, T, T, T, T, T),
-    (0, 33): (T, F, T, T, T, T, T, T, F, T, T, T, T, T, F, T, T, F, T, F, T, T, T, T, T, T, T, T),
+    (0, 20): (F, F, F, F, F, F, T, F, F, F, F, F, F, T, T,
+              T, F, F, F, F, F, F, F, F, F, F, F, F, F, T),
+    (0, 21): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T,
+              T, T, T, F, F, F, F, F, T, F, T, F, F, F, T),
+    (0, 23): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T,
+              T, T, T, F, F, F, F, F, T, F, T, F, F, F, T),
+    (0, 24): (F, F, T, T, T, T, T, T, F, T, T, F, F, T, T,
+              T, T, T, F, F, F, F, F, T, F, T, F, F, F, T),
+    (0, 25): (F, F, T, T, T, T, T, T, T, T, T, F, F, T, T,
+              T, T, T, F, F, F, F, F, T, T, T, F, T, F, T),
+    (0, 26): (T, T, T, T, T, T, T, T, T, T, T, F, F, T, T,
+              T, T, T, F, T, F, F, F, T, T, T, F, T, F, T),
+    (0, 28): (T, T, T, T, T, T, T, T, F, T, T, F, T, T, F,
+              T, T, T, F, F, F, F, F, T, T, T, T, T, F, T),
+    (0, 29): (T, F, T, T, T, T, T, T, F, T, T, F, T, T, F,
+              T, T, T, T, F, F, F, T, T, T, T, T, T, F, T),
+    (0, 30): (T, F, T, T, T, T, T, T, F, T, T, T, T, T, F,
+              T, T, F, T, F, T, T, T, T, T, T, T, T, F, T),
+    (0, 33): (T, F, T, T, T, T, T, T, F, T, T, T, T, T, F,
+              T, T, F, T, F, T, T, T, T, T, T, T, T, F, T),
+    (0, 34): (T, F, T, T, T, T, T, T, F, T, F, T, T, T, F,
+              T, T, F, T, F, T, T, T, T, T, T, T, T, T, F),
 }
+# fmt: on
 
 
 def test_a_release_bump_rejudges_every_gate_that_would_end_under_it() -> None:
@@ -414,3 +432,37 @@ def test_beyond_newest_is_a_release_after_the_ones_read(
     version: tuple[int, int] | None, beyond: bool
 ) -> None:
     assert compat.beyond_newest(version) is beyond
+
+
+@pytest.mark.parametrize(
+    ("version", "attr", "v2"),
+    [((0, 33), False, False), ((0, 33), True, True), ((0, 34), None, True)],
+)
+def test_a_worker_runs_v2_where_v1_is_gone(
+    version: compat.Version, attr: bool | None, v2: bool
+) -> None:
+    """0.34 removed ``Worker.use_v2_model_runner`` with the V1 runner: its workers run V2."""
+    worker = SimpleNamespace() if attr is None else SimpleNamespace(use_v2_model_runner=attr)
+    assert compat.worker_uses_v2(worker, compat.features(version)) is v2
+
+
+@pytest.mark.parametrize(
+    ("version", "method", "rows"),
+    [((0, 33), "draft_model", 4), ((0, 34), "draft_model", 5), ((0, 34), "ngram", 4)],
+)
+def test_the_planned_verify_rows_count_the_draft_models_correction_token(
+    version: compat.Version, method: str, rows: int
+) -> None:
+    """0.34's ``max_decode_query_len`` is ``1 + k + max_num_new_slots_for_drafting``: one
+    more for draft_model's correction token (k = 3 here)."""
+    assert planning.verify_len(compat.features(version), 3, False, method) == rows
+
+
+def test_a_v1_runner_is_refused_where_the_release_has_none() -> None:
+    request = planning.PlanRequest(
+        kv_cache_dtype="turboquant_4bit_nc", head_size=128, num_heads=8, num_kv_heads=2,
+        vllm_version="0.34.0", runner="v1",
+    )  # fmt: skip
+    with pytest.raises(planning.PlanError, match=r"^--runner v1: vLLM 0.34 has no V1 model"):
+        planning.plan_geometry(request, None)
+    assert planning.plan_geometry(dataclasses.replace(request, runner="v2"), None).geometry

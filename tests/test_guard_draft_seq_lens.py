@@ -160,6 +160,7 @@ def test_a_call_site_imported_later_binds_the_guard(
 # ------------------------------------------------------------------ the warning
 
 F22, F33, F20 = compat.features((0, 22)), compat.features((0, 33)), compat.features((0, 20))
+F34 = compat.features((0, 34))
 
 
 @pytest.mark.parametrize(
@@ -176,6 +177,9 @@ F22, F33, F20 = compat.features((0, 22)), compat.features((0, 33)), compat.featu
         (F33, "draft_model", False, True, True, "V2"),
         (F33, "draft_model", True, True, True, "V2+optimistic"),
         (F22, "draft_model", False, False, False, "unguarded"),
+        (F34, "draft_model", False, True, True, None),  # its first pass takes the bound + 1
+        (F34, "draft_model", True, True, True, "optimistic"),
+        (F34, "eagle", True, True, True, "optimistic"),
     ],
 )
 def test_spec_decode_problem(
@@ -265,6 +269,9 @@ PROMPT = 190  # one fresh prompt: over the 128-token continuation threshold
 
 @pytest.fixture
 def real_utils(vllm_env: compat.Features) -> Iterator[types.ModuleType]:
+    if not vllm_env.v1_runner:
+        assert not vllm_env.draft_cpu_seq_lens_stale
+        pytest.skip("0.34 removed the V1 drafters and extend_all_queries_by_N with them")
     from vllm.v1.spec_decode import utils
 
     assert not guard.installed(utils)

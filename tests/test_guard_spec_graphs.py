@@ -255,8 +255,9 @@ def test_vllms_plugin_loader_installs_each_guard_where_its_gate_is_on(
         "import importlib, json\n"
         "from vllm.plugins import load_general_plugins; load_general_plugins()\n"
         "from tq_warmup_plugin import guards\n"
-        "print(json.dumps({g.__name__.rsplit('.', 1)[1]: "
-        "g.installed(importlib.import_module(g.MODULE)) for g in guards.every()}))\n"
+        "from importlib.util import find_spec\n"
+        "print(json.dumps({g.__name__.rsplit('.', 1)[1]: find_spec(g.MODULE) is not None "
+        "and g.installed(importlib.import_module(g.MODULE)) for g in guards.every()}))\n"
     )
     base = {k: v for k, v in os.environ.items() if not k.startswith("TQ_WARMUP")}
     src = str(Path(tq_warmup_plugin.__file__).parents[1])

@@ -19,7 +19,7 @@ from pathlib import Path
 import fakes
 import pytest
 import stub_libcuda
-from realvllm import block_table, clear_vllm_kernel_caches
+from realvllm import block_table, clear_vllm_kernel_caches, has_v1_runner
 from test_contract_vllm_kernels import VOCAB, engine, fake_runner, feats
 from test_contract_vllm_kernels import _driver as _driver  # autouse: sm90, the SM count
 
@@ -31,12 +31,15 @@ from tq_warmup_plugin.warmup import plugin_manager
 pytestmark = pytest.mark.real_vllm
 
 MAX_LEN, TOKENS, REQS = 4096, 2048, 8  # realvllm.block_table's defaults
+V2 = not has_v1_runner()
+"""The contract runner is V1's where the release has it (0.20-0.33), else V2's (0.34)."""
+RUNNER = "V2" if V2 else "V1"
 
 
 def request(block_size: int, k: int) -> engine_plan.EngineRequest:
     return engine_plan.EngineRequest(
         features=feats(),
-        runner_v2=False,
+        runner_v2=V2,
         vocab_size=VOCAB,
         model_dtype="bfloat16",
         block_size=block_size,
@@ -66,8 +69,8 @@ def warm_in_process(block_size: int, k: int) -> CompileCounter:
     """The worker's side: every offline job of the warmers on the contract runner."""
     # The meta device stands in for the GPU's: vLLM's top-k/top-p launcher tiles a CPU
     # tensor otherwise than any other (0.26+), and a worker's logits are on its GPU.
-    tables = [block_table(block_size, MAX_LEN, TOKENS, REQS)]
-    eng = engine(fake_runner(tables, device="meta"), k=k)
+    tables = [] if V2 else [block_table(block_size, MAX_LEN, TOKENS, REQS)]
+    eng = engine(fake_runner(tables, device="meta"), v2=V2, k=k)
     jobs, _ = fakes.jobs_of(plugin_manager(load_entry_points=False), eng)
     clear_vllm_kernel_caches()  # an earlier test's binaries in memory would hide a miss
     with CompileCounter() as counter, compat.compile_only_launches(load=False):
@@ -100,15 +103,16 @@ def test_after_the_child_the_warmers_compile_nothing(
 
 def test_the_offline_engine_plans_what_the_worker_plans() -> None:
     """Same jobs (family and configuration) from the CPU engine as from the contract
-    runner, but the V1 sampler's torch.compile'd logprobs, which need the worker."""
+    runner, but the V1 sampler's torch.compile'd logprobs, which need the worker (0.20-0.33)."""
     pm = plugin_manager(load_entry_points=False)
     offline, declined, errors = engine_plan.jobs(pm, engine_plan.cpu_engine(request(32, 3)))
-    live, _ = fakes.jobs_of(pm, engine(fake_runner([block_table(32, MAX_LEN, TOKENS, REQS)])))
+    tables = [] if V2 else [block_table(32, MAX_LEN, TOKENS, REQS)]
+    live, _ = fakes.jobs_of(pm, engine(fake_runner(tables), v2=V2))
     assert errors == []
     assert [(j.family, j.what) for j in offline] == [
         (j.family, j.what) for j in live if j.offline and not j.real
     ]
-    assert any(d.family == "logprobs" and "worker" in d.why for d in declined)
+    assert any(d.family == "logprobs" and "worker" in d.why for d in declined) is not V2
 
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3}'
@@ -117,7 +121,7 @@ NGRAM = '{"method": "ngram", "num_speculative_tokens": 3}'
 FLAGS = ["--kv-cache-dtype", "turboquant_4bit_nc", "--head-size", "128", "--num-heads", "16",
          "--num-kv-heads", "8", "--dtype", "bfloat16", "--max-model-len", str(MAX_LEN),
          "--max-num-seqs", str(REQS), "--max-num-batched-tokens", str(TOKENS),
-         "--vocab-size", str(VOCAB), "--runner", "v1", "--block-size", "32"]  # fmt: skip
+         "--vocab-size", str(VOCAB), "--runner", RUNNER.lower(), "--block-size", "32"]  # fmt: skip
 
 
 def test_inspect_lists_vllms_own_kernels(capsys: pytest.CaptureFixture[str]) -> None:
@@ -125,15 +129,17 @@ def test_inspect_lists_vllms_own_kernels(capsys: pytest.CaptureFixture[str]) -> 
 
     assert cli.main(["inspect", *FLAGS, "--speculative-config", NGRAM, "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)["vllm_kernels"]
-    assert planned["engine"] == "V1 runner, ngram k=3"
+    assert planned["engine"] == f"{RUNNER} runner, ngram k=3"
     assert "top-k/top-p: float32, top-p, 17 rows" in planned["jobs"]
     rejection = [j for j in planned["jobs"] if j.startswith("rejection sampler")]
     assert len(rejection) == (0 if feats().registry_warms_rejection_sampler else 3)
-    assert "logprobs: 1 job need the worker: warmed at startup" in planned["not_planned"]
+    need_worker = "logprobs: 1 job need the worker: warmed at startup"
+    assert (need_worker in planned["not_planned"]) is not V2
     assert cli.main(["inspect", *FLAGS, "--speculative-config", NGRAM]) == 0
     text = capsys.readouterr().out
-    listed = text[text.index("\nvLLM's own kernels (V1 runner, ngram k=3): ") :].splitlines()
-    assert listed[1] == f"vLLM's own kernels (V1 runner, ngram k=3): {len(planned['jobs'])} jobs"
+    head = f"vLLM's own kernels ({RUNNER} runner, ngram k=3): "
+    listed = text[text.index(f"\n{head}") :].splitlines()
+    assert listed[1] == f"{head}{len(planned['jobs'])} jobs"
     assert listed[2 : 2 + len(planned["jobs"])] == [f"  {job}" for job in planned["jobs"]]
     assert cli.main(["inspect", *FLAGS, "--json"]) == 0  # no speculation: no verify batches
     plain = json.loads(capsys.readouterr().out)["vllm_kernels"]["jobs"]

@@ -17,11 +17,15 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from realvllm import V1_RUNNER_ONLY, has_v1_runner
 
 from tq_warmup_plugin import compat
 from tq_warmup_plugin.warmers import vllm_async_spec
 
-pytestmark = pytest.mark.real_vllm
+pytestmark = [
+    pytest.mark.real_vllm,
+    pytest.mark.skipif(not has_v1_runner(), reason=V1_RUNNER_ONLY),
+]
 
 MAX_REQS = 32
 

@@ -19,14 +19,23 @@ from typing import Any
 
 import fakes
 import pytest
-from realvllm import activate_compile_only_driver, block_table, recorded_keys
+from realvllm import (
+    V1_RUNNER_ONLY,
+    activate_compile_only_driver,
+    block_table,
+    has_v1_runner,
+    recorded_keys,
+)
 
 from tq_warmup_plugin import compat
 from tq_warmup_plugin.engine import Engine
 from tq_warmup_plugin.warmers import vllm_eagle
 from tq_warmup_plugin.warmup import plugin_manager
 
-pytestmark = pytest.mark.real_vllm
+pytestmark = [
+    pytest.mark.real_vllm,
+    pytest.mark.skipif(not has_v1_runner(), reason=V1_RUNNER_ONLY),
+]
 
 VOCAB = 1000
 MAX_LEN = 4096

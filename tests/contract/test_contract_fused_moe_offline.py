@@ -19,7 +19,7 @@ from typing import Any
 
 import fakes
 import pytest
-from realvllm import recorded_keys
+from realvllm import has_v1_runner, recorded_keys
 from test_contract_fused_moe import _cpu_stand_ins, moe_engine, serving_keys  # noqa: F401
 
 from tq_warmup_plugin import compat, engine_plan, engine_warmup
@@ -89,7 +89,8 @@ def offline_keys(family: str, gpu_name: str, graph_tokens: int) -> tuple[set[Any
 
     experts = compat.moe_experts_of_config(model_config(family))
     request = engine_plan.EngineRequest(
-        features=compat.release_features(compat.installed_vllm_version()), runner_v2=False,
+        features=compat.release_features(compat.installed_vllm_version()),
+        runner_v2=not has_v1_runner(),
         vocab_size=32000, model_dtype="bfloat16", block_size=16, max_model_len=8192,
         max_num_seqs=256, max_num_batched_tokens=8192, moe_experts=experts,
         graph_tokens=graph_tokens, gpu_name=gpu_name,

@@ -33,11 +33,13 @@ MODEL_WARMUPS = (
     "qwen_triton_warmup",
     "qwen_vl_triton_warmup",
     "mamba_triton_warmup",
+    "replayssm_lifecycle_warmup",
     "kimi_k3_triton_warmup",
     "watermark_sample_warmup",
     "qwen4_exp_qsa_triton_warmup",
 )
-"""The model-specific warmups ``kernel_warmup`` calls after its registry (0.30, 0.33): each
+"""The model-specific warmups ``kernel_warmup`` calls after its registry (0.30, 0.33, 0.34,
+where ``replayssm_lifecycle_warmup`` replaced ``mamba_triton_warmup``): each
 looks for its model's layers, and two import vision models that need torchvision. Recorded
 instead ("model warmups"), which also shows that the plugin ran before them."""
 

@@ -14,12 +14,16 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from realvllm import V1_RUNNER_ONLY, has_v1_runner
 
 from tq_warmup_plugin import compat
 from tq_warmup_plugin.engine import Engine
 from tq_warmup_plugin.warmers import vllm_logprobs
 
-pytestmark = pytest.mark.real_vllm
+pytestmark = [
+    pytest.mark.real_vllm,
+    pytest.mark.skipif(not has_v1_runner(), reason=V1_RUNNER_ONLY),
+]
 
 VOCAB = 151936  # Qwen3-Next's: the rank count's reduction is looped (``triton_red_*``)
 

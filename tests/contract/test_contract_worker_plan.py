@@ -23,8 +23,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from realvllm import forget_compiled, layer_kv_cache, make_impl
-from test_contract_ahead import request
+from realvllm import forget_compiled, has_v1_runner, layer_kv_cache, make_impl
+from test_contract_ahead import RUNNER, request
 from test_contract_hybrid_block import vllm_kernel_block
 from test_contract_vllm_kernels import _driver as _driver  # autouse: sm90, the SM count
 from test_contract_vllm_kernels import feats
@@ -82,7 +82,12 @@ def worker_config(case: Case) -> Any:
     model = ModelConfig(model=str(MODELS / case.model), skip_tokenizer_init=True,
                         max_model_len=case.max_len, dtype="bfloat16")  # fmt: skip
     spec = (
-        SimpleNamespace(method="ngram", num_speculative_tokens=case.k, parallel_drafting=False)
+        SimpleNamespace(
+            method="ngram",
+            num_speculative_tokens=case.k,
+            parallel_drafting=False,
+            max_num_new_slots_for_drafting=0,
+        )  # ngram's (0.34's SpeculativeConfig)
         if case.k
         else None
     )
@@ -98,6 +103,7 @@ def worker_config(case: Case) -> Any:
 
 def discovered(case: Case, config: Any) -> Geometry:
     """What the worker's discovery reads off one of its TurboQuant layers."""
+    _v1_table_here()
     model, parallel = config.model_config, config.parallel_config
     hk = model.get_num_kv_heads(parallel)
     impl = make_impl(PRESET, model.get_head_size(), model.get_num_attention_heads(parallel), hk,
@@ -114,11 +120,17 @@ def discovered(case: Case, config: Any) -> Geometry:
 
 def planned(config: Any) -> Geometry:
     """What the child plans for the same worker (``ahead_child.key_jobs``' geometry)."""
-    plan = planning.worker_plan(config, feats(), 90, runner_v2=False, verify_rows=True)
+    plan = planning.worker_plan(config, feats(), 90, runner_v2=RUNNER == "V2", verify_rows=True)
     return planning.named_geometries(plan)["geometry0"]
 
 
+def _v1_table_here() -> None:
+    if not has_v1_runner():
+        pytest.skip("the worker's side is the V1 runner's block table, which 0.34 removed")
+
+
 def _split_here(case: Case) -> None:
+    _v1_table_here()
     split = bool(case.block) and kernel_of(case.block) != case.block
     table = compat.cpu_block_tables(case.block or 16, 64, 1, 64)[0]
     if split and not hasattr(table, "blocks_per_kv_block"):
@@ -194,7 +206,7 @@ def test_precompile_plans_a_hybrid_at_vllms_block() -> None:
     session 24; the worker that runs at that block discovers the planned geometry."""
     request = planning.PlanRequest(
         kv_cache_dtype=PRESET, model="jamba-v0.1", tensor_parallel_size=1, dtype="bfloat16",
-        max_model_len=4096, runner="v1", max_num_seqs=REQS, max_num_batched_tokens=TOKENS,
+        max_model_len=4096, runner=RUNNER.lower(), max_num_seqs=REQS, max_num_batched_tokens=TOKENS,
         kv_splits=SPLITS,
     )  # fmt: skip
     plan = planning.plan_geometry(request, str(MODELS / "jamba-v0.1"))
@@ -212,7 +224,7 @@ def test_precompile_plans_a_hybrid_with_prefix_caching_at_vllms_block() -> None:
     flag is what a worker at vLLM's block discovers; the plan without it is not, wherever
     the two blocks differ (before session 25 ``precompile`` had no such flag)."""
     base = dict(kv_cache_dtype=PRESET, model="jamba-v0.1", tensor_parallel_size=1,
-                dtype="bfloat16", max_model_len=4096, runner="v1", max_num_seqs=REQS,
+                dtype="bfloat16", max_model_len=4096, runner=RUNNER.lower(), max_num_seqs=REQS,
                 max_num_batched_tokens=TOKENS, kv_splits=SPLITS)  # fmt: skip
     model = plan_model("jamba-v0.1")
     off = compat.hybrid_block_size(model, 1, PRESET, 16, 0)
