@@ -123,26 +123,28 @@ def block_table_width(
 ) -> int:
     """Row stride of the runner's block table, for planning without a worker.
 
-    V2 runner (read in 0.26 and 0.33): ``cdiv(max_model_len, bs)`` rounded up to a
-    multiple of ``128 // bs`` when bs <= 128. V1 (``MultiGroupBlockTable``): 0.21-0.26
-    round the same way, 0.27+ to a multiple of ``128 / gcd(128, bs)``, 0.20 not at all;
-    where the kernels run blocks of ``kernel_block`` tokens, smaller than the manager's
-    (a hybrid model's, ``compat.kernel_block_size``), the row holds each manager block as
-    ``bs // kernel_block`` kernel blocks (``BlockTable``'s ``blocks_per_kv_block``,
-    0.21-0.31; the kernel block table of ``AttentionGroup``, 0.32+). Until session 24 a V1
-    plan left 0.21-0.26 unrounded: for 900 tokens of 16 it said 57 where vLLM's own table
-    has 64 (``test_contract_worker_plan``)."""
+    ``cdiv(max_model_len, bs)`` blocks, rounded up: 0.27+, both runners, to a multiple of
+    ``128 / gcd(128, bs)`` (``Features.block_table_rounded``); 0.21-0.26 V1 and 0.26 V2 to
+    a multiple of ``128 // bs`` where bs <= 128; 0.20 V1 not at all. Where the kernels run
+    blocks of ``kernel_block`` tokens, smaller than the manager's (a hybrid model's,
+    ``compat.kernel_block_size``), the row holds each manager block as ``bs //
+    kernel_block`` kernel blocks: V1's ``BlockTable`` (``blocks_per_kv_block``, 0.21-0.31)
+    and, 0.32+, the attention group's kernel table for both runners
+    (``Features.group_kernel_table``); a V2 row before 0.32 stays in manager blocks.
+    Until session 24 a V1 plan left 0.21-0.26 unrounded: for 900 tokens of 16 it said 57
+    where vLLM's own table has 64 (``test_contract_worker_plan``); until session 26 a V2
+    plan of a hybrid on 0.27+ was neither rounded nor split: 2 blocks of 2160 where vLLM's
+    kernel table has 1080 blocks of 16 (``test_contract_table_width``)."""
     blocks = -(-max_model_len // block_size)
-    if v2 and block_size <= 128:
-        align = 128 // block_size
-    elif not v2 and feats.v1_block_table_rounded:
+    if feats.block_table_rounded:
         align = 128 // math.gcd(128, block_size)
-    elif not v2 and feats.v1_block_table_aligned and block_size <= 128:
+    elif (v2 or feats.v1_block_table_aligned) and block_size <= 128:
         align = 128 // block_size
     else:
         align = 1
     width = -(-blocks // align) * align
-    if v2 or not kernel_block or block_size % kernel_block:
+    split = bool(kernel_block) and block_size % kernel_block == 0
+    if not split or (v2 and not feats.group_kernel_table):
         return width
     return width * (block_size // kernel_block)
 

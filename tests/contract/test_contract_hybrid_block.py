@@ -57,8 +57,11 @@ def vllm_kernel_block(block_size: int) -> int:
     backend = getattr(module, compat.BACKEND_CLASS)
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=128,
                              dtype=torch.uint8)  # fmt: skip
-    config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)])
-    return int(prepare_kernel_block_sizes(config, [[SimpleNamespace(backend=backend)]])[0])
+    # 0.34 also reads the group's layers and the packed tensors (none packed here).
+    group = SimpleNamespace(kv_cache_spec=spec, layer_names=["l"])
+    config = SimpleNamespace(kv_cache_groups=[group], kv_cache_tensors=[])
+    attn = SimpleNamespace(backend=backend, kv_cache_spec=spec)
+    return int(prepare_kernel_block_sizes(config, [[attn]])[0])
 
 
 def served() -> set[tuple[str, str]]:
