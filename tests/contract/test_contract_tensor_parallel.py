@@ -34,7 +34,7 @@ def planned(feats: compat.Features, tp: int) -> Geometry:
     request = planning.PlanRequest(
         kv_cache_dtype=PRESET, model=str(MODEL), vllm_version=".".join(map(str, feats.version)),
         tensor_parallel_size=tp, max_model_len=MAX_LEN, max_num_seqs=MAX_NUM_SEQS,
-        max_num_batched_tokens=2048, runner="v1",
+        max_num_batched_tokens=2048, runner="v1" if feats.v1_runner else "v2",
     )  # fmt: skip
     return planning.plan_geometry(request, str(MODEL)).geometry
 

@@ -46,11 +46,18 @@ BATCHES = {
 }
 
 
-def spec_config(k: int, dcp: int = 1, parallel: bool = False, v2: bool = True) -> Any:
+def spec_config(
+    k: int, dcp: int = 1, parallel: bool = False, v2: bool = True, slots: int = 0
+) -> Any:
     """What the builder and the support level read of a VllmConfig under speculative
-    decoding (a full one needs a model and a device)."""
+    decoding (a full one needs a model and a device). ``slots``: 0.34's
+    ``max_num_new_slots_for_drafting``, 1 for draft_model's correction token, else 0."""
     return SimpleNamespace(
-        speculative_config=SimpleNamespace(num_speculative_tokens=k, parallel_drafting=parallel),
+        speculative_config=SimpleNamespace(
+            num_speculative_tokens=k,
+            parallel_drafting=parallel,
+            max_num_new_slots_for_drafting=slots,
+        ),
         parallel_config=SimpleNamespace(decode_context_parallel_size=dcp),
         scheduler_config=SimpleNamespace(max_num_seqs=MAX_NUM_SEQS),
         cache_config=SimpleNamespace(cache_dtype="turboquant_4bit_nc"),
@@ -156,14 +163,15 @@ def test_rows_equal_the_per_request_loop(backend: Any, monkeypatch: Any, k: int,
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("parallel", [False, True])
 @pytest.mark.parametrize("v2", [False, True])
+@pytest.mark.parametrize("slots", [0, 1])
 def test_the_rows_serve_vllms_own_spec_as_decode_threshold(
-    backend: Any, k: int, parallel: bool, v2: bool
+    backend: Any, k: int, parallel: bool, v2: bool, slots: int
 ) -> None:
     """The support level exempts what ``serves`` names, so the rows must cover vLLM's own
     spec-as-decode threshold in every case: parallel drafting (V1 doubles the drafts,
-    0.21-0.33), the V2 runner (0.33 does not), decode context parallel (threshold 1:
-    no rows, the PIECEWISE cap)."""
-    config = spec_config(k, parallel=parallel, v2=v2)
+    0.21-0.33), the V2 runner (0.33 does not), draft_model's correction token (0.34 counts
+    it), decode context parallel (threshold 1: no rows, the PIECEWISE cap)."""
+    config = spec_config(k, parallel=parallel, v2=v2, slots=slots)
     vllms = backend.TurboQuantMetadataBuilder.__new__(backend.TurboQuantMetadataBuilder)
     vllms.vllm_config = config
     vllms._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
