@@ -98,6 +98,10 @@ def test_objects_the_plugin_reads_exist(vllm_env: compat.Features) -> None:
         source = inspect.getsource(importlib.import_module(runner).GPUModelRunner)
         assert "self.attn_groups" in source, runner
     assert compat.turboquant_impl_class() is type(impl)
+    # Which runner a worker runs: its own flag where V1 exists, V2 where it is gone (0.34),
+    # taking the flag with it (``compat.worker_uses_v2``).
+    worker = inspect.getsource(importlib.import_module(compat.WORKER_MODULE).Worker)
+    assert ("self.use_v2_model_runner =" in worker) is vllm_env.v1_runner
 
 
 def test_end_to_end_warmup_builds_sm90_cubins(
