@@ -304,7 +304,8 @@ def start_engine(ctx: RunContext, rec: recorder.JitRecorder) -> Any | None:
         block_size=block_size,
         cudagraph_mode=str(vcfg.compilation_config.cudagraph_mode),
         jit_monitor_active=jit_monitor_active,
-        model_runner="v2" if vcfg.use_v2_model_runner else "v1",
+        # 0.34 has no V1 runner, and no flag: every worker runs V2
+        model_runner="v2" if getattr(vcfg, "use_v2_model_runner", True) else "v1",
         monitor_rewrapped=rewrapped,
         config_warnings=warnings,
         startup_jit=recorder.startup_summary(rec.phase_events("startup")),

@@ -34,6 +34,7 @@ from benchmarks.tqbench.spec_configs import (
     model_config,
 )
 from benchmarks.tqbench.verdicts import chosen_logprobs
+from tq_warmup_plugin import compat
 
 __all__ = [
     "CHILD_FINAL",
@@ -164,11 +165,13 @@ def _spec_counters(llm: Any) -> dict[str, int] | None:
 
 
 def _runner(llm: Any) -> str | None:
-    """``"V2"`` or ``"V1"``: the model runner the worker uses (``Worker.use_v2_model_runner``,
-    all releases), which decides where the verify batch's lengths come from; None unknown."""
+    """``"V2"`` or ``"V1"``: the model runner the worker uses (``compat.worker_uses_v2``:
+    ``Worker.use_v2_model_runner`` 0.20-0.33, V2 on 0.34), which decides where the verify
+    batch's lengths come from; None unknown."""
     with contextlib.suppress(Exception):
-        v2 = llm.collective_rpc(lambda worker: getattr(worker, "use_v2_model_runner", None))[0]
-        return None if v2 is None else ("V2" if v2 else "V1")
+        feats = compat.release_features(compat.installed_vllm_version())
+        v2 = llm.collective_rpc(lambda worker: compat.worker_uses_v2(worker, feats))[0]
+        return "V2" if v2 else "V1"
     return None
 
 
