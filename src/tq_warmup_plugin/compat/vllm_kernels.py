@@ -604,8 +604,9 @@ def kv_block_zeroer(runner: Any) -> Any | None:
     """The runner's ``KVBlockZeroer`` where it zeroes attention blocks (a model with Mamba
     layers: ``KVCacheConfig.needs_kv_cache_zeroing``), else None: the V1 runner's
     ``_kv_block_zeroer`` (0.22-0.33, set by ``_init_kv_zero_meta``), the V2 runner's
-    ``kv_block_zeroer`` (0.26-0.34, ``gpu/model_runner.py`` 0.34:1363); one whose segment table is empty (``_meta`` None, no
-    attention layer) zeroes nothing. ``zero_block_ids(ids)`` in all of them."""
+    ``kv_block_zeroer`` (0.26-0.34, ``gpu/model_runner.py`` 0.34:1363); one whose segment
+    table is empty (``_meta`` None, no attention layer) zeroes nothing.
+    ``zero_block_ids(ids)`` in all of them."""
     zeroer = getattr(runner, "kv_block_zeroer", None) or getattr(runner, "_kv_block_zeroer", None)
     if zeroer is None or getattr(zeroer, "_meta", None) is None:
         return None
