@@ -128,13 +128,13 @@ def block_table_width(
     a multiple of ``128 // bs`` where bs <= 128; 0.20 V1 not at all. Where the kernels run
     blocks of ``kernel_block`` tokens, smaller than the manager's (a hybrid model's,
     ``compat.kernel_block_size``), the row holds each manager block as ``bs //
-    kernel_block`` kernel blocks: V1's ``BlockTable`` (``blocks_per_kv_block``, 0.21-0.31)
-    and, 0.32+, the attention group's kernel table for both runners
-    (``Features.group_kernel_table``); a V2 row before 0.32 stays in manager blocks.
+    kernel_block`` kernel blocks, in every runner: V1's ``BlockTable`` and V2's
+    ``BlockTables`` split their own rows (``blocks_per_kv_block``, 0.21-0.31 and 0.26-0.31),
+    0.32+ the attention group's kernel table (``AttentionGroup.create_metadata_builders``).
     Until session 24 a V1 plan left 0.21-0.26 unrounded: for 900 tokens of 16 it said 57
     where vLLM's own table has 64 (``test_contract_worker_plan``); until session 26 a V2
-    plan of a hybrid on 0.27+ was neither rounded nor split: 2 blocks of 2160 where vLLM's
-    kernel table has 1080 blocks of 16 (``test_contract_table_width``)."""
+    plan of a hybrid was not split, nor rounded on 0.27+: 2 blocks of 2160 where vLLM's
+    table has 1080 blocks of 16 (``test_contract_table_width``)."""
     blocks = -(-max_model_len // block_size)
     if feats.block_table_rounded:
         align = 128 // math.gcd(128, block_size)
@@ -143,8 +143,7 @@ def block_table_width(
     else:
         align = 1
     width = -(-blocks // align) * align
-    split = bool(kernel_block) and block_size % kernel_block == 0
-    if not split or (v2 and not feats.group_kernel_table):
+    if not kernel_block or block_size % kernel_block:
         return width
     return width * (block_size // kernel_block)
 

@@ -2,18 +2,20 @@
 own code gives a V2 worker, and on 0.32+ the kernel table of any runner's attention group.
 
 V1's ``MultiGroupBlockTable`` is held in ``test_contract_worker_plan``. The V2 runner sizes
-its rows with vLLM's ``get_block_table_width`` (``gpu/model_runner.py`` 0.27:469,
-0.34:704), called here; 0.26's computes them inline (0.26:433-440) and is not callable, so
-0.20-0.26 skip. Where a hybrid's kernel blocks are smaller than its manager blocks, 0.32+
-build the kernel table in ``AttentionGroup.create_metadata_builders``, run here for real
-over TurboQuant's backend, whose builder alone is a stand-in (it would need a whole engine's
-config). Until session 26 a V2 plan of a hybrid on 0.27+ said 2 blocks of 2160 where vLLM's
-kernel table has 1080 blocks of 16: every key that reads the row missed.
+its rows in manager blocks with vLLM's ``get_block_table_width`` (``gpu/model_runner.py``
+0.27:469, 0.34:704), called here; 0.26's computes them inline (0.26:433-440), not callable.
+Where a hybrid's kernel blocks are smaller than its manager blocks, the V2 runner's own
+``BlockTables`` split each row (0.26-0.31), run here for real on host buffers; 0.32+ build
+the kernel table in ``AttentionGroup.create_metadata_builders``, run here for real over
+TurboQuant's backend, whose builder alone is a stand-in (it would need a whole engine's
+config). Until session 26 a V2 plan of a hybrid said 2 blocks of 2160 where vLLM's table
+has 1080 blocks of 16: every key that reads the row missed.
 """
 
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -48,6 +50,49 @@ class _Builder:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
+
+
+def _host_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The V2 ``BlockTables``' staging buffers on a host without an accelerator: no pinned
+    memory, and the "device view" of a host buffer is the buffer itself."""
+    import torch
+
+    def unpinned(function: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            pinned = "pin_memory" in kwargs
+            return function(*args, **({**kwargs, "pin_memory": False} if pinned else kwargs))
+
+        return call
+
+    for name in ("empty", "zeros", "tensor", "empty_like", "zeros_like", "full", "ones"):
+        monkeypatch.setattr(torch, name, unpinned(getattr(torch, name)))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
+    for module in ("vllm.v1.worker.gpu.buffer_utils", "vllm.utils.torch_utils"):
+        loaded = importlib.import_module(module)
+        if hasattr(loaded, "get_accelerator_view_from_cpu_tensor"):
+            monkeypatch.setattr(loaded, "get_accelerator_view_from_cpu_tensor", lambda t: t)
+
+
+def v2_split_width(block: int, manager_blocks: int, monkeypatch: pytest.MonkeyPatch) -> int:
+    """The row of the V2 runner's own ``BlockTables`` (0.26-0.31) for ``manager_blocks``
+    blocks of ``block`` tokens at vLLM's kernel block."""
+    import inspect
+
+    import torch
+
+    _host_only(monkeypatch)
+    tables = importlib.import_module("vllm.v1.worker.gpu.block_table").BlockTables
+    offered = dict(block_sizes=[block], max_num_reqs=4, max_num_batched_tokens=64,
+                   max_num_blocks_per_group=[manager_blocks], device=torch.device("cpu"),
+                   kernel_block_sizes=[vllm_kernel_block(block)])  # fmt: skip
+    accepted = inspect.signature(tables.__init__).parameters
+    built = tables(**{k: v for k, v in offered.items() if k in accepted})
+    return int(built.input_block_tables[0].shape[-1])
+
+
+def _v2_tables_split() -> bool:
+    source = importlib.import_module("vllm.v1.worker.gpu.block_table")
+    return "blocks_per_kv_block" in Path(str(source.__file__)).read_text()
 
 
 def group_kernel_width(block: int, max_len: int) -> int | None:
@@ -87,7 +132,9 @@ def test_the_v2_row_is_vllms(block: int, max_len: int) -> None:
 def test_the_kernel_table_is_the_groups(block: int, max_len: int) -> None:
     """0.32+: the row both runners' split layers read; the check fails where the plan
     forgets the split (the V2 plan before session 26) or the rounding."""
-    if not feats().group_kernel_table:
+    from vllm.v1.worker.utils import AttentionGroup
+
+    if "kernel_block_table" not in AttentionGroup.__dataclass_fields__:
         pytest.skip("0.20-0.31: no kernel table on the attention group")
     kernel = vllm_kernel_block(block)
     served = group_kernel_width(block, max_len)
@@ -99,3 +146,20 @@ def test_the_kernel_table_is_the_groups(block: int, max_len: int) -> None:
         assert planning.block_table_width(feats(), max_len, block, v2, kernel) == served
     unsplit = planning.block_table_width(feats(), max_len, block, True)
     assert unsplit != served  # what the V2 plan said before
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("max_len", MAX_LENS)
+def test_the_v2_runners_own_tables_split_the_row(
+    block: int, max_len: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """0.26-0.31: the V2 runner's ``BlockTables`` hold each manager block as its kernel
+    blocks; its manager-block count is the plan's own (``test_the_v2_row_is_vllms``)."""
+    if not _v2_tables_split():
+        pytest.skip("0.32+: the attention group's kernel table splits the row instead")
+    kernel = vllm_kernel_block(block)
+    unsplit = planning.block_table_width(feats(), max_len, block, True)
+    served = v2_split_width(block, unsplit, monkeypatch)
+    assert planning.block_table_width(feats(), max_len, block, True, kernel) == served
+    if kernel != block:
+        assert unsplit != served  # what the V2 plan said before

@@ -180,13 +180,6 @@ class Features(NamedTuple):
     every block size (``get_block_table_width``, V1 0.30 and 0.33), and the V2 runner's row
     is rounded the same way (``gpu/model_runner.py`` 0.27:469, 0.30:614, 0.34:704), where
     0.26's V2 rounds only blocks of up to 128 tokens (0.26:439)."""
-    group_kernel_table: bool
-    """0.32+: where the kernels take smaller blocks than the KV manager's (a hybrid model's),
-    the attention group keeps the kernel block table, for both runners: a row of
-    ``get_block_table_width`` manager blocks times ``block_size // kernel_block``
-    (``AttentionGroup.create_metadata_builders``, ``v1/worker/utils.py`` 0.32:312-318,
-    0.34); before, V1's ``BlockTable`` splits its own row (``blocks_per_kv_block``) and
-    the V2 runner's row stays in manager blocks."""
     v2_runner_default: bool
     """0.25+: the V2 model runner is what a worker runs unless told otherwise; 0.20-0.24
     run V1 (the ``--runner`` default of ``inspect`` and ``precompile``)."""
@@ -232,7 +225,6 @@ def features(version: Version) -> Features:
         tq_block_aligned=version >= (0, 25),
         v1_block_table_aligned=version >= (0, 21),
         block_table_rounded=version >= (0, 27),
-        group_kernel_table=version >= (0, 32),
         v2_runner_default=version >= (0, 25),
         draft_slot_in_threshold=version >= (0, 34),
         v1_runner=version <= (0, 33),
