@@ -134,7 +134,9 @@ def block_table_width(
     Until session 24 a V1 plan left 0.21-0.26 unrounded: for 900 tokens of 16 it said 57
     where vLLM's own table has 64 (``test_contract_worker_plan``); until session 26 a V2
     plan of a hybrid was not split, nor rounded on 0.27+: 2 blocks of 2160 where vLLM's
-    table has 1080 blocks of 16 (``test_contract_table_width``)."""
+    table has 1080 blocks of 16 (``test_contract_table_width``). The keys read the row as
+    its stride's divisibility by 16 and its rows' 16-byte alignment: on 0.27+ 5 of that
+    test's 10 hybrid and odd-block cases planned another key, on 0.26 none."""
     blocks = -(-max_model_len // block_size)
     if feats.block_table_rounded:
         align = 128 // math.gcd(128, block_size)

@@ -9,7 +9,8 @@ Where a hybrid's kernel blocks are smaller than its manager blocks, the V2 runne
 the kernel table in ``AttentionGroup.create_metadata_builders``, run here for real over
 TurboQuant's backend, whose builder alone is a stand-in (it would need a whole engine's
 config). Until session 26 a V2 plan of a hybrid said 2 blocks of 2160 where vLLM's table
-has 1080 blocks of 16: every key that reads the row missed.
+has 1080 blocks of 16; Triton keys the row by its stride's divisibility by 16 and its rows'
+16-byte alignment, which that changed in 5 of the 10 cases here on 0.27+ (none on 0.26).
 """
 
 from __future__ import annotations
