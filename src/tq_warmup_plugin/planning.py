@@ -544,7 +544,7 @@ def plan_shape(request: PlanRequest, shape: ModelShape | None) -> Planned:
     scale = request.scale
     if scale is None:
         scale = shape.scale if shape and shape.scale is not None else head_size**-0.5
-    _, tokens, _ = compat.speculative_fields(request.speculative_config)
+    method, tokens, _ = compat.speculative_fields(request.speculative_config)
     bs = request.block_size
     hybrid = shape is not None and shape.hybrid
     if not hybrid:  # a hybrid has no boundary layers to cover
@@ -581,7 +581,7 @@ def plan_shape(request: PlanRequest, shape: ModelShape | None) -> Planned:
         features=feats,
         ubatch_sliced=compat.ubatch_sliced(feats, request.enable_dbo, runner == "v2"),
         verify_len=verify_len(
-            feats, tokens, _parallel_drafting(request.speculative_config), _method(request)
+            feats, tokens, _parallel_drafting(request.speculative_config), method
         ),
     )
     chunk = request.attention_chunk_size
@@ -619,11 +619,6 @@ def verify_len(
 
 def _parallel_drafting(spec: Mapping[str, object] | None) -> bool:
     return bool(spec and spec.get("parallel_drafting", False))
-
-
-def _method(request: PlanRequest) -> str | None:
-    method = (request.speculative_config or {}).get("method")
-    return None if method is None else str(method)
 
 
 def named_geometries(planned: Planned) -> dict[str, Geometry]:
