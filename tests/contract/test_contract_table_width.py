@@ -16,7 +16,6 @@ has 1080 blocks of 16; Triton keys the row by its stride's divisibility by 16 an
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -92,8 +91,11 @@ def v2_split_width(block: int, manager_blocks: int, monkeypatch: pytest.MonkeyPa
 
 
 def _v2_tables_split() -> bool:
-    source = importlib.import_module("vllm.v1.worker.gpu.block_table")
-    return "blocks_per_kv_block" in Path(str(source.__file__)).read_text()
+    """Whether the V2 ``BlockTables`` take kernel block sizes, and split rows by them."""
+    import inspect
+
+    tables = importlib.import_module("vllm.v1.worker.gpu.block_table").BlockTables
+    return "kernel_block_sizes" in inspect.signature(tables.__init__).parameters
 
 
 def group_kernel_width(block: int, max_len: int) -> int | None:
