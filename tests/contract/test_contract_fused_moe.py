@@ -13,6 +13,8 @@ sizes through the worker's own warmup forward (GPU only; the runner is a stand-i
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from functools import partial
 from types import SimpleNamespace
 from typing import Any
@@ -84,16 +86,27 @@ def test_one_step_per_signature_reaches_every_key_of_the_range(
     assert serving_keys(shape, coarse) < every
 
 
-class _Runner:
-    """The runner around the experts: a model of modules, and ``_dummy_run`` recorded."""
+def triton_method() -> Any:
+    """A layer's ``quant_method`` whose kernel runs vLLM's own ``TritonExperts`` (the
+    instance is never called: the warmer reads its class)."""
+    import importlib
 
-    def __init__(self, dtype: Any) -> None:
+    triton = importlib.import_module(compat.vllm_paths.TRITON_EXPERTS_MODULE).TritonExperts
+    return SimpleNamespace(moe_kernel=SimpleNamespace(fused_experts=object.__new__(triton)))
+
+
+class _Runner:
+    """The runner around the experts: a model of modules, and ``_dummy_run`` recorded.
+    With ``method``, the experts' ``quant_method`` (else a layer without one)."""
+
+    def __init__(self, dtype: Any, method: Any = None) -> None:
         import torch
 
         experts = SimpleNamespace(
             w13_weight=torch.empty(4, 2048, 2048, dtype=dtype, device="meta"),
             w2_weight=torch.empty(4, 2048, 1024, dtype=dtype, device="meta"),
             moe_config=SimpleNamespace(num_experts=4, experts_per_token=2),
+            quant_method=method,
         )
         self.model = SimpleNamespace(modules=lambda: [SimpleNamespace(), experts, experts])
         self.ran: list[tuple[int, dict[str, Any]]] = []
@@ -111,13 +124,33 @@ def moe_engine(runner: Any, graph_tokens: int, ubatch: bool = False) -> Engine:
     )  # fmt: skip
 
 
-def test_the_warmer_runs_vllms_warmup_forward_at_each_chosen_size() -> None:
+def test_a_worker_on_triton_experts_launches_the_steps_and_runs_no_forward() -> None:
     """Past the largest CUDA graph (512), the serve-jit Mixtral's 5 sizes, one per pair of
-    its 10 keys up to 8192 tokens (of one layer two modules hold), each the worker's own
-    compile-size forward, run for real and serially by the host, which counts them."""
+    its 10 keys up to 8192 tokens: in a worker whose experts run ``TritonExperts``, each
+    size is a compile-only step of vLLM's experts, side by side with the other warmers,
+    and the keys are those serving launches at those sizes. No forward runs."""
     import torch
 
-    runner = _Runner(torch.bfloat16)
+    runner = _Runner(torch.bfloat16, triton_method())
+    with recorded_keys() as seen:
+        result = engine_warmup.run(
+            fakes.bare_manager(vllm_fused_moe), moe_engine(runner, 512), load=False
+        )
+    assert runner.ran == [] and result.forwards[0] == 0
+    assert result.jobs == {"fused MoE": 5} and result.errors == []
+    launched = {key for key in seen if key[0] == "fused_moe_kernel"}
+    assert launched == serving_keys((4, 2, 2048, 1024), [513, 514, 516, 520, 522])
+    assert len(launched) == 10
+
+
+def test_other_experts_get_vllms_warmup_forward_at_each_chosen_size() -> None:
+    """Experts of another backend (here: a layer without a Triton kernel) launch what
+    only a forward reaches: the same 5 sizes, each the worker's own compile-size
+    forward, run for real and serially by the host, which counts them."""
+    import torch
+
+    runner = _Runner(torch.bfloat16, SimpleNamespace(moe_kernel=None))
+    assert not compat.moe_runs_triton_experts(runner)
     assert vllm_fused_moe in plugin_manager(load_entry_points=False).get_plugins()
     result = engine_warmup.run(
         fakes.bare_manager(vllm_fused_moe), moe_engine(runner, 512), load=False
@@ -167,3 +200,47 @@ def test_the_eager_range_starts_past_vllms_largest_captured_size(
     config = SimpleNamespace(compilation_config=graphs,
                              model_config=SimpleNamespace(enforce_eager=eager))  # fmt: skip
     assert compat.graph_tokens(config) == expected
+
+
+def test_steps_on_several_threads_patch_vllms_ops_one_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The warmers run side by side: ``moe_steps`` patches vLLM's ops module, so two
+    overlapping steps would save each other's stand-in as the original and leave it in
+    the worker. Under its lock no two are inside at once, and the ops are put back."""
+    import threading
+    import time
+
+    from vllm import _custom_ops as ops
+
+    from tq_warmup_plugin.compat import vllm_kernels
+
+    before = ops.moe_align_block_size, ops.moe_sum
+    inside, most = [0], [0]
+    lock = threading.Lock()
+    real = vllm_kernels.named_gpu
+
+    @contextlib.contextmanager
+    def counted(name: str) -> Iterator[None]:
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.05)
+        try:
+            with real(name):
+                yield
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    monkeypatch.setattr(vllm_kernels, "named_gpu", counted)
+    layer = experts_of(SHAPES[0])
+    with recorded_keys():
+        threads = [threading.Thread(target=compat.moe_steps, args=(layer, [513], "NVIDIA H200"))
+                   for _ in range(4)]  # fmt: skip
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert most[0] == 1
+    assert (ops.moe_align_block_size, ops.moe_sum) == before

@@ -20,7 +20,12 @@ from typing import Any
 import fakes
 import pytest
 from realvllm import has_v1_runner, recorded_keys
-from test_contract_fused_moe import _cpu_stand_ins, moe_engine, serving_keys  # noqa: F401
+from test_contract_fused_moe import (  # noqa: F401
+    _cpu_stand_ins,
+    moe_engine,
+    serving_keys,
+    triton_method,
+)
 
 from tq_warmup_plugin import compat, engine_plan, engine_warmup
 from tq_warmup_plugin.warmers import vllm_fused_moe
@@ -64,7 +69,7 @@ class _Runner:
     """A built model's experts (``w13_weight``, ``w2_weight``, ``moe_config``) on two
     modules, and ``_dummy_run`` recorded."""
 
-    def __init__(self, layer: compat.MoeExperts) -> None:
+    def __init__(self, layer: compat.MoeExperts, method: Any = None) -> None:
         from types import SimpleNamespace
 
         import torch
@@ -74,6 +79,7 @@ class _Runner:
             w2_weight=torch.empty(*layer.w2, dtype=torch.bfloat16, device="meta"),
             moe_config=SimpleNamespace(num_experts=layer.experts,
                                        experts_per_token=layer.top_k),
+            quant_method=method,
         )  # fmt: skip
         self.model = SimpleNamespace(modules=lambda: [experts, experts])
         self.ran: list[int] = []
@@ -120,11 +126,26 @@ def worker_keys(family: str, graph_tokens: int) -> set[Any]:
     return serving_keys((e, top_k, hidden, width), runner.ran)
 
 
+def worker_launches(family: str, graph_tokens: int) -> set[Any]:
+    """What the H200 worker's own warmer loads where its experts run ``TritonExperts``:
+    its compile-only steps, recorded."""
+    e, top_k, hidden, width = EXPERTS[family]
+    layer = compat.MoeExperts((e, 2 * width, hidden), (e, hidden, width), e, top_k, "bfloat16")
+    runner = _Runner(layer, triton_method())
+    with recorded_keys() as seen:
+        result = engine_warmup.run(
+            fakes.bare_manager(vllm_fused_moe), moe_engine(runner, graph_tokens), load=False
+        )
+    assert result.errors == [] and runner.ran == []
+    return {key for key in seen if key[0] == "fused_moe_kernel"}
+
+
 @pytest.mark.parametrize("family", sorted(EXPERTS))
 def test_the_offline_plan_builds_the_keys_the_worker_launches(family: str) -> None:
     built, jobs = offline_keys(family, "NVIDIA H200", 512)
     assert built == worker_keys(family, 512)
     assert len(built) <= 2 * jobs  # two GEMMs a step
+    assert worker_launches(family, 512) == built  # the worker's own warmer, no forward
 
 
 def test_the_check_fails_for_another_gpu() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -38,6 +39,7 @@ __all__ = [
     "moe_config_function",
     "moe_experts",
     "moe_experts_of_config",
+    "moe_runs_triton_experts",
     "moe_steps",
     "named_gpu",
     "sampling_metadata",
@@ -195,6 +197,26 @@ def moe_experts(runner: Any) -> list[MoeExperts]:
     return found
 
 
+def moe_runs_triton_experts(runner: Any) -> bool:
+    """Whether every module of the runner's model that holds MoE experts runs them through
+    vLLM's own ``TritonExperts``, the class :func:`moe_steps` drives: its
+    ``quant_method.moe_kernel.fused_experts`` (``FusedMoEKernel``, 0.22-0.34), which
+    ``make_unquantized_moe_kernel`` picks for bf16 experts on Hopper. Another backend
+    (FlashInfer's, a quantized method) launches other kernels, which only a forward reaches."""
+    triton = importlib.import_module(paths.TRITON_EXPERTS_MODULE).TritonExperts
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    kinds = set()
+    for module in model.modules():
+        if (
+            getattr(module, "w13_weight", None) is None
+            or getattr(module, "moe_config", None) is None
+        ):
+            continue
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        kinds.add(type(getattr(kernel, "fused_experts", None)))
+    return kinds == {triton}
+
+
 def moe_config_function() -> Any:
     """vLLM's ``try_get_optimal_moe_config(w1_shape, w2_shape, top_k, dtype, M)``: the
     Triton config a step of ``M`` tokens launches ``fused_moe_kernel`` with (a tuned JSON
@@ -318,15 +340,22 @@ def _no_op(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+_MOE_STEPS = threading.Lock()
+"""Held by :func:`moe_steps`: its patch of vLLM's ops module is one at a time, so two
+warmer threads never save each other's stand-in as the original."""
+
+
 def moe_steps(layer: MoeExperts, sizes: Iterable[int], gpu_name: str) -> None:
     """One step of each size through vLLM's own ``TritonExperts.apply`` (the experts a
     bf16 MoE layer runs on Hopper: its config lookup for ``gpu_name``, workspaces,
     expert assignment and both ``fused_moe_kernel`` GEMMs) on meta tensors, for
-    ``compile_only_launches`` to turn into keys without a GPU. The CUDA ops that only
-    fill buffers no key reads are skipped: ``moe_align_block_size``, ``moe_sum``, the
-    activation. Offline processes only (the child, ``precompile``): it patches vLLM's
-    ops module while it runs. The same classes and arguments in 0.22 (whose config
-    names the width ``intermediate_size_per_partition``), 0.26, 0.30 and 0.33."""
+    ``compile_only_launches`` to turn into keys, with or without a GPU. The CUDA ops that
+    only fill buffers no key reads are skipped: ``moe_align_block_size``, ``moe_sum``, the
+    activation. It patches vLLM's ops module while it runs (under a lock), so a worker
+    calls it only where no forward runs: inside ``kernel_warmup``, whose model forwards
+    (``Job.real``) finish before the compile-only jobs start. The same classes and
+    arguments in 0.22 (whose config names the width ``intermediate_size_per_partition``),
+    0.26, 0.30, 0.33 and 0.34."""
     import torch
 
     moe = importlib.import_module(paths.FUSED_MOE_CONFIG_MODULE)
@@ -352,7 +381,8 @@ def moe_steps(layer: MoeExperts, sizes: Iterable[int], gpu_name: str) -> None:
 
     weights = (meta(*layer.w13), meta(*layer.w2))
     ops = importlib.import_module(paths.CUSTOM_OPS_MODULE)
-    with swapped(ops, {"moe_align_block_size": _no_op, "moe_sum": _no_op}), named_gpu(gpu_name):
+    skipped = {"moe_align_block_size": _no_op, "moe_sum": _no_op}
+    with _MOE_STEPS, swapped(ops, skipped), named_gpu(gpu_name):
         for n in sizes:
             ws13, ws2, out = experts.workspace_shapes(n, 2 * width, hidden, top_k, e, e, None, silu)
             experts.apply(

@@ -18,22 +18,24 @@ signature reaches every key of the eager range: for a 4-expert top-2 Mixtral fro
 configs: 6 steps, 12 keys), not 7,680. ``tests/contract/test_contract_fused_moe`` checks
 the choice against the keys vLLM's own ``TritonExperts.apply`` asks for at every size.
 
-How: each chosen size is one of vLLM's own warmup forwards (``compat.dummy_run``, as
-the worker runs its compile sizes), for real and serially (``Job.real``): a forward
-skipping its launches would route on unwritten memory. On the H200 (0.26.0, the
-serve-jit Mixtral) 11 forwards (one per residue of tokens x top_k mod 16, the choice
-before :func:`em`) compiled its 10 keys in 13.9 s of a cold start and took 1.0 s from a
-warm Triton cache; an error-mode server then served its mix with 0 JIT events.
-Compiling those keys side by side first, through vLLM's launcher, cut the cold start to
-9.4 s, but that version was not seen to finish a server's startup on a fresh machine
-(its runs' own startup timeouts passed during CUDA graph capture) and is not shipped.
+How: each chosen size is one step of vLLM's own ``TritonExperts.apply`` on meta tensors
+(``compat.moe_steps``) under ``compile_only_launches``: the config lookup, workspaces,
+expert assignment and both GEMMs' launchers as serving runs them, every key compiled or
+read from disk and loaded, nothing run. The same jobs serve a worker, ``precompile`` and
+the compile-ahead child; a worker's steps read its own GPU's tuned configs, an offline
+plan's those of ``Engine.gpu_name`` (``compat.moe_experts_of_config`` gives it the
+experts). ``tests/contract/test_contract_fused_moe_offline`` holds them to the keys the
+worker's forwards launch.
 
-Offline: an engine planned without a worker (``engine_plan``: ``precompile``, the
-compile-ahead child) holds the experts its config gives a rank (``Engine.planned_experts``)
-and the target GPU's name. For it the same sizes are jobs of vLLM's own
-``TritonExperts.apply`` on meta tensors (``compat.moe_steps``), which compile the keys a
-worker's forwards then load: from a shipped layer, or beside a worker still loading its
-model. ``tests/contract/test_contract_fused_moe_offline`` holds them to the worker's.
+Before session 27 a worker ran one of vLLM's warmup forwards per size instead
+(``compat.dummy_run``, serially: ``Job.real``). On the H200 (0.26.0, in-process
+``serve-jit``, runs AR-AT) those forwards took 0.46-1.24 s with 0 compiles in them, the
+keys already on disk: most of what a MoE worker's warmers cost from a shipped layer.
+They stay for a model whose experts run another backend than ``TritonExperts``
+(``compat.moe_runs_triton_experts``: FlashInfer's, a quantized method), whose kernels
+only a forward reaches. On the H200 (0.26.0) 11 such forwards compiled the serve-jit
+Mixtral's 10 keys in 13.9 s of a cold start, and an error-mode server then served its
+mix with 0 JIT events.
 """
 
 from __future__ import annotations
@@ -139,15 +141,15 @@ def tq_warmup_engine_jobs(engine: Engine) -> Iterable[Job | Declined]:
     with compat.named_gpu(engine.gpu_name) if offline else contextlib.nullcontext():
         sizes = token_counts(first, engine.max_tokens, partial(signature, experts=experts,
                                                                 config_of=config_of))  # fmt: skip
-    if offline:  # the same steps' keys through vLLM's experts on meta tensors
-        return [Job(FAMILY, f"{n} tokens", partial(_offline_step, tuple(experts), n,
-                                                   engine.gpu_name)) for n in sizes]  # fmt: skip
-    return [
-        Job(FAMILY, f"{n} tokens", partial(compat.dummy_run, engine.runner, n), real=True)
-        for n in sizes
-    ]
+    if not offline and not compat.moe_runs_triton_experts(engine.runner):
+        return [
+            Job(FAMILY, f"{n} tokens", partial(compat.dummy_run, engine.runner, n), real=True)
+            for n in sizes
+        ]
+    gpu = engine.gpu_name if offline else compat.device_name()
+    return [Job(FAMILY, f"{n} tokens", partial(_step, tuple(experts), n, gpu)) for n in sizes]
 
 
-def _offline_step(experts: Sequence[compat.MoeExperts], tokens: int, gpu_name: str) -> None:
+def _step(experts: Sequence[compat.MoeExperts], tokens: int, gpu_name: str) -> None:
     for layer in experts:
         compat.moe_steps(layer, [tokens], gpu_name)
