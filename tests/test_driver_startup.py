@@ -91,7 +91,8 @@ def test_a_cuda_cache_path_the_user_set_is_kept_unless_overridden(tmp_path: Path
     over = decide(tmp_path / "b", {"CUDA_CACHE_PATH": "/mine"}, driver_cache_override=True)
     assert over.action == "copy"
     ours = decide(tmp_path / "c", {"CUDA_CACHE_PATH": over.path or ""})
-    assert ours == driver_startup.Decision("keep")  # set by this process's parent
+    assert ours.action == "keep" and ours.line == ""  # set by this process's parent
+    assert ours.path == over.path and ours.manifest == over.manifest  # whose artifacts it loads
     disabled = decide(tmp_path / "d", {"CUDA_CACHE_DISABLE": "1"})
     assert disabled.action == "warn" and "CUDA_CACHE_DISABLE is set" in disabled.line
 

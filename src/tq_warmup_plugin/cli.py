@@ -333,6 +333,7 @@ def driver_cache(args: argparse.Namespace) -> int:
             args.max_num_seqs,
             args.max_num_batched_tokens,
             args.trust_remote_code,
+            args.speculative_config,
         )
         engine = (Path(args.model).resolve(), spec)
     try:

@@ -138,9 +138,25 @@ def _run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None) -> Re
         report.launches = done
         report.errors.extend(errors)
         report.failed += len(errors)
+    if getattr(found.device, "type", None) == "cuda":  # before anything torch.compiles
+        _load_compiled(report)
     if settings.vllm_kernels:
         _warm_vllm_kernels(report, worker, feats, pm, found.device, settings.threads)
     return report
+
+
+def _load_compiled(report: Report) -> None:
+    """The shipped driver-cache entry's ``torch.compile`` artifacts (``driver.compiled``):
+    the warmers' graphs, and a first request's, then load instead of compiling."""
+    from .driver import compiled
+
+    loaded = compiled.load()
+    if loaded is None:
+        return
+    line, ok = loaded
+    if not ok:
+        logger.warning(f"tq-warmup: {line}")
+    report.notes.append(line)
 
 
 def _warm_vllm_kernels(

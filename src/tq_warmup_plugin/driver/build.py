@@ -39,6 +39,7 @@ from typing import Any
 
 from ..launches import Launch
 from ..shipped import pins
+from . import compiled
 from . import entry as driver_cache
 from .startup import MAXSIZE
 
@@ -87,12 +88,16 @@ def engine_spec(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     trust_remote_code: bool = False,
+    speculative_config: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What the engine child is given, but the model: ``LLM(...)`` keywords (names as in
     all releases ``EngineArgs``: dummy weights, no tokenizer) and the prompt lengths it
     serves: one token (FA2 runs a one-query call non-causal) and one chunk. One GPU: FA2
     has a module per head size, dtype, causality and split, not per head count, so it
-    loads what each tensor-parallel rank of the model loads."""
+    loads what each tensor-parallel rank of the model loads. ``speculative_config`` (the
+    fleet's ``--speculative-config``) picks the runner and the graphs its warmers
+    ``torch.compile`` (the V1 rank count, the async correction), which the entry ships
+    (``driver.compiled``)."""
     kwargs: dict[str, Any] = {
         "load_format": "dummy",
         "skip_tokenizer_init": True,
@@ -107,6 +112,8 @@ def engine_spec(
         kwargs["dtype"] = dtype
     if max_model_len:
         kwargs["max_model_len"] = max_model_len
+    if speculative_config:
+        kwargs["speculative_config"] = dict(speculative_config)
     chunk = min(max_num_batched_tokens, (max_model_len or 4096) - 8, 2048)
     return {"engine": kwargs, "prompt_lens": [1, max(2, chunk)]}
 
@@ -161,13 +168,22 @@ def _run_engine(model: Path, spec: Mapping[str, Any], cache: Path, timeout: floa
         if not model.is_dir():
             shutil.copyfile(model, Path(tmp) / "config.json")
         where = str(model if model.is_dir() else tmp)
-        payload = {**spec, "engine": {**spec["engine"], "model": where}}
+        payload = {
+            **spec,
+            "engine": {**spec["engine"], "model": where},
+            "compiled_out": str(
+                cache.parent / driver_cache.COMPILED_DIR / driver_cache.COMPILED_FILE
+            ),
+        }
         return _run("engine", ["--engine"], payload, cache, timeout)
 
 
 def _hashed(cache: Path) -> dict[str, tuple[str, int]]:
-    """What the driver wrote, hashed (every file plain: the driver makes no links)."""
+    """What the driver (or the engine child's ``torch.compile``) wrote, hashed (every file
+    plain: neither makes links); nothing where the directory is absent."""
     files: dict[str, tuple[str, int]] = {}
+    if not cache.is_dir():
+        return files
     for name, item in driver_cache.walk(cache):
         if item is None:
             raise BuildError(f"{cache}/{name}: not a plain file")
@@ -219,6 +235,7 @@ def build(
             cuda_runtime=facts["cuda_runtime"],
             cuda_driver_api=facts["cuda_driver_api"],
             launches=tuple(dict.fromkeys([*earlier, *(x.label for x in todo), *engine_label])),
+            compiled=_hashed(staged / driver_cache.COMPILED_DIR),
             extra={
                 "gpu_cuda_name": facts["gpu"],
                 "torch": facts["torch"],
@@ -238,12 +255,22 @@ def build(
         f"driver {node.driver}) in {final}: {len(todo)} FlashAttention-2 launches in "
         f"{sum(facts['seconds'].values()):.1f} s (slowest {slowest[0]}: {slowest[1]:.1f} s), "
         + (f"an engine start {started['startup_s']:.1f} s, " if started else "")
+        + _compiled_words(started.get("compiled", {}), shipped)
         + f"{len(shipped.files)} files, {shipped.size / 2**20:.1f} MiB; "
         f"{time.perf_counter() - start:.1f} s in all"
     )
     # The value a pod spec pins this entry with (``TQ_WARMUP_CACHE_PIN``).
     print(pins.line([pins.digest(shipped.to_json().encode())]))
     return 0
+
+
+def _compiled_words(kinds: Mapping[str, int], shipped: driver_cache.DriverManifest) -> str:
+    """The build line's words for the engine's ``torch.compile`` artifacts."""
+    if not shipped.compiled:
+        return ""
+    size = sum(n for _, n in shipped.compiled.values())
+    counts = ", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items()))
+    return f"torch.compile artifacts {size / 2**10:.0f} KiB ({counts or 'none listed'}), "
 
 
 # --------------------------------------------------------------------------
@@ -323,7 +350,11 @@ def _engine_child(spec_path: str) -> None:
     prompts = [{"prompt_token_ids": [1] * n} for n in spec["prompt_lens"]]
     params = SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False)
     llm.generate(prompts, params, use_tqdm=False)
-    took = {"startup_s": round(startup, 3), "total_s": round(time.perf_counter() - start, 3)}
+    took: dict[str, Any] = {
+        "startup_s": round(startup, 3),
+        "total_s": round(time.perf_counter() - start, 3),
+    }
+    took["compiled"] = compiled.save(Path(spec["compiled_out"]))
     Path(spec["out"]).write_text(json.dumps(took))
     sys.stdout.flush()
     os._exit(0)

@@ -31,7 +31,7 @@ import re
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -42,9 +42,12 @@ from ..shipped.pins import refusal as pin_refusal
 
 __all__ = [
     "CACHE_DIR",
+    "COMPILED_DIR",
+    "COMPILED_FILE",
     "DRIVER_DIR",
     "KIND",
     "MANIFEST",
+    "MAX_COMPILED_BYTES",
     "MAX_FILES",
     "MAX_MANIFEST_BYTES",
     "SCHEMA",
@@ -76,6 +79,13 @@ DRIVER_DIR = "driver-cache"
 MANIFEST = "manifest.json"
 CACHE_DIR = "cache"
 """An entry's ``CUDA_CACHE_PATH`` content."""
+COMPILED_DIR = "compiled"
+"""An entry's ``torch.compile`` artifacts (``driver.compiled``), beside the driver's cache:
+what an engine of the fleet compiled for this GPU, not the driver's to read."""
+COMPILED_FILE = "torch-compile.bin"
+MAX_COMPILED_BYTES = 256 << 20
+"""The most ``compiled`` holds: the engine child's artifacts were 0.2-2 MiB here."""
+_MAX_COMPILED = 4
 STAGE_PREFIX = ".tq-warmup-stage-"
 MAX_MANIFEST_BYTES = 1 << 20
 """An entry's manifest: ~100 bytes a file, so 10,000 files; 64 of 8 MiB cost about 10 s
@@ -115,11 +125,20 @@ class DriverManifest:
     launches: tuple[str, ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Informational only (versions, build seconds): never checked."""
+    compiled: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    """``COMPILED_DIR``'s files (name -> (sha256, size)): the engine's ``torch.compile``
+    artifacts; absent from the JSON when empty, so an entry built before them keeps its
+    digest (its pin, its copy's name)."""
 
     def to_json(self) -> str:
         data = asdict(self)
         data["files"] = {k: {"sha256": s, "size": n} for k, (s, n) in sorted(self.files.items())}
         data["launches"] = list(self.launches)
+        data.pop("compiled")
+        if self.compiled:
+            data["compiled"] = {
+                k: {"sha256": s, "size": n} for k, (s, n) in sorted(self.compiled.items())
+            }
         return json.dumps({"schema": SCHEMA, "kind": KIND, **data}, indent=1)
 
     @property
@@ -192,12 +211,13 @@ def parse(text: bytes | str) -> DriverManifest:
     files = data.get("files")
     if not isinstance(files, dict) or len(files) > MAX_FILES:
         raise EntryError(f"files is not an object of at most {MAX_FILES} files")
-    listed: dict[str, tuple[str, int]] = {}
-    for name, item in files.items():
-        ok = _relative(name) and isinstance(item, dict)
-        if not ok or not _SHA256.fullmatch(str(item.get("sha256"))):
-            raise EntryError(f"files[{name!r:.80}] is not a relative path with a sha256")
-        listed[name] = (item["sha256"], _count(item.get("size"), f"files[{name!r:.80}].size"))
+    listed = _listing(files, "files", _relative)
+    compiled = data.get("compiled", {})
+    if not isinstance(compiled, dict) or len(compiled) > _MAX_COMPILED:
+        raise EntryError(f"compiled is not an object of at most {_MAX_COMPILED} files")
+    artifacts = _listing(compiled, "compiled", _simple)
+    if any(size > MAX_COMPILED_BYTES for _, size in artifacts.values()):
+        raise EntryError(f"compiled: a file over {MAX_COMPILED_BYTES >> 20} MiB")
     launches = data.get("launches", [])
     if not isinstance(launches, list) or not all(isinstance(x, str) for x in launches):
         raise EntryError("launches is not a list of strings")
@@ -214,7 +234,26 @@ def parse(text: bytes | str) -> DriverManifest:
         cuda_driver_api=None if api is None else _count(api, "cuda_driver_api"),
         launches=tuple(launches),
         extra=extra if isinstance(extra, dict) else {},
+        compiled=artifacts,
     )
+
+
+def _simple(name: object) -> bool:
+    """One plain file name: ``compiled`` holds no directories."""
+    return _relative(name) and "/" not in str(name)
+
+
+def _listing(
+    files: Mapping[str, Any], label: str, valid: Callable[[object], bool]
+) -> dict[str, tuple[str, int]]:
+    listed: dict[str, tuple[str, int]] = {}
+    for name, item in files.items():
+        if not valid(name) or not isinstance(item, dict):
+            raise EntryError(f"{label}[{name!r:.80}] is not a relative path with a sha256")
+        if not _SHA256.fullmatch(str(item.get("sha256"))):
+            raise EntryError(f"{label}[{name!r:.80}] is not a relative path with a sha256")
+        listed[name] = (item["sha256"], _count(item.get("size"), f"{label}[{name!r:.80}].size"))
+    return listed
 
 
 def read(entry: str | Path, pins: frozenset[str] | None = None) -> DriverManifest:
@@ -390,8 +429,20 @@ def hash_file(path: str | Path, size: int, out: Any = None) -> str:
 
 def file_problems(entry: str | Path, shipped: DriverManifest) -> list[str]:
     """Each cache file of ``entry`` that is missing, differs, is not listed or is not a
-    plain file: what the driver would load that the build did not write."""
-    return tree_problems(Path(entry) / CACHE_DIR, shipped, CACHE_DIR)
+    plain file: what the driver would load that the build did not write; and each of its
+    ``compiled`` files that is missing or differs (``driver.compiled`` reads them)."""
+    problems = tree_problems(Path(entry) / CACHE_DIR, shipped, CACHE_DIR)
+    for name, (sha, size) in sorted(shipped.compiled.items()):
+        try:
+            found = hash_file(Path(entry, COMPILED_DIR, name), size)
+        except (EntryError, OSError) as exc:
+            problems.append(f"{COMPILED_DIR}/{name}: {exc}")
+            continue
+        if found != sha:
+            problems.append(
+                f"{COMPILED_DIR}/{name}: the manifest says sha256 {sha[:12]}, found {found[:12]}"
+            )
+    return problems
 
 
 def tree_problems(

@@ -50,6 +50,7 @@ from typing import NamedTuple
 
 from ..settings import Settings
 from ..shipped import pins
+from . import compiled
 from . import entry as driver_cache
 
 __all__ = [
@@ -138,8 +139,8 @@ def decide(
         return Decision("warn", f"{head}: not used, {directory}: {tail}")
     path = str(directory / f"{entry.name}-{driver_cache.content_digest(shipped)[:12]}")
     current = env.get("CUDA_CACHE_PATH")
-    if current == path:
-        return Decision("keep")
+    if current == path:  # this process's parent made the copy: its entry is this one's
+        return Decision("keep", "", path, entry, shipped)
     if current and not settings.driver_cache_override:
         return Decision(
             "warn",
@@ -287,6 +288,8 @@ def _apply(
             found.append((entry, f"manifest: {exc}"))
     decision = decide(settings, env, node, found, lambda: _private_for(settings))
     if decision.action == "keep":
+        if decision.entry is not None and decision.manifest is not None:
+            compiled.remember(decision.entry, decision.manifest)
         return decision
     if decision.action == "info":
         logger.info(decision.line)
@@ -305,6 +308,7 @@ def _apply(
         return Decision("warn", line)
     env["CUDA_CACHE_PATH"] = decision.path
     env.setdefault("CUDA_CACHE_MAXSIZE", MAXSIZE)
+    compiled.remember(decision.entry, decision.manifest)
     line = f"{decision.line}; {how} in {time.perf_counter() - t:.2f} s"
     if _cuda_started():
         line += "; CUDA is already initialised here: it applies to the processes this one starts"
