@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
-from test_driver_cache import make_entry
+from test_driver_cache import FA2, make_entry
 from test_driver_startup import layer  # noqa: F401
 
 from tq_warmup_plugin import driver_startup
@@ -51,7 +51,7 @@ def test_the_manifest_lists_them_and_an_entry_without_keeps_its_digest(tmp_path:
         ({"a/b.bin": {"sha256": "0" * 64, "size": 1}}, "is not a relative path"),
         ({"..": {"sha256": "0" * 64, "size": 1}}, "is not a relative path"),
         ({"x.bin": {"sha256": "zz", "size": 1}}, "is not a relative path with a sha256"),
-        ({f"{i}.bin": {"sha256": "0" * 64, "size": 1} for i in range(5)}, "at most 4 files"),
+        ({f"{i}.bin": {"sha256": "0" * 64, "size": 1} for i in range(17)}, "at most 16 files"),
         ({"x.bin": {"sha256": "0" * 64, "size": dc.MAX_COMPILED_BYTES + 1}}, "over 256 MiB"),
         ([1, 2], "is not an object"),
     ],
@@ -169,4 +169,22 @@ def test_the_build_hashes_what_the_engine_saved_and_nothing_where_it_saved_none(
     assert (
         "speculative_config"
         not in build.engine_spec("turboquant_4bit_nc", None, None, 8, 2048)["engine"]
+    )
+
+
+def test_a_seeded_build_keeps_the_earlier_builds_artifacts_beside_its_own(tmp_path: Path) -> None:
+    """Two models built into one entry (the second seeded by the first): each one's
+    graphs ship, under names of their content."""
+    root = tmp_path / "layer" / dc.DRIVER_DIR
+    entry = with_artifacts(root)
+    node = dc.Node("570.86.15", ("NVIDIA H200",), len(FA2), hashlib.sha256(FA2).hexdigest())
+    stage = tmp_path / "stage"
+    (stage / dc.CACHE_DIR).mkdir(parents=True)
+    assert build._seed(root, entry.name, node, stage / dc.CACHE_DIR)
+    (stage / dc.COMPILED_DIR / dc.COMPILED_FILE).write_bytes(b"the second model's graphs")
+    build._name_saved(stage / dc.COMPILED_DIR)
+    names = sorted(p.name for p in (stage / dc.COMPILED_DIR).iterdir())
+    assert names == sorted(
+        f"torch-compile-{hashlib.sha256(d).hexdigest()[:16]}.bin"
+        for d in (BLOB, b"the second model's graphs")
     )

@@ -69,7 +69,8 @@ def _fa2() -> tuple[Path, driver_cache.Node]:
 
 
 def _seed(root: Path, key: str, node: driver_cache.Node, cache: Path) -> tuple[str, ...]:
-    """Copy an existing entry of ``key`` that verifies into ``cache``; its launches."""
+    """Copy an existing entry of ``key`` that verifies into ``cache`` (its driver cache, and
+    its ``torch.compile`` artifacts beside: another model's graphs stay); its launches."""
     entry = root / key
     try:
         shipped = driver_cache.read(entry)
@@ -78,7 +79,25 @@ def _seed(root: Path, key: str, node: driver_cache.Node, cache: Path) -> tuple[s
     if driver_cache.match(shipped, node) or driver_cache.file_problems(entry, shipped):
         return ()  # replaced by this build
     driver_cache.copy_entry(entry, shipped, cache)
+    artifacts = cache.parent / driver_cache.COMPILED_DIR
+    for name, data in compiled.read(entry, shipped):
+        artifacts.mkdir(exist_ok=True)
+        (artifacts / _content_name(shipped.compiled[name][0])).write_bytes(data)
     return shipped.launches
+
+
+def _content_name(sha256: str) -> str:
+    return f"torch-compile-{sha256[:16]}.bin"
+
+
+def _name_saved(artifacts: Path) -> None:
+    """The engine child's file, named by its content (two builds' never collide, one
+    build of the same graphs twice is one file)."""
+    import hashlib
+
+    saved = artifacts / driver_cache.COMPILED_FILE
+    if saved.is_file():
+        saved.replace(artifacts / _content_name(hashlib.sha256(saved.read_bytes()).hexdigest()))
 
 
 def engine_spec(
@@ -221,6 +240,7 @@ def build(
         if facts["errors"]:
             raise BuildError(f"{len(facts['errors'])} launches failed: {facts['errors'][0]}")
         started = _run_engine(*engine, cache, timeout) if engine is not None else {}
+        _name_saved(staged / driver_cache.COMPILED_DIR)
         engine_label = (
             [f"engine {engine[0].name} {engine[1]['engine']['kv_cache_dtype']}"] if engine else []
         )

@@ -83,9 +83,11 @@ COMPILED_DIR = "compiled"
 """An entry's ``torch.compile`` artifacts (``driver.compiled``), beside the driver's cache:
 what an engine of the fleet compiled for this GPU, not the driver's to read."""
 COMPILED_FILE = "torch-compile.bin"
+"""What the engine child writes; the entry holds it as ``torch-compile-<sha256 16>.bin``,
+so a build seeded by an earlier entry keeps that build's artifacts beside its own."""
 MAX_COMPILED_BYTES = 256 << 20
-"""The most ``compiled`` holds: the engine child's artifacts were 0.2-2 MiB here."""
-_MAX_COMPILED = 4
+"""The most one ``compiled`` file holds: the engine child's artifacts were 0.2-2 MiB here."""
+_MAX_COMPILED = 16
 STAGE_PREFIX = ".tq-warmup-stage-"
 MAX_MANIFEST_BYTES = 1 << 20
 """An entry's manifest: ~100 bytes a file, so 10,000 files; 64 of 8 MiB cost about 10 s
