@@ -152,3 +152,21 @@ def test_in_process_drops_only_the_flags_a_release_does_not_know() -> None:
     assert kept == ["--model", "/m", "--skip-tokenizer-init", "--speculative-config",
                     '{"method": "ngram"}']  # fmt: skip
     assert dropped == ["--jit-monitor-mode", "--jit-monitor-verbose"]
+
+
+def test_the_shipped_torch_compile_artifacts_load_counts_in_the_plugins_cost() -> None:
+    """The worker loads a driver-cache entry's artifacts before its warmers (its own note,
+    timed apart from the TurboQuant warmup and the vLLM kernels): added once."""
+    line = (
+        "tq-warmup: 6 TurboQuant layers, 6 distinct kernel keys (decode 2): 0 compiled, 6 "
+        "from the shipped cache, 0 from Triton's disk cache, 0 failed; workspace 48.9 MiB; "
+        "69 ms; 22 first launches 812 ms; vLLM kernels: logprobs 1 (17 launches, 0 compiled, "
+        "120 ms); torch.compile artifacts of NVIDIA_H200-580-fa2-x: 2 loaded (150 KiB) in 9 ms"
+    )
+    facts = serve_jit.row_facts([line])
+    assert (facts["compiled_loaded"], facts["compiled_kib"], facts["compiled_ms"]) == (2, 150, 9)
+    assert facts["plugin_ms"] == 69 + 120 + 9
+    failed = line.replace("2 loaded (150 KiB) in 9 ms", "not loaded (x): their graphs compile here")
+    facts = serve_jit.row_facts([failed])
+    assert "compiled_ms" not in facts and "not loaded" in facts["compiled_line"]
+    assert facts["plugin_ms"] == 69 + 120

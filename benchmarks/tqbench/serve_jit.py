@@ -14,7 +14,9 @@ dead), and the JIT monitor's lines after startup (``Triton kernel JIT compilatio
 during inference: NAME``). Writes ``result.json`` and ``SUMMARY.md``.
 
 ``--driver-cache ROOT`` serves every row from a CUDA driver cache that
-``tq-warmup driver-cache --cache-dir ROOT`` built (issue 30): ``TQ_WARMUP_DRIVER_CACHE``
+``tq-warmup driver-cache --cache-dir ROOT`` built (issue 30; ``--build-driver-cache``
+builds it first, for the rows' own models and speculation, with the engine's
+``torch.compile`` artifacts): ``TQ_WARMUP_DRIVER_CACHE``
 is ``ROOT/driver-cache``, ``TQ_WARMUP_DRIVER_CACHE_COPY_TO`` one directory all rows share
 (the second row on finds the first one's copy and must re-verify it) and
 ``TQ_WARMUP_CACHE_PIN`` the value ``tq-warmup verify --print-pin`` gives for ROOT. Each
@@ -208,9 +210,11 @@ class Prepared:
     built: dict[str, Any]
 
 
-def prepare_row(args: argparse.Namespace, name: str, work: Path) -> Prepared:
-    """Write row ``name``'s model (and its shipped layer) under ``work``; its flags and
-    environment."""
+def prepare_row(
+    args: argparse.Namespace, name: str, work: Path, with_layer: bool = True
+) -> Prepared:
+    """Write row ``name``'s model (and, ``with_layer``, its shipped layer) under ``work``;
+    its flags and environment."""
     row = ROWS[name]
     opts = {"model_size": asdict(MODEL_SIZES["small"]), "max_model_len": args.max_model_len}
     model_dir, head_dir = write_models(row.spec, opts, work / name)
@@ -247,7 +251,7 @@ def prepare_row(args: argparse.Namespace, name: str, work: Path) -> Prepared:
         flags += ["--gdn-prefill-backend", "triton", "--max-num-seqs", "32"]
     spec = row.spec.speculative_config(str(model_dir), head_dir)
     built: dict[str, Any] = {}
-    if row.layer:
+    if row.layer and with_layer:
         layer = work / name / "layer"
         built = build_layer(args, model_dir, spec, layer)
         env.update(shipped.layered_env(layer))
@@ -330,6 +334,9 @@ def build_layer(args: argparse.Namespace, model_dir: Path, spec: dict[str, Any] 
             str(layer)]  # fmt: skip
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec)]
+    gpu = gpu_name()
+    if gpu:  # a MoE model's keys follow this GPU's tuned configs (precompile: an H200's)
+        argv += ["--gpu-name", gpu]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": child_pythonpath([str(REPO_ROOT / "src")], os.environ)}  # fmt: skip
     started = time.perf_counter()
@@ -343,6 +350,43 @@ def build_layer(args: argparse.Namespace, model_dir: Path, spec: dict[str, Any] 
     print(f"serve-jit: precompile {out.returncode} in {seconds} s: {line}", flush=True)
     return {"seconds": seconds, "rc": out.returncode, "last_line": line, "pin": pin,
             "verify": verify}  # fmt: skip
+
+
+def gpu_name() -> str:
+    """This machine's first GPU as vLLM names it (``torch.cuda.get_device_name``, which
+    ``nvidia-smi`` prints the same), or "" without one."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return (done.stdout.strip().splitlines() or [""])[0].strip() if done.returncode == 0 else ""
+
+
+def build_driver_cache(args: argparse.Namespace, names: list[str], work: Path) -> Path:
+    """A fleet's GPU step for ``names``' models: ``tq-warmup driver-cache`` (its engine on,
+    the row's speculation) into one layer root, each build seeded by the one before, so
+    the entry holds every row's FlashAttention-2 modules and ``torch.compile`` artifacts.
+    Each build line is printed; the root is returned."""
+    root = work / "fleet"
+    for name in dict.fromkeys(names):
+        p = prepare_row(args, name, work / "fleet-models", with_layer=False)
+        argv = [sys.executable, "-m", "tq_warmup_plugin.cli", "driver-cache", "--model",
+                str(p.model_dir), "--kv-cache-dtype", args.preset, "--max-model-len",
+                str(args.max_model_len), "--dtype", "bfloat16",
+                "--cache-dir", str(root)]  # fmt: skip
+        if p.spec is not None:
+            argv += ["--speculative-config", json.dumps(p.spec)]
+        env = {**p.env, "TORCHINDUCTOR_CACHE_DIR": str(work / "fleet-models" / name / "ind")}
+        env.pop("TQ_WARMUP_DRIVER_CACHE", None)
+        started = time.perf_counter()
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO_ROOT,
+                              timeout=args.startup_timeout + 300)  # fmt: skip
+        said = [x for x in done.stdout.splitlines() if x.startswith("tq-warmup: driver cache")]
+        tail = (said or (done.stderr or done.stdout).strip().splitlines() or [""])[-1][:600]
+        print(f"serve-jit: driver-cache {name} rc {done.returncode} in "
+              f"{time.perf_counter() - started:.1f} s: {tail}", flush=True)  # fmt: skip
+    return root
 
 
 def mixtral_config(llama: dict[str, Any], experts: int = 4, top_k: int = 2) -> dict[str, Any]:
@@ -423,10 +467,20 @@ def row_facts(plugin_lines: list[str]) -> dict[str, Any]:
             took = re.search(r"\d+ compiled[^()]*?, (\d+) ms\)", m[1])
             if took and "vllm_kernels_ms" not in facts:
                 facts["vllm_kernels_ms"] = int(took[1])
+        m = re.search(
+            r"torch\.compile artifacts of \S+: (\d+) loaded \((\d+) KiB\) in (\d+) ms", line
+        )
+        if m and "compiled_ms" not in facts:
+            facts.update(compiled_loaded=int(m[1]), compiled_kib=int(m[2]), compiled_ms=int(m[3]))
+        elif "torch.compile artifacts of" in line:
+            facts.setdefault("compiled_line", line[line.find("torch.compile artifacts") :][:300])
     if "warmup_ms" in facts and "vllm_kernels_ms" in facts:
         # what the plugin adds to a worker's startup: the vLLM-kernel time holds its
-        # warmup forwards (engine_warmup.run), so the two are not added again
-        facts["plugin_ms"] = facts["warmup_ms"] + facts["vllm_kernels_ms"]
+        # warmup forwards (engine_warmup.run), so the two are not added again; the
+        # shipped torch.compile artifacts' load is apart from both
+        facts["plugin_ms"] = (
+            facts["warmup_ms"] + facts["vllm_kernels_ms"] + facts.get("compiled_ms", 0)
+        )
     return facts
 
 
@@ -454,14 +508,16 @@ def _start(row: dict[str, Any]) -> str:
 def _table(rows: list[dict[str, Any]]) -> str:
     header = ["row", "start", "kv", "speculation", "engine warmers", "status", "served",
               "failed", "JIT after startup", "TurboQuant warmup ms", "first launches ms",
-              "plugin ms", "vLLM kernels"]  # fmt: skip
+              "plugin ms", "artifacts loaded (ms)", "vLLM kernels"]  # fmt: skip
     cells = [
         [r["row"], _start(r), r["kv"],
          (r.get("spec") or {}).get("method", "-"),
          "on" if r["warmers"] else "off", str(r.get("status")), str(r.get("served", "-")),
          str(r.get("failed", "-")), ", ".join(sorted(set(r.get("jit_after_startup") or []))) or "0",
          str(r.get("warmup_ms", "-")), str(r.get("first_launches_ms", "-")),
-         str(r.get("plugin_ms", "-")), str(r.get("vllm_kernels", "-"))]
+         str(r.get("plugin_ms", "-")),
+         f"{r['compiled_loaded']} ({r['compiled_ms']})" if "compiled_ms" in r else "-",
+         str(r.get("vllm_kernels", "-"))]
         for r in rows
     ]  # fmt: skip
     return tables.render_markdown(header, cells)
@@ -491,6 +547,8 @@ def cmd_serve_jit(args: argparse.Namespace) -> int:
     # vLLM checks utilization x total <= free memory at startup: each row its share.
     args.gpu_share = f"{min(0.85, 0.9 / len(names) - 0.03):.2f}"
     head: dict[str, Any] = {"options": vars(args)}
+    if args.build_driver_cache and not args.driver_cache:
+        args.driver_cache = str(build_driver_cache(args, names, work))
     if args.driver_cache:
         args.pin, head["verify"] = pin_of(args.driver_cache)
         print(f"serve-jit: {head['verify']}; pin {args.pin[:80]}", flush=True)
@@ -518,6 +576,12 @@ OPTIONS: tuple[Option, ...] = (
     ("--rows", "tq-ngram,tq-ngram-off", "servers to run, in order (serve_jit.ROWS)"),
     ("--jit-mode", "error", "--jit-monitor-mode (0.25+): error or warn"),
     ("--driver-cache", "", "a layer root with driver-cache/: every row served from it, pinned"),
+    (
+        "--build-driver-cache",
+        False,
+        "first build that root here (tq-warmup driver-cache, its engine on, for every row's "
+        "model and speculation: a fleet's GPU step), then serve every row from it",
+    ),
     ("--jit-verbose", False, "--jit-monitor-verbose: every JIT event with its key"),
     ("--layer-arch", 90, "the SM the *-layer rows' precompile builds for (an H200: 90)"),
     ("--side-by-side", False, "start every row at once (JIT counts only; times not comparable)"),
