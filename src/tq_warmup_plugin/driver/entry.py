@@ -434,15 +434,21 @@ def file_problems(entry: str | Path, shipped: DriverManifest) -> list[str]:
     plain file: what the driver would load that the build did not write; and each of its
     ``compiled`` files that is missing or differs (``driver.compiled`` reads them)."""
     problems = tree_problems(Path(entry) / CACHE_DIR, shipped, CACHE_DIR)
-    for name, (sha, size) in sorted(shipped.compiled.items()):
+    return problems + _hash_problems(Path(entry, COMPILED_DIR), COMPILED_DIR, shipped.compiled)
+
+
+def _hash_problems(top: Path, label: str, listed: Mapping[str, tuple[str, int]]) -> list[str]:
+    """Each of ``listed``'s files under ``top`` that cannot be read or differs."""
+    problems = []
+    for name, (sha, size) in sorted(listed.items()):
         try:
-            found = hash_file(Path(entry, COMPILED_DIR, name), size)
+            found = hash_file(top / name, size)
         except (EntryError, OSError) as exc:
-            problems.append(f"{COMPILED_DIR}/{name}: {exc}")
+            problems.append(f"{label}/{name}: {exc}")
             continue
         if found != sha:
             problems.append(
-                f"{COMPILED_DIR}/{name}: the manifest says sha256 {sha[:12]}, found {found[:12]}"
+                f"{label}/{name}: the manifest says sha256 {sha[:12]}, found {found[:12]}"
             )
     return problems
 
@@ -468,17 +474,8 @@ def tree_problems(
         return [f"{label}: cannot be read ({exc.strerror or exc})"]
     for name in sorted(set(shipped.files) - seen):
         problems.append(f"{label}/{name}: listed by the manifest, no such file")
-    for name in sorted(seen) if hashed else ():
-        sha, size = shipped.files[name]
-        try:
-            found = hash_file(top / name, size)
-        except (EntryError, OSError) as exc:
-            problems.append(f"{label}/{name}: {exc}")
-            continue
-        if found != sha:
-            problems.append(
-                f"{label}/{name}: the manifest says sha256 {sha[:12]}, found {found[:12]}"
-            )
+    if hashed:
+        problems += _hash_problems(top, label, {n: shipped.files[n] for n in seen})
     return problems
 
 
