@@ -19,16 +19,21 @@ from tq_warmup_plugin.driver.build import _hashed
 
 pytestmark = pytest.mark.real_vllm  # torch: the vLLM environments have it
 
+# vLLM's own V1 rank count (``batched_count_greater_than``, 0.20-0.33: the graph the
+# artifacts are for; inductor is its backend on the CPU platform too), else the same body.
 GRAPH = """
 import torch
 from torch._dynamo.utils import counters
-
-@torch.compile
-def ranks(x, v):
-    return (x >= v).sum(-1)
+try:
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than as ranks
+except ImportError:  # 0.34: no V1 sampler
+    @torch.compile
+    def ranks(x, v):
+        return (x >= v).sum(-1)
 
 x = torch.arange(64.0).reshape(4, 16)
-ranks(x, x[:, :1])
+with torch.inference_mode():  # as the sampler runs it
+    ranks(x, x[:, :1])
 """
 
 
