@@ -15,7 +15,10 @@ How: torch's own "mega-cache" (``torch.compiler.save_cache_artifacts`` and
 Triton kernels bundled, and AOTAutograd's, each keyed by torch itself on the graph, the
 torch and Triton versions and the device. Loading writes them into this process's
 inductor caches, so the warmers' compiles of the same graphs are cache hits; an
-artifact of another stack or graph only misses.
+artifact of another stack or graph only misses. On an H100 (vLLM 0.26.0, ``serve-jit
+--build-driver-cache``, runs AU-AV) a MoE worker from a layer and an entry loaded 4 in
+2 ms and compiled nothing (302 ms of warmers), and compiled the rank count without
+them (384 ms).
 
 Trust: artifacts are pickles, and loading one runs code, as the driver cache's GPU code
 is code the driver runs. They are read only from the entry ``driver.startup`` chose for
