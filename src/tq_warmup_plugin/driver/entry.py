@@ -250,9 +250,8 @@ def _listing(
 ) -> dict[str, tuple[str, int]]:
     listed: dict[str, tuple[str, int]] = {}
     for name, item in files.items():
-        if not valid(name) or not isinstance(item, dict):
-            raise EntryError(f"{label}[{name!r:.80}] is not a relative path with a sha256")
-        if not _SHA256.fullmatch(str(item.get("sha256"))):
+        ok = valid(name) and isinstance(item, dict)
+        if not ok or not _SHA256.fullmatch(str(item.get("sha256"))):
             raise EntryError(f"{label}[{name!r:.80}] is not a relative path with a sha256")
         listed[name] = (item["sha256"], _count(item.get("size"), f"{label}[{name!r:.80}].size"))
     return listed

@@ -33,7 +33,7 @@ Before session 27 a worker ran one of vLLM's warmup forwards per size instead
 keys already on disk: most of what a MoE worker's warmers cost from a shipped layer.
 Without them (H100, 0.26.0, run AU) the same worker's 8 steps loaded those keys within its
 254 ms of vLLM kernels, and the mix compiled nothing after startup.
-They stay for a model whose experts run another backend than ``TritonExperts``
+The forwards stay for a model whose experts run another backend than ``TritonExperts``
 (``compat.moe_runs_triton_experts``: FlashInfer's, a quantized method), whose kernels
 only a forward reaches. On the H200 (0.26.0) 11 such forwards compiled the serve-jit
 Mixtral's 10 keys in 13.9 s of a cold start, and an error-mode server then served its
