@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import fakes
 import pytest
@@ -402,3 +403,35 @@ def test_verify_names_the_entries_past_the_limit(tmp_path: Path) -> None:
     summary, problems = driver_verify.verify_layer(tmp_path, here) or ("", [])
     assert problems == [f"driver-cache: 2 entries past the first {dc.MAX_ENTRIES} not checked"]
     assert f"{dc.MAX_ENTRIES} driver cache entries" in summary  # this node's among them
+
+
+@pytest.mark.real_vllm  # the model's geometry comes from vLLM's ModelConfig
+def test_engine_args_reach_the_engine_and_cannot_override_the_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A hybrid fleet serves with ``--gdn-prefill-backend triton`` (no FlashInfer in the
+    image): the build's engine must too, or it loads other kernels than the fleet's."""
+    from tq_warmup_plugin import cli
+    from tq_warmup_plugin.driver import build as driver_build
+
+    got: list[Any] = []
+    monkeypatch.setattr(driver_build, "build", lambda *a: got.append(a[4]) or 0)
+    model = Path(__file__).parent / "data" / "models" / "llama-3-8b"
+    base = ["driver-cache", "--model", str(model), "--kv-cache-dtype", "turboquant_4bit_nc",
+            "--cache-dir", str(tmp_path)]  # fmt: skip
+    extra = '{"gdn_prefill_backend": "triton", "enforce_eager": true}'
+    assert cli.main([*base, "--engine-args", extra]) == 0
+    kw = got[0][1]["engine"]
+    assert (kw["gdn_prefill_backend"], kw["enforce_eager"]) == ("triton", True)
+    assert kw["load_format"] == "dummy"
+    for bad, said in (
+        ('{"load_format": "auto"}', "load_format: set by driver-cache or its flags"),
+        ('{"kv_cache_dtype": "auto", "seed": 1}', "kv_cache_dtype, seed: set by"),
+        ('["gdn_prefill_backend"]', "not a JSON object of EngineArgs field names"),
+        ('{"not a name": 1}', "not a JSON object of EngineArgs field names"),
+        ("{", "is not JSON"),
+    ):
+        with pytest.raises(SystemExit):
+            cli.main([*base, "--engine-args", bad])
+        assert said in capsys.readouterr().err
+    assert len(got) == 1

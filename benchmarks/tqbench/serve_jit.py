@@ -108,6 +108,11 @@ class Row:
     empty Triton cache (:func:`build_layer`)."""
 
 
+HYBRID_GDN = "triton"
+"""The hybrid's ``--gdn-prefill-backend``: the staged vLLM has no FlashInfer."""
+HYBRID_SEQS = 32
+"""The hybrid's ``--max-num-seqs`` (:func:`prepare_row` says why)."""
+
 _NGRAM = SpecConfig("ngram", "ngram", 3)
 ROWS: dict[str, Row] = {
     "tq-ngram": Row("tq", _NGRAM),
@@ -248,7 +253,7 @@ def prepare_row(
         # blocks 4 GiB hold (startup failed in CUDA graph capture, 0.26.0, serve-jit run R);
         # 256 captured FULL graphs of up to 512 tokens at 1-2 s each and passed 240 s of
         # startup (run R). 32 (the mix's bursts are 16) captures graphs up to 96 tokens.
-        flags += ["--gdn-prefill-backend", "triton", "--max-num-seqs", "32"]
+        flags += ["--gdn-prefill-backend", HYBRID_GDN, "--max-num-seqs", str(HYBRID_SEQS)]
     spec = row.spec.speculative_config(str(model_dir), head_dir)
     built: dict[str, Any] = {}
     if row.layer and with_layer:
@@ -377,6 +382,9 @@ def build_driver_cache(args: argparse.Namespace, names: list[str], work: Path) -
                 "--cache-dir", str(root)]  # fmt: skip
         if p.spec is not None:
             argv += ["--speculative-config", json.dumps(p.spec)]
+        if ROWS[name].hybrid:  # the engine the row serves with, or its graphs differ
+            argv += ["--max-num-seqs", str(HYBRID_SEQS),
+                     "--engine-args", json.dumps({"gdn_prefill_backend": HYBRID_GDN})]  # fmt: skip
         env = {**p.env, "TORCHINDUCTOR_CACHE_DIR": str(work / "fleet-models" / name / "ind")}
         env.pop("TQ_WARMUP_DRIVER_CACHE", None)
         started = time.perf_counter()

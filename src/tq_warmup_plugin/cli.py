@@ -26,7 +26,15 @@ from pathlib import Path
 import pluggy
 
 from . import compat, launches, planning, safe_io, warmup
-from .cli_flags import Parser, arch, command, geometry_flags, report_conflicts, whole
+from .cli_flags import (
+    Parser,
+    arch,
+    command,
+    engine_args,
+    geometry_flags,
+    report_conflicts,
+    whole,
+)
 from .cli_inputs import CliError, geometries, geometries_from_report
 from .engine import Engine, Job
 from .geometry import Geometry
@@ -334,6 +342,7 @@ def driver_cache(args: argparse.Namespace) -> int:
             args.max_num_batched_tokens,
             args.trust_remote_code,
             args.speculative_config,
+            args.engine_args,
         )
         engine = (Path(args.model).resolve(), spec)
     try:
@@ -492,6 +501,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="after the plan's launches, start a dummy-weight vLLM engine of --model into "
         "the same cache and serve two prompts (the default with --model): what vLLM's own "
         "warmup and first requests load, which the plan's launches alone do not all reach",
+    )
+    p_driver.add_argument(
+        "--engine-args",
+        type=engine_args,
+        default={},
+        metavar="JSON",
+        help="more of the fleet's engine arguments for the engine, a JSON object by vLLM's "
+        'EngineArgs names (e.g. \'{"gdn_prefill_backend": "triton"}\'): what changes the '
+        "kernels and graphs its workers load",
     )
     how.add_argument(
         "--plan-only",

@@ -23,6 +23,7 @@ __all__ = [
     "Parser",
     "arch",
     "command",
+    "engine_args",
     "geometry_flags",
     "report_conflicts",
     "scale",
@@ -62,6 +63,31 @@ def speculative_config(text: str) -> dict[str, object]:
         compat.speculative_fields(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+FIXED_ENGINE_ARGS = frozenset(
+    {"model", "load_format", "skip_tokenizer_init", "kv_cache_dtype", "speculative_config",
+     "gpu_memory_utilization", "seed", "dtype", "max_model_len", "max_num_seqs",
+     "max_num_batched_tokens", "trust_remote_code"}
+)  # fmt: skip
+"""``LLM(...)`` keywords ``driver-cache`` sets itself or from its own flags."""
+
+
+def engine_args(text: str) -> dict[str, object]:
+    """More ``LLM(...)`` keywords for ``driver-cache``'s engine, a JSON object by
+    ``EngineArgs`` field names, for the fleet's flags that change what its engine loads or
+    compiles (a hybrid's ``{"gdn_prefill_backend": "triton"}``). One the build sets itself
+    (``FIXED_ENGINE_ARGS``) is refused: its own flag says it."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:80]!r} is not JSON") from None
+    if not isinstance(value, dict) or not all(k.isidentifier() for k in value):
+        raise argparse.ArgumentTypeError("it is not a JSON object of EngineArgs field names")
+    fixed = sorted(FIXED_ENGINE_ARGS & set(value))
+    if fixed:
+        raise argparse.ArgumentTypeError(f"{', '.join(fixed)}: set by driver-cache or its flags")
     return value
 
 

@@ -108,6 +108,7 @@ def engine_spec(
     max_num_batched_tokens: int,
     trust_remote_code: bool = False,
     speculative_config: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What the engine child is given, but the model: ``LLM(...)`` keywords (names as in
     all releases ``EngineArgs``: dummy weights, no tokenizer) and the prompt lengths it
@@ -116,8 +117,10 @@ def engine_spec(
     loads what each tensor-parallel rank of the model loads. ``speculative_config`` (the
     fleet's ``--speculative-config``) picks the runner and the graphs its warmers
     ``torch.compile`` (the V1 rank count, the async correction), which the entry ships
-    (``driver.compiled``)."""
+    (``driver.compiled``). ``extra`` (``--engine-args``) adds the fleet's other engine
+    arguments, whose names ``cli_flags.engine_args`` checked do not override these."""
     kwargs: dict[str, Any] = {
+        **(extra or {}),
         "load_format": "dummy",
         "skip_tokenizer_init": True,
         "kv_cache_dtype": kv_cache_dtype,
