@@ -7,6 +7,7 @@ the real child's keys are held to the warmers' in ``contract/test_contract_ahead
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -86,6 +87,13 @@ def test_a_moe_workers_request_has_its_experts_graphs_and_gpu(
     assert ahead.request_of(w, FEATS).moe_experts == ()  # type: ignore[union-attr]
 
 
+def test_a_planned_hybrids_zeroing_round_trips() -> None:
+    req = ahead.request_of(worker(), FEATS)
+    assert req is not None
+    hybrid = dataclasses.replace(req, zeroing=compat.KvZeroing(7, 2160 * 1088, 16 * 1088))
+    assert EngineRequest.from_dict(json.loads(json.dumps(hybrid.to_dict()))) == hybrid
+
+
 def test_no_child_without_turboquant() -> None:
     assert ahead.request_of(worker(cache_dtype="auto"), FEATS) is None
 
@@ -100,6 +108,10 @@ def test_no_child_without_turboquant() -> None:
         {"moe_experts": [{"w13": 1}]},
         {"moe_experts": 3},
         {"graph_tokens": 1.5},
+        {"zeroing": {"segments": 7}},
+        {"zeroing": {"segments": 7, "page_bytes": "1", "kernel_page_bytes": 1}},
+        {"zeroing": {"segments": 0, "page_bytes": 1, "kernel_page_bytes": 1}},
+        {"zeroing": [7, 1, 1]},
     ],
     ids=repr,
 )

@@ -68,3 +68,29 @@ def test_vllms_cut_off_validation_error_is_printed_with_its_reason(tmp_path: Pat
     assert rc == 2 and err.count("\n") == 1 and err.startswith("tq-warmup: "), err[-2000:]
     assert not err.rstrip().endswith(":"), err
     assert "num_attention_heads" in err and ("abc" in err or "int" in err), err
+
+
+def test_a_hybrids_attention_kv_tensors_follow_vllms_grouping() -> None:
+    """vLLM's uniform-page grouping, by hand (the contract test runs vLLM's own for every
+    mix): groups of the smaller count, or the larger under 1.5 times it, dealt
+    round-robin; layer i of every group shares tensor i."""
+    from tq_warmup_plugin.planning import attention_kv_tensors
+
+    assert attention_kv_tensors(7, 18) == 7  # serve-jit's Qwen3-Next: 6 + its MTP layer
+    assert attention_kv_tensors(6, 4) == 3  # groups of 4: 2 attention groups of 3
+    assert attention_kv_tensors(13, 12) == 13  # a drafter's extra layer: groups of 13
+    assert attention_kv_tensors(4, 28) == 4 and attention_kv_tensors(5, 0) == 5
+
+
+def test_a_hybrids_zeroing_counts_only_the_drafters_it_knows() -> None:
+    from tq_warmup_plugin import compat
+    from tq_warmup_plugin.planning import ModelShape, kv_zeroing
+
+    layers = tuple(range(3, 24, 4))
+    shape = ModelShape("Qwen3NextForCausalLM", 256, 16, 2, 16, 2, 24, layers, True,
+                       "bfloat16", None, 4096, None, state_layers=18, mtp_layers=1)  # fmt: skip
+    for method, segments in ((None, 6), ("ngram", 6), ("mtp", 7), ("qwen3_next_mtp", 7)):
+        assert kv_zeroing(shape, method, 1088, 135) == compat.KvZeroing(segments, 146880, 1088)
+    assert kv_zeroing(shape, "eagle", 1088, 135) is None  # its head's layers: its config
+    assert kv_zeroing(shape, "draft_model", 1088, 135) is None
+    assert kv_zeroing(shape._replace(mtp_layers=0), "mtp", 1088, 135) is None

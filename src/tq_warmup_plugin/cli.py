@@ -99,7 +99,7 @@ def _engine(args: argparse.Namespace, planned: Planned) -> tuple[Engine | None, 
     method = None if spec is None else str(spec["method"])
     v2 = runs_v2(planned.geometry.features, method, planned.moe, args.runner)
     request = request_for(planned.geometry, planned.vocab_size, spec, args.max_logprobs, v2,
-                          planned.experts, args.gpu_name)  # fmt: skip
+                          planned.experts, args.gpu_name, planned.zeroing)  # fmt: skip
     return cpu_engine(request), f"{'V2' if v2 else 'V1'} runner" + (
         f", {method} k={spec['num_speculative_tokens']}" if spec else ", no speculative decoding"
     )

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .compat import Features, MoeExperts
+from .compat import Features, KvZeroing, MoeExperts
 
 __all__ = ["Declined", "Engine", "Job"]
 
@@ -67,6 +67,9 @@ class Engine:
     """The experts of an engine planned without a worker (``engine_plan``), read from the
     model's config (``compat.moe_experts_of_config``): their keys build offline. Empty in
     a worker, whose MoE warmer reads its built model's."""
+    kv_zeroing: KvZeroing | None = None
+    """A planned hybrid's KV-block zeroing (``planning.kv_zeroing``), whose keys then build
+    offline; None in a worker, whose warmer calls its runner's own zeroer."""
     planned: bool = False
     """Built without a worker (``engine_plan.cpu_engine``: ``precompile``, ``inspect``, the
     compile-ahead child): what only the worker's own objects say (its scheduling, its KV

@@ -74,6 +74,8 @@ class EngineRequest:
     """The largest CUDA graph's tokens: a MoE step past it runs eagerly at its own size."""
     gpu_name: str = ""
     """vLLM's name of the target GPU (``compat.device_name``), for the MoE config lookup."""
+    zeroing: compat.KvZeroing | None = None
+    """A hybrid's KV-block zeroing (``planning.kv_zeroing``); None: none planned."""
 
     def to_dict(self) -> dict[str, Any]:
         fields = dataclasses.asdict(self)
@@ -94,7 +96,20 @@ class EngineRequest:
             if type(values[name]) is not int:
                 raise ValueError(f"engine request {name}={values[name]!r} is not an integer")
         values["moe_experts"] = _experts_of(values["moe_experts"])
+        values["zeroing"] = _zeroing_of(values["zeroing"])
         return cls(**values)
+
+
+def _zeroing_of(item: Any) -> compat.KvZeroing | None:
+    """``EngineRequest.zeroing`` from JSON; a malformed one raises ValueError."""
+    if item is None:
+        return None
+    names = [f.name for f in dataclasses.fields(compat.KvZeroing)]
+    if not isinstance(item, dict) or sorted(item) != sorted(names):
+        raise ValueError(f"engine request zeroing {item!r} is not {names}")
+    if not all(type(item[n]) is int and item[n] > 0 for n in names):
+        raise ValueError(f"engine request zeroing {item!r}: not positive integers")
+    return compat.KvZeroing(**item)
 
 
 def _experts_of(items: Any) -> tuple[compat.MoeExperts, ...]:
@@ -137,6 +152,7 @@ def request_for(
     runner_v2: bool,
     moe_experts: tuple[compat.MoeExperts, ...] = (),
     gpu_name: str = "",
+    zeroing: compat.KvZeroing | None = None,
 ) -> EngineRequest:
     """The engine arguments of a planned TurboQuant geometry (``planning.Planned``); its
     CUDA graphs are vLLM's default ones (``compat.default_graph_tokens``)."""
@@ -160,6 +176,7 @@ def request_for(
         moe_experts=moe_experts,
         graph_tokens=graphs,
         gpu_name=gpu_name,
+        zeroing=zeroing,
     )
 
 
@@ -266,6 +283,7 @@ def cpu_engine(request: EngineRequest) -> Engine:
         moe=bool(request.moe_experts),
         graph_tokens=request.graph_tokens,
         planned_experts=request.moe_experts,
+        kv_zeroing=request.zeroing,
         planned=True,
         gpu_name=request.gpu_name,
         max_tokens=request.max_num_batched_tokens,

@@ -25,11 +25,13 @@ __all__ = [
     "PlanRequest",
     "Planned",
     "UnsupportedModel",
+    "attention_kv_tensors",
     "block_table_width",
     "boundary_layers",
     "effective_block_size",
     "heads_per_rank",
     "kv_view_strides",
+    "kv_zeroing",
     "model_scale",
     "model_shape",
     "named_geometries",
@@ -193,6 +195,12 @@ class ModelShape(NamedTuple):
     experts_why: str = ""
     """Why a MoE model's experts are not derived offline (their keys then warm in a
     worker, by model forwards)."""
+    state_layers: int = 0
+    """A hybrid's layers without full attention (gated delta nets, Mamba): each keeps a
+    Mamba state, and with the attention layers they make vLLM's KV cache groups."""
+    mtp_layers: int = 0
+    """The model's own MTP layers (``num_nextn_predict_layers``, Qwen3.5's
+    ``mtp_num_hidden_layers``: what vLLM's MTP models read), which ``mtp`` drafts with."""
     config: Any = None
     """vLLM's ``ModelConfig`` it was read from, for what only vLLM computes from the model:
     a hybrid's attention block (``compat.hybrid_block_size``); None where that is known
@@ -384,6 +392,12 @@ def shape_of(model_config: Any, parallel: Any) -> ModelShape:
             moe=bool(getattr(model_config, "is_moe", False)),
             experts=experts,
             experts_why=experts_why,
+            state_layers=num_layers - len(layers) if hybrid else 0,
+            mtp_layers=int(
+                getattr(text, "num_nextn_predict_layers", 0)
+                or getattr(text, "mtp_num_hidden_layers", 0)
+                or 0
+            ),
             config=model_config,
         )
 
@@ -418,6 +432,9 @@ class Planned(NamedTuple):
     """A rank's experts as the config gives them (``ModelShape.experts``)."""
     experts_why: str = ""
     """Why a MoE model's experts are not planned (``ModelShape.experts_why``)."""
+    zeroing: compat.KvZeroing | None = None
+    """A hybrid's KV-block zeroing (``kv_zeroing``), None for another model or where its
+    drafter's layers are not known here."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -598,9 +615,47 @@ def plan_shape(request: PlanRequest, shape: ModelShape | None) -> Planned:
     vocab = request.vocab_size or (shape.vocab_size if shape else 0)
     moe = bool(shape and shape.moe)
     experts, why = (shape.experts, shape.experts_why) if shape else ((), "")
+    zeroing = None
+    if hybrid and shape is not None:
+        zeroing = kv_zeroing(shape, method, geometry.kv_strides[0], bs // kernel)
     return Planned(
-        geometry, layers, bool(skip) or shape is None, note, local, vocab, moe, experts, why
-    )
+        geometry, layers, bool(skip) or shape is None, note, local, vocab, moe, experts, why,
+        zeroing,
+    )  # fmt: skip
+
+
+def attention_kv_tensors(attention: int, state: int) -> int:
+    """The KV tensors a hybrid's ``attention`` layers write, beside ``state`` layers of one
+    other type: vLLM's uniform-page grouping (``_get_kv_cache_groups_uniform_page_size``,
+    read in 0.22, 0.26 and 0.30) sizes groups by the smaller count, or the larger where it
+    is under 1.5 times the smaller (a drafter's extra layer), deals each type's layers
+    round-robin over as many groups as that size needs, and layer i of every group shares
+    tensor i (``get_kv_cache_config_from_groups``): the longest attention group's length.
+    6 attention layers beside 4 are 2 groups of 3, so 3 tensors, not 4."""
+    if state == 0:
+        return attention
+    small, large = sorted((attention, state))
+    size = large if large < small * 1.5 else small
+    groups = -(-attention // size)
+    return -(-attention // groups)
+
+
+def kv_zeroing(
+    shape: ModelShape, method: str | None, kernel_page: int, blocks_per_block: int
+) -> compat.KvZeroing | None:
+    """A hybrid's KV-block zeroing (``compat.KvZeroing``): its attention layers with the
+    drafter's (none for ngram and suffix decoding, the model's own MTP layers for ``mtp``
+    and ``*_mtp``; None for a draft model or EAGLE head, whose layers its own config
+    says) over ``attention_kv_tensors``, pages of ``kernel_page`` bytes per kernel block,
+    ``blocks_per_block`` kernel blocks to a manager block."""
+    if method in (None, "ngram", "suffix"):
+        drafts = 0
+    elif (method == "mtp" or method.endswith("_mtp")) and shape.mtp_layers:
+        drafts = shape.mtp_layers
+    else:
+        return None
+    tensors = attention_kv_tensors(len(shape.attention_layers) + drafts, shape.state_layers)
+    return compat.KvZeroing(tensors, kernel_page * blocks_per_block, kernel_page)
 
 
 def verify_len(

@@ -212,6 +212,10 @@ def test_precompile_plans_a_hybrid_at_vllms_block() -> None:
     plan = planning.plan_geometry(request, str(MODELS / "jamba-v0.1"))
     block = compat.hybrid_block_size(plan_model("jamba-v0.1"), 1, PRESET, 16, 0)
     assert block > 32 and f"attention block {block} tokens" in plan.note
+    # its 4 attention layers (every 8th of 32) beside 28 Mamba layers write 4 KV tensors
+    # of vLLM's grouping, each page that block's kernel blocks (the zeroing kernel's key)
+    page = plan.geometry.kv_strides[0]
+    assert plan.zeroing == compat.KvZeroing(4, page * (block // plan.geometry.block_size), page)
     case = Case("jamba-v0.1", 1, 4096, block)
     _split_here(case)
     assert plan.geometry == discovered(case, worker_config(case))

@@ -21,6 +21,7 @@ from .releases import Features
 
 __all__ = [
     "CompatError",
+    "KvZeroing",
     "MoeExperts",
     "async_spec_correction",
     "cpu_block_tables",
@@ -35,6 +36,7 @@ __all__ = [
     "hybrid_block_size",
     "kernel_block_size",
     "kv_block_zeroer",
+    "kv_zeroing_counts",
     "logits_of",
     "moe_config_function",
     "moe_experts",
@@ -51,6 +53,7 @@ __all__ = [
     "swapped",
     "top_k_top_p_function",
     "topk_logprobs_function",
+    "zero_blocks_launch",
 ]
 
 
@@ -641,6 +644,56 @@ def kv_block_zeroer(runner: Any) -> Any | None:
     if zeroer is None or getattr(zeroer, "_meta", None) is None:
         return None
     return zeroer
+
+
+@dataclasses.dataclass(frozen=True)
+class KvZeroing:
+    """What ``_zero_kv_blocks_kernel``'s key is made of in a hybrid's worker, planned without
+    it (``planning.kv_zeroing``): vLLM builds the kernel's constants from the allocated
+    KV cache (``KVBlockZeroer``, ``v1/worker/utils.py``), which only a worker has."""
+
+    segments: int
+    """The distinct KV tensors of the attention layers: one segment each, TurboQuant's
+    cache being blocks-first (``get_kv_cache_block_dim`` 0, 0.22-0.34)."""
+    page_bytes: int
+    """One KV manager block of one layer: its kernel blocks' bytes together."""
+    kernel_page_bytes: int
+    """One kernel block of one layer (the KV view's block stride, contiguous in it)."""
+
+
+def _zeroing_kernel() -> Any:
+    return importlib.import_module(paths.WORKER_UTILS_MODULE)._zero_kv_blocks_kernel
+
+
+def kv_zeroing_counts() -> tuple[int, ...]:
+    """Block counts with one ``_zero_kv_blocks_kernel`` key each: where the kernel takes
+    ``n_blocks`` (0.22-0.26) Triton keys it as 1, a multiple of 16 or other, so 1, 2 and
+    16; where it grids over the blocks (0.30-0.34) every count is one key, so 1."""
+    return (1, 2, 16) if "n_blocks" in _zeroing_kernel().arg_names else (1,)
+
+
+def zero_blocks_launch(zeroing: KvZeroing, n_blocks: int, device: Any) -> None:
+    """Launch vLLM's ``_zero_kv_blocks_kernel`` for ``n_blocks`` blocks as
+    ``KVBlockZeroer.zero_block_ids`` would with ``zeroing``'s cache, on empty tensors of
+    its argument dtypes: under ``compile_only_launches`` it compiles that key and zeroes
+    nothing. The constants are the zeroer's own arithmetic on the cache:
+    - 0.22-0.26 (``N_SEGS``, ``PAGE_SIZE_EL``, ``BLOCK_SIZE``): the manager page in int32
+      words and its largest power-of-2 divisor, at most 1024;
+    - 0.30-0.34 (``BLOCK_SIZE`` only): the kernel page in words rounded up to a power of
+      2, at most 1024 (the segments are virtual blocks, their count not in the key)."""
+    import torch
+
+    kernel = _zeroing_kernel()
+    ids = torch.empty(n_blocks, dtype=torch.int64, device=device)
+    addrs = torch.empty(zeroing.segments, dtype=torch.uint64, device=device)
+    if "n_blocks" in kernel.arg_names:
+        page = zeroing.page_bytes // 4
+        kernel[(1,)](addrs, ids, n_blocks, N_SEGS=zeroing.segments, PAGE_SIZE_EL=page,
+                     BLOCK_SIZE=min(page & -page, 1024))  # fmt: skip
+        return
+    page = zeroing.kernel_page_bytes // 4
+    sizes = torch.empty(zeroing.segments, dtype=torch.int64, device=device)
+    kernel[(1, 1, 1)](addrs, sizes, sizes, ids, BLOCK_SIZE=min(1 << (page - 1).bit_length(), 1024))
 
 
 def async_spec_correction(runner: Any) -> Any | None:

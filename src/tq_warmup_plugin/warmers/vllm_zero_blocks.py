@@ -10,9 +10,17 @@ not). vLLM 0.26 warms it for Qwen models only, at 1 and 2 blocks
 in one step and compiled it after startup in an in-process Qwen3-Next with MTP (H200,
 0.26.0, ``serve-jit --in-process``, runs AH and AI), where a server fed over HTTP, its
 requests spread over several steps, had not (runs AB, AD). This warmer calls the runner's
-own zeroer at 1, 2 and 16 blocks under ``compat.compile_only_launches``: its segment
-table, page size and tile are serving's, and no block is zeroed. Not offline: those come
-from the allocated KV cache.
+own zeroer at each count that is a key of its own (``compat.kv_zeroing_counts``: 1, 2 and
+16 blocks on 0.22-0.26) under ``compat.compile_only_launches``: its segment
+table, page size and tile are serving's, and no block is zeroed.
+
+Offline (``precompile``, ``inspect``), where no KV cache is allocated, the constants come
+from the plan (``planning.kv_zeroing``: the attention layers' KV tensors by vLLM's grouping,
+their page by the plan's layout) and vLLM's kernel is launched with them
+(``compat.zero_blocks_launch``), so a shipped layer holds the keys: a hybrid from a layer
+compiled all three in the worker before (H200, 0.26.0, serve-jit run AS). Where the plan
+misses the live cache (a model whose layers group otherwise), the worker compiles its own
+key at startup, as without the layer.
 """
 
 from __future__ import annotations
@@ -24,15 +32,23 @@ from .. import compat
 from ..engine import Declined, Engine, Job
 from ..hookspecs import hookimpl
 
-__all__ = ["BLOCK_COUNTS", "FAMILY", "tq_warmup_engine_jobs"]
+__all__ = ["FAMILY", "tq_warmup_engine_jobs"]
 
 FAMILY = "KV block zeroing"
-BLOCK_COUNTS = (1, 2, 16)
-"""One block count in each of Triton's integer classes (1, other, a multiple of 16)."""
 
 
 @hookimpl
 def tq_warmup_engine_jobs(engine: Engine) -> Iterable[Job | Declined]:
+    if engine.planned:
+        zeroing = engine.kv_zeroing
+        if zeroing is None:
+            return []
+        return [
+            Job(
+                FAMILY, f"{n} blocks", partial(compat.zero_blocks_launch, zeroing, n, engine.device)
+            )
+            for n in compat.kv_zeroing_counts()
+        ]
     if not engine.hybrid or engine.runner is None:
         return []
     zeroer = compat.kv_block_zeroer(engine.runner)
@@ -40,5 +56,5 @@ def tq_warmup_engine_jobs(engine: Engine) -> Iterable[Job | Declined]:
         return [Declined(FAMILY, "the runner zeroes no attention blocks")]
     return [
         Job(FAMILY, f"{n} blocks", partial(zeroer.zero_block_ids, list(range(n))), offline=False)
-        for n in BLOCK_COUNTS
+        for n in compat.kv_zeroing_counts()
     ]
