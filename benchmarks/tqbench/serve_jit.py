@@ -557,6 +557,11 @@ def cmd_serve_jit(args: argparse.Namespace) -> int:
     head: dict[str, Any] = {"options": vars(args)}
     if args.build_driver_cache and not args.driver_cache:
         args.driver_cache = str(build_driver_cache(args, names, work))
+        if args.build_only:  # a call of its own: a hybrid's build and rows pass 600 s
+            head["verify"] = pin_of(args.driver_cache)[1]
+            records.write_json_atomic(out / "result.json", {**head, "rows": []})
+            print(f"serve-jit: built {args.driver_cache}: {head['verify']}", flush=True)
+            return 0
     if args.driver_cache:
         args.pin, head["verify"] = pin_of(args.driver_cache)
         print(f"serve-jit: {head['verify']}; pin {args.pin[:80]}", flush=True)
@@ -590,6 +595,7 @@ OPTIONS: tuple[Option, ...] = (
         "first build that root here (tq-warmup driver-cache, its engine on, for every row's "
         "model and speculation: a fleet's GPU step), then serve every row from it",
     ),
+    ("--build-only", False, "with --build-driver-cache: build it and serve no row"),
     ("--jit-verbose", False, "--jit-monitor-verbose: every JIT event with its key"),
     ("--layer-arch", 90, "the SM the *-layer rows' precompile builds for (an H200: 90)"),
     ("--side-by-side", False, "start every row at once (JIT counts only; times not comparable)"),
