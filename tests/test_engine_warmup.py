@@ -5,6 +5,7 @@ is always undone. Runner objects are stand-ins; Triton is real (compile-only her
 from __future__ import annotations
 
 import logging
+from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
@@ -434,6 +435,61 @@ def test_the_compile_ahead_child_is_reaped_after_the_warmers(
     report = warmup.run(one_layer_worker, Settings(launch=False), manager(Records()))
     assert order == ["job", "reaped"]
     assert report.line().endswith("; compile-ahead child: 1 jobs in 1.0 s")
+
+
+def test_graph_jobs_run_one_at_a_time_beside_the_others() -> None:
+    """``torch.compile`` keeps process-global tracing state: on the H100 (vLLM 0.26.0) 3 of
+    4 async-correction graphs compiled on threads at once failed ("Detected that you are
+    using FX to symbolically trace a dynamo-optimized function"). Graph jobs never overlap
+    each other; Triton jobs still overlap them and each other."""
+    pytest.importorskip("triton")
+    import threading
+    import time
+
+    lock = threading.Lock()
+    running = {"graphs": 0, "all": 0}
+    peak = {"graphs": 0, "all": 0}
+
+    def job(graph: bool) -> None:
+        with lock:
+            for name in ("graphs", "all") if graph else ("all",):
+                running[name] += 1
+                peak[name] = max(peak[name], running[name])
+        time.sleep(0.05)
+        with lock:
+            for name in ("graphs", "all") if graph else ("all",):
+                running[name] -= 1
+
+    class _Warmer:
+        @hookimpl
+        def tq_warmup_engine_jobs(self, engine: Engine) -> list[Job]:
+            return [Job("graph", str(i), partial(job, True), graphs=True) for i in range(4)] + [
+                Job("triton", str(i), partial(job, False)) for i in range(4)
+            ]
+
+    result = engine_warmup.run(manager(_Warmer()), engine(), False, threads=4)
+    assert result.errors == [] and result.jobs == {"graph": 4, "triton": 4}
+    assert peak["graphs"] == 1 and peak["all"] >= 3
+
+
+def test_the_warmers_that_torch_compile_mark_their_jobs() -> None:
+    pytest.importorskip("vllm")  # the correction is vLLM's own function
+    from tq_warmup_plugin.warmers import vllm_async_spec, vllm_logprobs
+
+    runner = SimpleNamespace(use_async_spec_decode=True)
+    base: dict[str, Any] = dict(features=None, runner_v2=False, pooling=False,
+                                spec_method="mtp", spec_tokens=2, draft_probs=False,
+                                max_logprobs=20, runner=runner)  # fmt: skip
+    v1 = Engine(**base)
+    graphs = [
+        *vllm_async_spec.tq_warmup_engine_jobs(engine=v1),
+        *vllm_logprobs.tq_warmup_engine_jobs(engine=v1),
+    ]
+    assert len(graphs) == 5 and all(isinstance(j, Job) and j.graphs for j in graphs)
+    v2 = Engine(**{**base, "runner_v2": True})
+    assert not any(
+        getattr(j, "graphs", True) for j in vllm_logprobs.tq_warmup_engine_jobs(engine=v2)
+    )
 
 
 def test_async_spec_correction_says_why_it_is_not_warmed() -> None:

@@ -98,6 +98,14 @@ class Job:
     outside ``compat.compile_only_launches``: a model forward (``compat.dummy_run``) can
     neither share vLLM's one forward context with another thread nor skip its launches
     (its routing would read memory no kernel wrote)."""
+    graphs: bool = False
+    """``run`` calls a ``torch.compile``d function (the V1 sampler's rank count, the async
+    spec-decode correction). Such jobs run one at a time: Dynamo and AOT autograd keep
+    process-global state (``torch.fx``'s tracing flag), and 3 of 4 correction graphs
+    compiled on threads beside each other and the rank count failed with "Detected that
+    you are using FX to symbolically trace a dynamo-optimized function" (H100, vLLM 0.26.0,
+    torch 2.11, the serve-jit hybrid with MTP, session 28); their graphs then compiled
+    while serving. Their Triton launches still run beside the other jobs."""
     offline: bool = True
     """Its keys can be built without the worker, on vLLM's CPU objects (``engine_plan``:
     ``precompile``, the compile-ahead child): a launch of Triton kernels on a few bytes.

@@ -106,11 +106,15 @@ def run(pm: pluggy.PluginManager, engine: Engine, load: bool, threads: int = 1) 
         with CompileCounter() as counter:
             outcomes += [run_job(job) for job in real]
         result.forwards = (len(real), counter.compiled, time.perf_counter() - forwards_start)
+    graphs = [job for job in skipped if job.graphs]  # one after another (``Job.graphs``)
+    others = [job for job in skipped if not job.graphs]
     pool_of = ThreadPoolExecutor(max(1, threads), initializer=compat.pin_to_callers_device())
     with CompileCounter() as counter, compat.compile_only_launches(load) as met, pool_of as pool:
-        outcomes += pool.map(run_job, skipped)
+        serial = pool.submit(lambda: [run_job(job) for job in graphs])
+        outcomes += pool.map(run_job, others)
+        outcomes += serial.result()
     result.compiled, result.compiled_names = counter.compiled, dict(counter.names)
-    for job, error in zip(real + skipped, outcomes, strict=True):
+    for job, error in zip(real + others + graphs, outcomes, strict=True):
         if error is None:
             result.jobs[job.family] = result.jobs.get(job.family, 0) + 1
         else:

@@ -77,6 +77,7 @@ def tq_warmup_engine_jobs(engine: Engine) -> Iterable[Job | Declined]:
             FAMILY,
             f"{n} requests after {m}",
             partial(warm_shape, engine.runner, correction, n, m),
+            graphs=True,
             offline=False,
         )
         for n, m in SHAPES

@@ -76,7 +76,10 @@ def tq_warmup_engine_jobs(engine: Engine) -> Iterable[Job | Declined]:
         return [Declined(FAMILY, "max_logprobs is 0: no request may ask for logprobs")]
     if not engine.runner_v2:
         # torch.compile'd for the device: nothing a CPU can build for it
-        return [Job(FAMILY, "V1 sampler, 2 batch shapes", partial(warm_v1, engine), offline=False)]
+        return [
+            Job(FAMILY, "V1 sampler, 2 batch shapes", partial(warm_v1, engine), graphs=True,
+                offline=False)
+        ]  # fmt: skip
     return [
         Job(FAMILY, f"V2 sampler, {n} logprobs", partial(warm_count, engine, n))
         for n in logprob_counts(engine.max_logprobs)
