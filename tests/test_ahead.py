@@ -94,6 +94,23 @@ def test_a_planned_hybrids_zeroing_round_trips() -> None:
     assert EngineRequest.from_dict(json.loads(json.dumps(hybrid.to_dict()))) == hybrid
 
 
+def test_a_hybrid_workers_request_has_its_zeroing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child builds a hybrid's zeroing keys (``planning.worker_zeroing``); a config it
+    cannot plan costs the child those keys, never the worker's start."""
+    from tq_warmup_plugin import planning
+
+    zeroing = compat.KvZeroing(7, 2160 * 1088 // 16, 1088)
+    monkeypatch.setattr(planning, "worker_zeroing", lambda config, feats: zeroing)
+    made = ahead.request_of(worker(), FEATS)
+    assert made is not None and made.zeroing == zeroing
+
+    def unplannable(config: Any, feats: Any) -> None:
+        raise KeyError("layer_types")
+
+    monkeypatch.setattr(planning, "worker_zeroing", unplannable)
+    assert ahead.request_of(worker(), FEATS).zeroing is None  # type: ignore[union-attr]
+
+
 def test_no_child_without_turboquant() -> None:
     assert ahead.request_of(worker(cache_dtype="auto"), FEATS) is None
 

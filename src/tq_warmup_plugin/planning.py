@@ -40,6 +40,7 @@ __all__ = [
     "shape_of",
     "verify_len",
     "worker_plan",
+    "worker_zeroing",
 ]
 
 
@@ -715,3 +716,20 @@ def worker_plan(
         speculative_config=compat.speculative_config_of(vllm_config) if served else None,
     )
     return plan_shape(request, shape_of(model, parallel)._replace(config=None))
+
+
+def worker_zeroing(vllm_config: Any, feats: Features) -> compat.KvZeroing | None:
+    """A starting hybrid worker's KV-block zeroing, planned from its ``VllmConfig`` as
+    ``precompile`` plans it from a model's (``kv_zeroing`` at the worker's final block, the
+    pages of TurboQuant's layout): the compile-ahead child builds its keys, which the worker
+    compiled itself before (3 keys, run AM). None for a model that zeroes no blocks."""
+    model = vllm_config.model_config
+    if not getattr(model, "is_hybrid", False):
+        return None
+    shape = shape_of(model, vllm_config.parallel_config)
+    cache = vllm_config.cache_config
+    block = int(cache.block_size)
+    kernel = compat.kernel_block_size(block)
+    slot = preset(str(cache.cache_dtype), shape.head_size).slot_size_aligned
+    page = kv_view_strides(feats, kernel, shape.num_kv_heads, slot)[0]
+    return kv_zeroing(shape, compat.speculative_of(vllm_config)[0], page, block // kernel)

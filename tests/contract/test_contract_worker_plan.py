@@ -218,6 +218,8 @@ def test_precompile_plans_a_hybrid_at_vllms_block() -> None:
     assert plan.zeroing == compat.KvZeroing(4, page * (block // plan.geometry.block_size), page)
     case = Case("jamba-v0.1", 1, 4096, block)
     _split_here(case)
+    # the compile-ahead child gets the same from the worker's config, for its own build
+    assert planning.worker_zeroing(worker_config(case), feats()) == plan.zeroing
     assert plan.geometry == discovered(case, worker_config(case))
 
 

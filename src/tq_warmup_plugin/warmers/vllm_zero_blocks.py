@@ -14,13 +14,13 @@ own zeroer at each count that is a key of its own (``compat.kv_zeroing_counts``:
 16 blocks on 0.22-0.26) under ``compat.compile_only_launches``: its segment
 table, page size and tile are serving's, and no block is zeroed.
 
-Offline (``precompile``, ``inspect``), where no KV cache is allocated, the constants come
-from the plan (``planning.kv_zeroing``: the attention layers' KV tensors by vLLM's grouping,
-their page by the plan's layout) and vLLM's kernel is launched with them
-(``compat.zero_blocks_launch``), so a shipped layer holds the keys: a hybrid from a layer
-compiled all three in the worker before (H200, 0.26.0, serve-jit run AS). Where the plan
-misses the live cache (a model whose layers group otherwise), the worker compiles its own
-key at startup, as without the layer.
+Offline (``precompile``, ``inspect``, the compile-ahead child), where no KV cache is
+allocated, the constants come from the plan (``planning.kv_zeroing``: the attention layers'
+KV tensors by vLLM's grouping, their page by the plan's layout) and vLLM's kernel is launched
+with them (``compat.zero_blocks_launch``), so a shipped layer holds the keys: a hybrid from
+a layer compiled all three in the worker before (H200, 0.26.0, serve-jit run AS) and none
+after (H100, 0.26.0, run AX). Where the plan misses the live cache (a model whose layers
+group otherwise), the worker compiles its own key at startup, as without the layer.
 """
 
 from __future__ import annotations
