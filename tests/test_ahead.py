@@ -94,23 +94,6 @@ def test_a_planned_hybrids_zeroing_round_trips() -> None:
     assert EngineRequest.from_dict(json.loads(json.dumps(hybrid.to_dict()))) == hybrid
 
 
-def test_a_hybrid_workers_request_has_its_zeroing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The child builds a hybrid's zeroing keys (``planning.worker_zeroing``); a config it
-    cannot plan costs the child those keys, never the worker's start."""
-    from tq_warmup_plugin import planning
-
-    zeroing = compat.KvZeroing(7, 2160 * 1088 // 16, 1088)
-    monkeypatch.setattr(planning, "worker_zeroing", lambda config, feats: zeroing)
-    made = ahead.request_of(worker(), FEATS)
-    assert made is not None and made.zeroing == zeroing
-
-    def unplannable(config: Any, feats: Any) -> None:
-        raise KeyError("layer_types")
-
-    monkeypatch.setattr(planning, "worker_zeroing", unplannable)
-    assert ahead.request_of(worker(), FEATS).zeroing is None  # type: ignore[union-attr]
-
-
 def test_no_child_without_turboquant() -> None:
     assert ahead.request_of(worker(cache_dtype="auto"), FEATS) is None
 
@@ -444,7 +427,8 @@ def test_a_turboquant_plan_that_fails_costs_its_line_not_the_engine_jobs(
     engine_job = Job("slot mapping", "block 32", lambda: None)
     monkeypatch.setattr(precompile, "use_compile_only_target", lambda arch: None)
     monkeypatch.setattr(ahead_child, "die_with_parent", lambda: None)  # not this process
-    monkeypatch.setattr(engine_plan, "cpu_engine", lambda request: object())
+    engines: list[EngineRequest] = []
+    monkeypatch.setattr(engine_plan, "cpu_engine", lambda request: engines.append(request))
     monkeypatch.setattr(engine_plan, "jobs", lambda pm, engine: ([engine_job], [], []))
 
     def build(todo: list[Job], **kwargs: Any) -> tuple[list[Job], list[str]]:
@@ -468,9 +452,16 @@ def test_a_turboquant_plan_that_fails_costs_its_line_not_the_engine_jobs(
     assert (broken["code"], broken["built"], broken["keys"], broken["failed"]) == (1, 1, 0, 1)
     assert broken["errors"][0].startswith("TurboQuant keys not planned: AttributeError")
     assert built[-1] == ["slot mapping: block 32"]
+    assert engines[-1].zeroing is None  # nothing planned: the worker zeroes as before
 
     key = Job(ahead_child.FAMILY, "decode", lambda: None)
-    monkeypatch.setattr(ahead_child, "key_jobs", lambda pm, config, given, feats: [key])
+    zeroing = compat.KvZeroing(7, 2160 * 1088 // 16, 1088)
+    plan = SimpleNamespace(zeroing=zeroing)
+    monkeypatch.setattr(ahead_child, "worker_plan", lambda config, given, feats: plan)
+    monkeypatch.setattr(
+        ahead_child, "key_jobs", lambda pm, planned: [key] if planned is plan else []
+    )
     planned = result(SimpleNamespace())
     assert (planned["code"], planned["built"], planned["keys"], planned["errors"]) == (0, 2, 1, [])
     assert built[-1] == ["TurboQuant: decode", "slot mapping: block 32"]  # the worker's order
+    assert engines[-1].zeroing == zeroing  # a hybrid's zeroing keys: the plan's, built too

@@ -123,19 +123,7 @@ def request_of(worker: Any, feats: compat.Features) -> EngineRequest | None:
         moe_experts=experts,
         graph_tokens=compat.graph_tokens(config),
         gpu_name=compat.device_name() if experts else "",
-        zeroing=_zeroing(config, feats),
     )
-
-
-def _zeroing(config: Any, feats: compat.Features) -> compat.KvZeroing | None:
-    """A hybrid's KV-block zeroing (``planning.worker_zeroing``); None where it is not
-    planned (the worker's own warmer then compiles those keys, as before)."""
-    from . import planning
-
-    try:
-        return planning.worker_zeroing(config, feats)
-    except Exception:  # a config unlike any planned: vLLM raises anything from a model class
-        return None
 
 
 def _experts(config: Any) -> tuple[compat.MoeExperts, ...]:

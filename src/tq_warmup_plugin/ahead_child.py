@@ -4,6 +4,9 @@ for its GPU architecture into the Triton cache its environment names, host launc
 included where Triton builds them (``compat.build_host_launcher``), and write one JSON line:
 the jobs built, the error lines, the seconds, and of them those of the plan.
 
+A hybrid's KV-block zeroing keys come from the same plan (``Planned.zeroing``, with the
+worker's real drafter), built with the engine jobs.
+
 The worker forks it (``ahead.start``), so it has vLLM imported already; ``python -m
 tq_warmup_plugin.ahead_child JSON`` runs the same work in a fresh interpreter, vLLM's
 import included (``benchmarks/tqbench/ahead_cost.py`` times that). Its own module, so that
@@ -13,6 +16,7 @@ nothing the worker imports loads it before the fork.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -27,6 +31,7 @@ if TYPE_CHECKING:
 
     from .compat import Features
     from .engine import Job
+    from .planning import Planned
 
 __all__ = [
     "ERRORS_KEPT",
@@ -36,6 +41,7 @@ __all__ = [
     "key_jobs",
     "main",
     "run_child",
+    "worker_plan",
 ]
 
 OUTPUT_LIMIT = 1 << 16
@@ -58,19 +64,24 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 
 
-def key_jobs(
-    pm: pluggy.PluginManager, config: Any, given: Mapping[str, Any], feats: Features
-) -> list[Job]:
-    """One job per TurboQuant key of the layers a worker of ``config`` will discover
-    (``planning.worker_plan``, the batched verify path's rows where ``given["verify"]``),
-    as its warmup plans them (``keyplan.plan_keys``); a plan that fails raises its one line."""
+def worker_plan(config: Any, given: Mapping[str, Any], feats: Features) -> Planned:
+    """What a worker of ``config`` will discover (``planning.worker_plan``, the batched
+    verify path's rows where ``given["verify"]``): its TurboQuant layers and a hybrid's
+    KV-block zeroing; a plan that fails raises its one line."""
+    from . import planning
+
+    v2, verify = bool(given["request"]["runner_v2"]), bool(given.get("verify"))
+    return planning.worker_plan(config, feats, int(given["arch"]), v2, verify)
+
+
+def key_jobs(pm: pluggy.PluginManager, planned: Planned) -> list[Job]:
+    """One job per TurboQuant key of ``planned``'s layers, as the worker's warmup plans
+    them (``keyplan.plan_keys``)."""
     from functools import partial
 
     from . import keyplan, planning
     from .engine import Job
 
-    v2, verify = bool(given["request"]["runner_v2"]), bool(given.get("verify"))
-    planned = planning.worker_plan(config, feats, int(given["arch"]), v2, verify)
     keys = keyplan.plan_keys(pm, planning.named_geometries(planned)).keys
     return [Job(FAMILY, keyplan.describe(key), partial(_compile, pm, key)) for key in keys]
 
@@ -101,16 +112,21 @@ def run_child(given: Mapping[str, Any], out: int, config: Any = None) -> int:
 
         use_compile_only_target(int(given["arch"]))
         request = EngineRequest.from_dict(given["request"])
+        planned, unplanned = None, []
+        if config is not None:
+            try:
+                planned = worker_plan(config, given, request.features)
+            except Exception as exc:  # a config unlike any planned: the worker plans its own
+                unplanned.append(f"{FAMILY} keys not planned: {error_line(exc)}")
+            else:  # a hybrid's zeroing keys are built with the engine's
+                request = dataclasses.replace(request, zeroing=planned.zeroing)
         engine = cpu_engine(request)  # vLLM's import, if new
         pm = plugin_manager()
         todo, _, errors = jobs(pm, engine)
-        if config is not None:
-            try:
-                ours = key_jobs(pm, config, given, request.features)
-            except Exception as exc:  # a config unlike any planned: the worker plans its own
-                errors.append(f"{FAMILY} keys not planned: {error_line(exc)}")
-            else:
-                keys, todo = len(ours), ours + todo
+        errors = unplanned + errors
+        if planned is not None:
+            ours = key_jobs(pm, planned)
+            keys, todo = len(ours), ours + todo
         phases["plan"] = time.perf_counter() - began
         processes = int(given["processes"])
         done, failed = build(todo, processes=processes, each=die_with_parent)

@@ -40,7 +40,6 @@ __all__ = [
     "shape_of",
     "verify_len",
     "worker_plan",
-    "worker_zeroing",
 ]
 
 
@@ -692,9 +691,11 @@ def worker_plan(
     (the compile-ahead child, ``ahead``): the shape from its own ``ModelConfig`` on its
     rank (``shape_of``) and its engine arguments (the manager block as its
     ``CacheConfig`` has it, final where the child starts; the batched verify path's rows
-    where ``verify_rows``, the guard's setting). A guess that misses the layers a worker
-    then reads costs that worker the keys' compiles, never a wrong key: the worker plans
-    its own from what it discovers. Raises PlanError or UnsupportedModel with one line."""
+    where ``verify_rows``, the guard's setting), and a hybrid's KV-block zeroing with its
+    real drafter's layers (``kv_zeroing``), which the worker compiled itself before (3
+    keys, run AM). A guess that misses the layers a worker then reads costs that worker the
+    keys' compiles, never a wrong key: the worker plans its own from what it discovers.
+    Raises PlanError or UnsupportedModel with one line."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     scheduler = vllm_config.scheduler_config
@@ -715,21 +716,12 @@ def worker_plan(
         enable_dbo=compat.ubatching(vllm_config),
         speculative_config=compat.speculative_config_of(vllm_config) if served else None,
     )
-    return plan_shape(request, shape_of(model, parallel)._replace(config=None))
-
-
-def worker_zeroing(vllm_config: Any, feats: Features) -> compat.KvZeroing | None:
-    """A starting hybrid worker's KV-block zeroing, planned from its ``VllmConfig`` as
-    ``precompile`` plans it from a model's (``kv_zeroing`` at the worker's final block, the
-    pages of TurboQuant's layout): the compile-ahead child builds its keys, which the worker
-    compiled itself before (3 keys, run AM). None for a model that zeroes no blocks."""
-    model = vllm_config.model_config
-    if not getattr(model, "is_hybrid", False):
-        return None
-    shape = shape_of(model, vllm_config.parallel_config)
-    cache = vllm_config.cache_config
-    block = int(cache.block_size)
-    kernel = compat.kernel_block_size(block)
-    slot = preset(str(cache.cache_dtype), shape.head_size).slot_size_aligned
-    page = kv_view_strides(feats, kernel, shape.num_kv_heads, slot)[0]
-    return kv_zeroing(shape, compat.speculative_of(vllm_config)[0], page, block // kernel)
+    shape = shape_of(model, parallel)._replace(config=None)
+    planned = plan_shape(request, shape)
+    if not shape.hybrid:
+        return planned
+    # the zeroing's drafters are the worker's own, whichever path serves its verify rows
+    g = planned.geometry
+    method = compat.speculative_of(vllm_config)[0]
+    zeroing = kv_zeroing(shape, method, g.kv_strides[0], request.block_size // g.block_size)
+    return planned._replace(zeroing=zeroing)

@@ -119,7 +119,7 @@ def discovered(case: Case, config: Any) -> Geometry:
 
 
 def planned(config: Any) -> Geometry:
-    """What the child plans for the same worker (``ahead_child.key_jobs``' geometry)."""
+    """What the child plans for the same worker (``ahead_child.worker_plan``' geometry)."""
     plan = planning.worker_plan(config, feats(), 90, runner_v2=RUNNER == "V2", verify_rows=True)
     return planning.named_geometries(plan)["geometry0"]
 
@@ -180,7 +180,7 @@ def test_the_childs_keys_are_found_by_the_workers_warmup(
     pm = plugin_manager(load_entry_points=False)
     keys = keyplan.plan_keys(pm, {"layer": discovered(case, config)}).keys
     given = {"request": request(32, 3).to_dict(), "arch": 90, "processes": 2, "verify": True}
-    jobs = ahead_child.key_jobs(pm, config, given, feats())
+    jobs = ahead_child.key_jobs(pm, ahead_child.worker_plan(config, given, feats()))
     assert [job.what for job in jobs] == [keyplan.describe(key) for key in keys]
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
@@ -218,9 +218,33 @@ def test_precompile_plans_a_hybrid_at_vllms_block() -> None:
     assert plan.zeroing == compat.KvZeroing(4, page * (block // plan.geometry.block_size), page)
     case = Case("jamba-v0.1", 1, 4096, block)
     _split_here(case)
-    # the compile-ahead child gets the same from the worker's config, for its own build
-    assert planning.worker_zeroing(worker_config(case), feats()) == plan.zeroing
+    # the compile-ahead child plans the same from the worker's config, for its own build
+    child = planning.worker_plan(worker_config(case), feats(), 90, RUNNER == "V2", True)
+    assert child.zeroing == plan.zeroing
     assert plan.geometry == discovered(case, worker_config(case))
+
+
+def test_the_childs_zeroing_counts_the_workers_mtp_layers_whichever_path_verifies() -> None:
+    """A Qwen3-Next worker drafting with its own MTP layer zeroes one more KV tensor than
+    its 12 attention layers (13 of 36 GDN layers, vLLM's grouping): the child plans that
+    from the worker's drafter, with or without the verify guard's rows, as ``precompile
+    --speculative-config`` does. Before session 29 it took the drafter only where the guard
+    served (12 tensors without it)."""
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    block = 1088  # vLLM's for it on 0.26 (run AX); its model class needs a GPU to size it
+    request = planning.PlanRequest(
+        kv_cache_dtype=PRESET, model="qwen3-next-80b-a3b", tensor_parallel_size=1,
+        dtype="bfloat16", max_model_len=4096, runner=RUNNER.lower(), max_num_seqs=REQS,
+        max_num_batched_tokens=TOKENS, kv_splits=SPLITS, speculative_config=spec,
+        block_size=block,
+    )  # fmt: skip
+    plan = planning.plan_geometry(request, str(MODELS / "qwen3-next-80b-a3b"))
+    assert plan.zeroing is not None and plan.zeroing.segments == 13
+    config = worker_config(Case("qwen3-next-80b-a3b", 1, 4096, block))
+    config.speculative_config = SimpleNamespace(**spec, parallel_drafting=False)
+    for verify in (True, False):
+        child = planning.worker_plan(config, feats(), 90, RUNNER == "V2", verify_rows=verify)
+        assert child.zeroing == plan.zeroing, verify
 
 
 def test_precompile_plans_a_hybrid_with_prefix_caching_at_vllms_block() -> None:
