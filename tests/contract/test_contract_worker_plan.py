@@ -241,7 +241,9 @@ def test_the_childs_zeroing_counts_the_workers_mtp_layers_whichever_path_verifie
     plan = planning.plan_geometry(request, str(MODELS / "qwen3-next-80b-a3b"))
     assert plan.zeroing is not None and plan.zeroing.segments == 13
     config = worker_config(Case("qwen3-next-80b-a3b", 1, 4096, block))
-    config.speculative_config = SimpleNamespace(**spec, parallel_drafting=False)
+    config.speculative_config = SimpleNamespace(
+        **spec, parallel_drafting=False, max_num_new_slots_for_drafting=0
+    )  # 0.34 reads the slots
     for verify in (True, False):
         child = planning.worker_plan(config, feats(), 90, RUNNER == "V2", verify_rows=verify)
         assert child.zeroing == plan.zeroing, verify
