@@ -91,13 +91,13 @@ def _boundary(planned: Planned) -> dict[str, tuple[int, int, int]]:
 
 def _engine(args: argparse.Namespace, planned: Planned) -> tuple[Engine | None, str]:
     """The engine the plan's worker would read (``engine_plan``), or None and why not."""
-    from .engine_plan import cpu_engine, request_for, runs_v2
+    from .engine_plan import cpu_engine, request_for
 
     if not planned.vocab_size:
         return None, "need --model or --vocab-size for their keys"
     spec = args.speculative_config
     method = None if spec is None else str(spec["method"])
-    v2 = runs_v2(planned.geometry.features, method, planned.moe, args.runner)
+    v2 = compat.runs_v2(planned.geometry.features, method, planned.moe, args.runner)
     request = request_for(planned.geometry, planned.vocab_size, spec, args.max_logprobs, v2,
                           planned.experts, args.gpu_name, planned.zeroing)  # fmt: skip
     return cpu_engine(request), f"{'V2' if v2 else 'V1'} runner" + (

@@ -26,7 +26,7 @@ from typing import Any
 import pluggy
 
 from . import compat, engine_warmup
-from .compat import Features
+from .compat import V2_SPEC_METHODS, Features, runs_v2  # there since session 29: an alias
 from .engine import Declined, Engine, Job
 from .warmers.vllm_eagle import eagle_style
 
@@ -122,26 +122,6 @@ def _experts_of(items: Any) -> tuple[compat.MoeExperts, ...]:
         )  # fmt: skip
     except (TypeError, KeyError, ValueError) as exc:
         raise ValueError(f"engine request moe_experts: {exc!r}") from None
-
-
-V2_SPEC_METHODS = frozenset({"eagle", "eagle3", "mtp", "dflash", "dspark"})
-"""Speculative methods the V2 runner runs; for any other (ngram, draft_model) vLLM falls
-back to V1 (0.26 ``VllmConfig._get_v2_model_runner_unsupported_features``)."""
-
-
-def runs_v2(feats: Features, spec_method: str | None, moe: bool, runner: str | None) -> bool:
-    """Whether a worker runs the V2 model runner: ``--runner`` where given, else the
-    release's default (0.25+) unless vLLM falls back to V1 for a MoE model or a speculative
-    method V2 does not run (0.26 ``VllmConfig.use_v2_model_runner``). A worker reads the
-    answer from its own config; a plan that guesses wrong misses keys, which the worker then
-    compiles (cost, never a wrong result)."""
-    if runner is not None:
-        return runner == "v2"
-    if not feats.v1_runner:  # 0.34+: V2 is the only runner, MoE and every method included
-        return True
-    if not feats.v2_runner_default or moe:
-        return False
-    return spec_method is None or spec_method in V2_SPEC_METHODS
 
 
 def request_for(

@@ -578,7 +578,8 @@ def plan_shape(request: PlanRequest, shape: ModelShape | None) -> Planned:
                 note += f"; hybrid: block {bs} ({exc}), --geometry-json is exact"
         kernel = compat.kernel_block_size(bs)
     layout = preset(request.kv_cache_dtype, head_size)
-    runner = request.runner or ("v2" if feats.v2_runner_default or not feats.v1_runner else "v1")
+    moe = bool(shape and shape.moe)  # vLLM runs a MoE model on V1 where it has one
+    runner = "v2" if compat.runs_v2(feats, method, moe, request.runner) else "v1"
     width = block_table_width(feats, max_model_len, bs, runner == "v2", kernel)
     geometry = Geometry(
         cache_dtype=request.kv_cache_dtype,
@@ -613,7 +614,6 @@ def plan_shape(request: PlanRequest, shape: ModelShape | None) -> Planned:
     if local is not None:
         note += f"; chunked local attention of {chunk} tokens"
     vocab = request.vocab_size or (shape.vocab_size if shape else 0)
-    moe = bool(shape and shape.moe)
     experts, why = (shape.experts, shape.experts_why) if shape else ((), "")
     zeroing = None
     if hybrid and shape is not None:

@@ -24,6 +24,7 @@ __all__ = [
     "NEWEST",
     "OLDEST",
     "SUPPORTED",
+    "V2_SPEC_METHODS",
     "Features",
     "UnsupportedRelease",
     "Version",
@@ -35,6 +36,7 @@ __all__ = [
     "parse_version",
     "release_features",
     "rewarm_cause",
+    "runs_v2",
     "same_release",
     "support_problem",
 ]
@@ -235,6 +237,26 @@ JUDGED_ENDINGS: dict[str, Version] = {"draft_cpu_seq_lens_stale": (0, 34), "v1_r
 """Gates judged to end with the release before ``NEWEST`` (their bug fixed upstream in
 ``NEWEST``), by the release that fixed it. A gate that ends there and is not named here
 is one nobody re-judged when ``NEWEST`` moved (``gates_ending_at_newest``)."""
+
+
+V2_SPEC_METHODS = frozenset({"eagle", "eagle3", "mtp", "dflash", "dspark"})
+"""Speculative methods the V2 runner runs; for any other (ngram, draft_model) vLLM falls
+back to V1 (0.26 ``VllmConfig._get_v2_model_runner_unsupported_features``)."""
+
+
+def runs_v2(feats: Features, spec_method: str | None, moe: bool, runner: str | None) -> bool:
+    """Whether a worker runs the V2 model runner: ``--runner`` where given, else the
+    release's default (0.25+) unless vLLM falls back to V1 for a MoE model or a speculative
+    method V2 does not run (0.26 ``VllmConfig.use_v2_model_runner``). A worker reads the
+    answer from its own config; a plan that guesses wrong misses keys, which the worker then
+    compiles (cost, never a wrong result)."""
+    if runner is not None:
+        return runner == "v2"
+    if not feats.v1_runner:  # 0.34+: V2 is the only runner, MoE and every method included
+        return True
+    if not feats.v2_runner_default or moe:
+        return False
+    return spec_method is None or spec_method in V2_SPEC_METHODS
 
 
 def gates_ending_at_newest(newest: Version = NEWEST) -> list[str]:
