@@ -56,6 +56,9 @@ class Report:
     vllm_compiled: dict[str, int] = field(default_factory=dict)
     """Those compiles per kernel name: what neither a shipped layer nor the compile-ahead
     child had built."""
+    vllm_family_s: dict[str, float] = field(default_factory=dict)
+    """Those jobs' summed seconds per family (``EngineResult.family_seconds``); the line
+    names the longest."""
     vllm_forwards: int = 0
     """Of those jobs, the model forwards (``engine_warmup.EngineResult.forwards``)."""
     vllm_forward_compiles: int = 0
@@ -95,7 +98,7 @@ class Report:
             text += (
                 f"; vLLM kernels: {jobs} ({self.vllm_launches} launches, "
                 f"{self.vllm_compiles} compiled{_names(self.vllm_compiled)}, "
-                f"{self.vllm_s * 1000:.0f} ms)"
+                f"{self.vllm_s * 1000:.0f} ms{_longest(self.vllm_family_s)})"
             )
             if self.vllm_forwards:
                 text += (
@@ -110,6 +113,14 @@ class Report:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+
+def _longest(seconds: dict[str, float]) -> str:
+    """``, longest: async spec-decode correction 640 ms`` (its jobs summed), or nothing."""
+    if not seconds:
+        return ""
+    family, took = max(seconds.items(), key=lambda item: (item[1], item[0]))
+    return f", longest: {family} {took * 1000:.0f} ms"
 
 
 def _names(counts: dict[str, int]) -> str:
