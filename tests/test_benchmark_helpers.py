@@ -534,6 +534,18 @@ def test_ahead_cost_table_gives_each_fork_its_ratio_to_the_engine_jobs_alone() -
     assert "40 jobs (30 keys)" in lines[4] and lines[4].split()[-2:] == ["20.0", "2.50"]
 
 
+def test_warm_cost_takes_each_familys_median_and_keeps_setup_apart() -> None:
+    from benchmarks.tqbench.warm_cost import medians, table
+
+    runs = [{"a (setup)": 400.0, "b": 10.0}, {"a (setup)": 380.0, "b": 30.0},
+            {"a (setup)": 390.0, "b": 20.0, "c": 9.0}]  # fmt: skip
+    warm = medians(runs)
+    assert warm == {"a (setup)": 390.0, "b": 20.0, "c": 0.0}  # c missing twice: 0, 0, 9
+    lines = table({"a (setup)": 500.0, "b": 2000.0, "c": 40.0}, warm).splitlines()
+    assert lines[2].split()[-2:] == ["2000", "20"]
+    assert lines[-1].split()[-2:] == ["2040", "20"]  # the setup rows out of the totals
+
+
 @pytest.mark.parametrize("version", ["0.22.0", "0.26.0", "0.33.0"])
 def test_ahead_cost_asks_the_child_what_it_takes(version: str) -> None:
     """Each engine's request is one the child accepts (``EngineRequest.from_dict``)."""

@@ -37,6 +37,7 @@ COMMAND_MODULES = (
     "shipped",
     "register_cost",
     "ahead_cost",
+    "warm_cost",
     "layer_check_cost",
     "gemm_shapes",
     "driver_cache_proof",

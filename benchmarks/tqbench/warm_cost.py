@@ -1,0 +1,136 @@
+"""The ``warm-cost`` command: where a warm worker's vLLM-kernel warmup time goes, by family.
+
+From a shipped layer and a driver-cache entry, the serve-jit hybrid (Qwen3-Next, MTP k=2,
+V1) spent 998 ms in its engine warmers and compiled nothing (H100, vLLM 0.26.0, serve-jit
+run AZ): every launch a cache hit. This times the host's side of that work on this machine
+(a CPU is enough), each family in a fresh interpreter over caches an earlier one filled:
+- the hybrid's offline engine jobs (Triton launches, compile-only for sm90: what a shipped
+  layer holds), a priming job first, so Triton's one-time setup is its own row;
+- the async spec-decode correction's 4 ``torch.compile`` graphs (``Job.graphs``, run one at
+  a time), on CPU tensors: Dynamo's trace and the FX graph cache's hit, not the GPU's
+  module load.
+
+    CUDA_VISIBLE_DEVICES="" python -m benchmarks.tqbench warm-cost [--samples 3]
+
+Prints a table (the cold run and the median warm run per family, milliseconds) and writes
+JSON (default ``benchmarks/results/raw/warm-cost.json``, git-ignored). A GPU worker pays
+these under one GIL, so threads do not hide them; its module loads come on top.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.tqbench.cli import new_parser
+from benchmarks.tqbench.matrix import DEFAULT_RESULTS_DIR
+from benchmarks.tqbench.register_cost import sample, write_summary
+
+__all__ = ["add_parser", "cmd_warm_cost", "medians", "table"]
+
+_TRITON_PROBE = """
+import json, sys, time
+from collections import defaultdict
+from tq_warmup_plugin import compat, planning
+from tq_warmup_plugin.engine_plan import build, cpu_engine, jobs, request_for
+from tq_warmup_plugin.plugins import plugin_manager
+from tq_warmup_plugin.shipped.precompile import use_compile_only_target
+use_compile_only_target(90)
+spec = {"method": "mtp", "num_speculative_tokens": 2}
+request = planning.PlanRequest(kv_cache_dtype="turboquant_4bit_nc", model="qwen3-next",
+    dtype="bfloat16", max_model_len=4096, max_num_seqs=32, speculative_config=spec,
+    block_size=1088)
+planned = planning.plan_geometry(request, sys.argv[1])
+v2 = compat.runs_v2(planned.geometry.features, "mtp", planned.moe, None)
+engine = cpu_engine(request_for(planned.geometry, planned.vocab_size, spec, 20, v2,
+    planned.experts, "NVIDIA H100 80GB HBM3", planned.zeroing))
+todo = jobs(plugin_manager(), engine)[0]
+ms, errors = defaultdict(float), []
+for i, job in enumerate(todo):  # one at a time, as build() runs them in one process
+    start = time.perf_counter()
+    errors += build([job])[1]
+    name = "Triton's first launch (setup)" if i == 0 else job.family
+    ms[name] += (time.perf_counter() - start) * 1e3
+print(json.dumps({"ms": ms, "errors": errors, "jobs": len(todo)}))
+"""
+
+_GRAPH_PROBE = """
+import json, time
+import torch
+from tq_warmup_plugin.warmers.vllm_async_spec import SHAPES
+from vllm.v1.spec_decode.utils import update_num_computed_tokens_for_batch_change as fix
+ms = {}
+for i, (n, m) in enumerate(SHAPES):
+    start = time.perf_counter()
+    with torch.inference_mode(False):
+        computed, drafts = torch.zeros(256, dtype=torch.int32), torch.zeros(256, dtype=torch.int32)
+        accepted = torch.zeros(n, dtype=torch.int32)
+        positions = torch.full((n,), -1, dtype=torch.int32)
+    with torch.inference_mode():
+        fix(computed, accepted, positions, torch.ones(m, dtype=torch.int32),
+            drafts, torch.zeros(n, dtype=torch.int32))
+    name = "torch.compile's first graph (setup)" if i == 0 else "async correction graphs"
+    ms[name] = ms.get(name, 0.0) + (time.perf_counter() - start) * 1e3
+print(json.dumps({"ms": ms, "errors": [], "jobs": len(SHAPES)}))
+"""
+
+
+def medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each family's median over ``runs`` (a family missing from a run counts as 0)."""
+    names = dict.fromkeys(name for run in runs for name in run)
+    return {name: statistics.median(run.get(name, 0.0) for run in runs) for name in names}
+
+
+def table(cold: dict[str, float], warm: dict[str, float]) -> str:
+    """The printed table: each family's cold and median warm milliseconds, and the totals
+    without the one-time setup rows."""
+    lines = [f"{'family':<40}{'cold ms':>10}{'warm ms':>10}"]
+    for name in dict.fromkeys([*cold, *warm]):
+        lines.append(f"{name:<40}{cold.get(name, 0.0):>10.0f}{warm.get(name, 0.0):>10.0f}")
+
+    def work(ms: dict[str, float]) -> float:
+        return sum(v for k, v in ms.items() if "(setup)" not in k)
+
+    lines.append(f"{'all but setup':<40}{work(cold):>10.0f}{work(warm):>10.0f}")
+    return "\n".join(lines)
+
+
+def cmd_warm_cost(args: argparse.Namespace) -> int:
+    """Run each probe cold once and warm ``--samples`` times, print the table, write JSON."""
+    from benchmarks.tqbench.serve_jit import qwen3_next_config
+
+    with tempfile.TemporaryDirectory() as work:
+        model = Path(work) / "model"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps(qwen3_next_config(4096)))
+        os.environ.update(CUDA_VISIBLE_DEVICES="", TRITON_CACHE_DIR=f"{work}/triton",
+                          TORCHINDUCTOR_CACHE_DIR=f"{work}/inductor")  # fmt: skip
+        runs = {}
+        for name, probe, argv in (("triton", _TRITON_PROBE, [str(model)]),
+                                  ("graphs", _GRAPH_PROBE, [])):  # fmt: skip
+            runs[name] = [sample(probe, *argv) for _ in range(1 + args.samples)]
+    errors = [e for rs in runs.values() for r in rs for e in r["errors"]]
+    cold = {k: v for rs in runs.values() for k, v in rs[0]["ms"].items()}
+    warm = {k: v for rs in runs.values() for k, v in medians([r["ms"] for r in rs[1:]]).items()}
+    print(table(cold, warm))
+    from importlib.metadata import version
+
+    summary = {"vllm": version("vllm"), "cpus": os.cpu_count(), "samples": args.samples,
+               "cold_ms": cold, "warm_median_ms": warm, "runs": runs,
+               "errors": errors[:8]}  # fmt: skip
+    write_summary(args.out, summary)
+    return 0 if not errors else 1
+
+
+def add_parser(subparsers: Any) -> None:
+    """The ``warm-cost`` subcommand."""
+    summary_line = "where a warm worker's vLLM-kernel warmup time goes, by family (CPU is enough)"
+    p = new_parser(subparsers, "warm-cost", summary_line, __doc__)
+    p.add_argument("--samples", type=int, default=3, help="warm runs after the cold one")
+    p.add_argument("--out", default=str(DEFAULT_RESULTS_DIR / "raw" / "warm-cost.json"))
+    p.set_defaults(func=cmd_warm_cost)
