@@ -470,7 +470,7 @@ def test_graph_jobs_run_one_at_a_time_beside_the_others() -> None:
     result = engine_warmup.run(manager(_Warmer()), engine(), False, threads=4)
     assert result.errors == [] and result.jobs == {"graph": 4, "triton": 4}
     assert peak["graphs"] == 1 and peak["all"] >= 3
-    # each family's jobs' time, summed: 4 sleeps of 50 ms each (the report names the longest)
+    # each family's jobs' time, summed: 4 sleeps of 50 ms each (the report names the most)
     assert set(result.family_seconds) == {"graph", "triton"}
     assert all(0.2 <= s < 2.0 for s in result.family_seconds.values()), result.family_seconds
 

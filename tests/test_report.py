@@ -39,7 +39,7 @@ def test_ok_line_has_every_count() -> None:
     report.vllm_forwards, report.vllm_forward_compiles, report.vllm_forward_s = 11, 0, 0.4049
     assert report.line().endswith("3210 ms); 11 warmup forwards 405 ms, 0 compiles in them")
     report.vllm_family_s = {"fused MoE": 2.5, "slot mapping": 0.01}
-    assert "3210 ms, longest: fused MoE 2500 ms); 11 warmup" in report.line()
+    assert "3210 ms, most job time: fused MoE 2500 ms); 11 warmup" in report.line()
 
 
 def test_ok_line_with_failures_names_the_first_error() -> None:

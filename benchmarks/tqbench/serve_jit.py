@@ -473,12 +473,12 @@ def row_facts(plugin_lines: list[str]) -> dict[str, Any]:
         if m:
             facts.setdefault("vllm_kernels", m[1][:500])
             took = re.search(
-                r"\d+ compiled[^()]*?, (\d+) ms(?:, longest: ([^()]*?) (\d+) ms)?\)", m[1]
+                r"\d+ compiled[^()]*?, (\d+) ms(?:, most job time: ([^()]*?) (\d+) ms)?\)", m[1]
             )
             if took and "vllm_kernels_ms" not in facts:
                 facts["vllm_kernels_ms"] = int(took[1])
                 if took[2]:
-                    facts["vllm_longest"] = f"{took[2]} {took[3]} ms"
+                    facts["vllm_most_time"] = f"{took[2]} {took[3]} ms"
         m = re.search(
             r"torch\.compile artifacts of \S+: (\d+) loaded \((\d+) KiB\) in (\d+) ms", line
         )
