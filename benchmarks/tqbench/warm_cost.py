@@ -27,11 +27,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.tqbench.cli import new_parser
+from benchmarks.tqbench.cli import Option, add_options, new_parser
 from benchmarks.tqbench.matrix import DEFAULT_RESULTS_DIR
 from benchmarks.tqbench.register_cost import sample, write_summary
 
-__all__ = ["add_parser", "cmd_warm_cost", "medians", "table"]
+__all__ = ["OPTIONS", "add_parser", "cmd_warm_cost", "medians", "table"]
 
 _TRITON_PROBE = """
 import json, sys, time
@@ -127,10 +127,15 @@ def cmd_warm_cost(args: argparse.Namespace) -> int:
     return 0 if not errors else 1
 
 
+OPTIONS: tuple[Option, ...] = (
+    ("--samples", 3, "warm runs after the cold one"),
+    ("--out", str(DEFAULT_RESULTS_DIR / "raw" / "warm-cost.json"), "the JSON summary"),
+)
+
+
 def add_parser(subparsers: Any) -> None:
     """The ``warm-cost`` subcommand."""
-    summary_line = "where a warm worker's vLLM-kernel warmup time goes, by family (CPU is enough)"
-    p = new_parser(subparsers, "warm-cost", summary_line, __doc__)
-    p.add_argument("--samples", type=int, default=3, help="warm runs after the cold one")
-    p.add_argument("--out", default=str(DEFAULT_RESULTS_DIR / "raw" / "warm-cost.json"))
+    summary = "where a warm worker's vLLM-kernel warmup time goes, by family (CPU is enough)"
+    p = new_parser(subparsers, "warm-cost", summary, __doc__)
+    add_options(p, OPTIONS)
     p.set_defaults(func=cmd_warm_cost)
