@@ -61,19 +61,20 @@ print(json.dumps({"ms": ms, "errors": errors, "jobs": len(todo)}))
 
 _GRAPH_PROBE = """
 import json, time
+from types import SimpleNamespace
 import torch
-from tq_warmup_plugin.warmers.vllm_async_spec import SHAPES
+from tq_warmup_plugin.warmers.vllm_async_spec import SHAPES, warm_shape
 from vllm.v1.spec_decode.utils import update_num_computed_tokens_for_batch_change as fix
+def buffer(dtype):  # the V1 runner's CpuGpuBuffer, its .gpu here on the CPU
+    return SimpleNamespace(gpu=torch.zeros(256, dtype=dtype))
+# the runner's buffers, as vLLM 0.26 makes them (gpu_model_runner.py: int64 positions)
+runner = SimpleNamespace(num_computed_tokens=torch.zeros(256, dtype=torch.int32),
+    num_accepted_tokens=buffer(torch.int32), prev_positions=buffer(torch.int64),
+    prev_num_draft_tokens=buffer(torch.int32))
 ms = {}
-for i, (n, m) in enumerate(SHAPES):
+for i, (n, m) in enumerate(SHAPES):  # the warmer's own calls, one after another
     start = time.perf_counter()
-    with torch.inference_mode(False):
-        computed, drafts = torch.zeros(256, dtype=torch.int32), torch.zeros(256, dtype=torch.int32)
-        accepted = torch.zeros(n, dtype=torch.int32)
-        positions = torch.full((n,), -1, dtype=torch.int32)
-    with torch.inference_mode():
-        fix(computed, accepted, positions, torch.ones(m, dtype=torch.int32),
-            drafts, torch.zeros(n, dtype=torch.int32))
+    warm_shape(runner, fix, n, m)
     name = "torch.compile's first graph (setup)" if i == 0 else "async correction graphs"
     ms[name] = ms.get(name, 0.0) + (time.perf_counter() - start) * 1e3
 print(json.dumps({"ms": ms, "errors": [], "jobs": len(SHAPES)}))
