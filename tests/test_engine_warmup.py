@@ -248,6 +248,7 @@ def test_launches_inside_become_compiles_and_the_patch_is_undone() -> None:
         add_one[(1,)](x, 64, BLOCK=64)  # would fail to launch on a compile-only driver
         raise RuntimeError("boom")
     assert met == ["add_one"]
+    assert met.lookup_s > 0.0  # the compile was the launch's lookup, timed
     assert JITFunction.run is original
     assert add_one.device_caches  # compiled for sm90, nothing launched
     assert torch.equal(x, torch.zeros(64))

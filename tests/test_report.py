@@ -40,6 +40,11 @@ def test_ok_line_has_every_count() -> None:
     assert report.line().endswith("3210 ms); 11 warmup forwards 405 ms, 0 compiles in them")
     report.vllm_family_s = {"fused MoE": 2.5, "slot mapping": 0.01}
     assert "3210 ms, most job time: fused MoE 2500 ms); 11 warmup" in report.line()
+    report.vllm_lookup_s, report.vllm_load_s = 0.1204, 0.3
+    assert (
+        "most job time: fused MoE 2500 ms, in Triton: lookups 120 ms, loads 300 ms); 11 warmup"
+        in report.line()
+    )
 
 
 def test_ok_line_with_failures_names_the_first_error() -> None:

@@ -109,6 +109,27 @@ def test_the_plugins_cost_counts_the_warmup_forwards_once() -> None:
     most = line.replace("3318 ms)", "3318 ms, most job time: fused MoE 2210 ms)")
     facts = serve_jit.row_facts([most])
     assert (facts["vllm_kernels_ms"], facts["vllm_most_time"]) == (3318, "fused MoE 2210 ms")
+    split = most.replace("2210 ms)", "2210 ms, in Triton: lookups 120 ms, loads 300 ms)")
+    facts = serve_jit.row_facts([split])
+    assert (facts["vllm_kernels_ms"], facts["vllm_most_time"]) == (3318, "fused MoE 2210 ms")
+    assert (facts["triton_lookup_ms"], facts["triton_load_ms"]) == (120, 300)
+
+
+def test_the_job_times_come_from_the_plugins_report(tmp_path: Path) -> None:
+    """The in-process row reads every family's job time from ``TQ_WARMUP_REPORT``; a
+    report that is missing or not the plugin's costs only those figures."""
+    from tq_warmup_plugin.report import Report
+
+    report = Report(vllm_family_s={"EAGLE helpers": 0.7194}, vllm_lookup_s=0.12, vllm_load_s=0.3)
+    path = tmp_path / "report.json"
+    path.write_text(report.to_json())
+    assert serve_jit.job_times(path) == {
+        "family_job_ms": {"EAGLE helpers": 719},
+        "triton_job_ms": {"lookups": 120, "loads": 300},
+    }
+    path.write_text("[1, 2]")
+    assert serve_jit.job_times(path) == {}
+    assert serve_jit.job_times(tmp_path / "missing.json") == {}
 
 
 def test_the_moe_row_is_a_mixtral_of_the_llamas_attention() -> None:

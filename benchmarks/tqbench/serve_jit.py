@@ -73,6 +73,7 @@ __all__ = [
     "add_parser",
     "build_layer",
     "in_process_row",
+    "job_times",
     "mix",
     "mixtral_config",
     "pin_of",
@@ -308,7 +309,9 @@ def in_process_row(args: argparse.Namespace, p: Prepared, log: Path,
     given.write_text(json.dumps({"flags": ["--model", str(p.model_dir), *flags, *p.extra],
                                  "result": str(written), "seed": args.seed,
                                  "vocab": vocab}))  # fmt: skip
-    env = {**p.env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    report = log.with_suffix(".report.json")  # the plugin's report: every family's job time
+    report.unlink(missing_ok=True)
+    env = {**p.env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TQ_WARMUP_REPORT": str(report)}
     argv = [sys.executable, "-m", "benchmarks.tqbench.inproc_mix", str(given)]
     result["engine"] = "in-process"
     with log.open("wb") as sink:
@@ -324,7 +327,21 @@ def in_process_row(args: argparse.Namespace, p: Prepared, log: Path,
         result.update(status=f"died (exit {rc})")
     result["jit_after_startup"] = result.get("compiled_after_startup")
     result["plugin_lines"] = plugin_lines(log.read_text(errors="replace"))
+    result.update(job_times(report))
     return result
+
+
+def job_times(report: Path) -> dict[str, Any]:
+    """From the plugin's JSON report (``TQ_WARMUP_REPORT``): its engine warmers' job
+    seconds per family and Triton's part of them, in ms; nothing where it is missing."""
+    try:
+        data = json.loads(report.read_text())
+        families = {k: round(float(v) * 1000) for k, v in data["vllm_family_s"].items()}
+        triton = {"lookups": round(float(data["vllm_lookup_s"]) * 1000),
+                  "loads": round(float(data["vllm_load_s"]) * 1000)}  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+    return {"family_job_ms": families, "triton_job_ms": triton}
 
 
 def build_layer(args: argparse.Namespace, model_dir: Path, spec: dict[str, Any] | None,
@@ -473,12 +490,16 @@ def row_facts(plugin_lines: list[str]) -> dict[str, Any]:
         if m:
             facts.setdefault("vllm_kernels", m[1][:500])
             took = re.search(
-                r"\d+ compiled[^()]*?, (\d+) ms(?:, most job time: ([^()]*?) (\d+) ms)?\)", m[1]
+                r"\d+ compiled[^()]*?, (\d+) ms(?:, most job time: ([^()]*?) (\d+) ms)?"
+                r"(?:, in Triton: lookups (\d+) ms, loads (\d+) ms)?\)",
+                m[1],
             )
             if took and "vllm_kernels_ms" not in facts:
                 facts["vllm_kernels_ms"] = int(took[1])
                 if took[2]:
                     facts["vllm_most_time"] = f"{took[2]} {took[3]} ms"
+                if took[4]:
+                    facts.update(triton_lookup_ms=int(took[4]), triton_load_ms=int(took[5]))
         m = re.search(
             r"torch\.compile artifacts of \S+: (\d+) loaded \((\d+) KiB\) in (\d+) ms", line
         )

@@ -52,6 +52,9 @@ class EngineResult:
     """Each family's jobs' seconds, summed (jobs of a family may overlap on threads): where
     a warm start's time goes. From a shipped layer and entry, a Qwen3-Next worker with MTP
     spent 998 ms in 53 launches and compiled none (H100, 0.26.0, run AZ)."""
+    triton_seconds: tuple[float, float] = (0.0, 0.0)
+    """Of the jobs' time, what Triton took (``compat.Launches``): its launches' lookups
+    (a compile or a disk load among them) and ``_init_handles`` (launcher, module load)."""
 
 
 def run_job(job: Job) -> str | None:
@@ -133,6 +136,7 @@ def run(pm: pluggy.PluginManager, engine: Engine, load: bool, threads: int = 1) 
         else:
             result.errors.append(error)
     result.kernels = len(met)
+    result.triton_seconds = (met.lookup_s, met.load_s)
     result.seconds = time.perf_counter() - start
     return result
 

@@ -59,6 +59,10 @@ class Report:
     vllm_family_s: dict[str, float] = field(default_factory=dict)
     """Those jobs' summed seconds per family (``EngineResult.family_seconds``); the line
     names the family with the most: job time, which threads can make more than the wall's."""
+    vllm_lookup_s: float = 0.0
+    """Of that job time, Triton's launches: bind, key, cache (``compat.Launches``)."""
+    vllm_load_s: float = 0.0
+    """And Triton's ``_init_handles``: the C launcher and the module's load on the GPU."""
     vllm_forwards: int = 0
     """Of those jobs, the model forwards (``engine_warmup.EngineResult.forwards``)."""
     vllm_forward_compiles: int = 0
@@ -98,7 +102,8 @@ class Report:
             text += (
                 f"; vLLM kernels: {jobs} ({self.vllm_launches} launches, "
                 f"{self.vllm_compiles} compiled{_names(self.vllm_compiled)}, "
-                f"{self.vllm_s * 1000:.0f} ms{_most_time(self.vllm_family_s)})"
+                f"{self.vllm_s * 1000:.0f} ms{_most_time(self.vllm_family_s)}"
+                f"{_in_triton(self.vllm_lookup_s, self.vllm_load_s)})"
             )
             if self.vllm_forwards:
                 text += (
@@ -122,6 +127,14 @@ def _most_time(seconds: dict[str, float]) -> str:
         return ""
     family, took = max(seconds.items(), key=lambda item: (item[1], item[0]))
     return f", most job time: {family} {took * 1000:.0f} ms"
+
+
+def _in_triton(lookup_s: float, load_s: float) -> str:
+    """``, in Triton: lookups 120 ms, loads 300 ms`` (job time, summed over threads), or
+    nothing where no launch was met: the rest of the job time is vLLM's own code."""
+    if not lookup_s and not load_s:
+        return ""
+    return f", in Triton: lookups {lookup_s * 1000:.0f} ms, loads {load_s * 1000:.0f} ms"
 
 
 def _names(counts: dict[str, int]) -> str:
