@@ -438,24 +438,27 @@ def test_the_compile_ahead_child_is_reaped_after_the_warmers(
     assert report.line().endswith("; compile-ahead child: 1 jobs in 1.0 s")
 
 
-def test_graph_jobs_run_one_at_a_time_beside_the_others() -> None:
+def test_graph_jobs_run_one_at_a_time_after_the_others() -> None:
     """``torch.compile`` keeps process-global tracing state: on the H100 (vLLM 0.26.0) 3 of
     4 async-correction graphs compiled on threads at once failed ("Detected that you are
-    using FX to symbolically trace a dynamo-optimized function"). Graph jobs never overlap
-    each other; Triton jobs still overlap them and each other."""
+    using FX to symbolically trace a dynamo-optimized function"). Beside the Triton jobs,
+    Dynamo's trace held the GIL their lookups waited for (serve-jit run BD). Graph jobs
+    overlap nothing; Triton jobs still overlap each other."""
     pytest.importorskip("triton")
     import threading
     import time
 
     lock = threading.Lock()
     running = {"graphs": 0, "all": 0}
-    peak = {"graphs": 0, "all": 0}
+    peak = {"graphs": 0, "all": 0, "beside a graph": 0}
 
     def job(graph: bool) -> None:
         with lock:
             for name in ("graphs", "all") if graph else ("all",):
                 running[name] += 1
                 peak[name] = max(peak[name], running[name])
+            if running["graphs"]:
+                peak["beside a graph"] = max(peak["beside a graph"], running["all"])
         time.sleep(0.05)
         with lock:
             for name in ("graphs", "all") if graph else ("all",):
@@ -470,7 +473,8 @@ def test_graph_jobs_run_one_at_a_time_beside_the_others() -> None:
 
     result = engine_warmup.run(manager(_Warmer()), engine(), False, threads=4)
     assert result.errors == [] and result.jobs == {"graph": 4, "triton": 4}
-    assert peak["graphs"] == 1 and peak["all"] >= 3
+    assert peak["graphs"] == 1 and peak["all"] >= 3  # the Triton jobs side by side
+    assert peak["beside a graph"] == 1  # a graph job alone
     # each family's jobs' time, summed: 4 sleeps of 50 ms each (the report names the most)
     assert set(result.family_seconds) == {"graph", "triton"}
     assert all(0.2 <= s < 2.0 for s in result.family_seconds.values()), result.family_seconds
