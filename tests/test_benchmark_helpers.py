@@ -544,6 +544,11 @@ def test_warm_cost_takes_each_familys_median_and_keeps_setup_apart() -> None:
     lines = table({"a (setup)": 500.0, "b": 2000.0, "c": 40.0}, warm).splitlines()
     assert lines[2].split()[-2:] == ["2000", "20"]
     assert lines[-1].split()[-2:] == ["2040", "20"]  # the setup rows out of the totals
+    # the order before cf87a9b: b's jobs beside the graphs, warm only, out of the totals
+    lines = table({"b": 2000.0}, {"b": 20.0, "b (beside the graphs)": 50.0}).splitlines()
+    assert lines[2].split()[-2:] == ["-", "50"]
+    assert lines[-2].split()[-2:] == ["2000", "20"]
+    assert lines[-1] == "Triton jobs beside the graphs: 50 ms warm, alone 20 ms (2.5x)"
 
 
 @pytest.mark.parametrize("version", ["0.22.0", "0.26.0", "0.33.0"])

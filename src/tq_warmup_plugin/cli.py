@@ -91,17 +91,16 @@ def _boundary(planned: Planned) -> dict[str, tuple[int, int, int]]:
 
 def _engine(args: argparse.Namespace, planned: Planned) -> tuple[Engine | None, str]:
     """The engine the plan's worker would read (``engine_plan``), or None and why not."""
-    from .engine_plan import cpu_engine, request_for
+    from .engine_plan import cpu_engine, planned_request
 
     if not planned.vocab_size:
         return None, "need --model or --vocab-size for their keys"
     spec = args.speculative_config
-    method = None if spec is None else str(spec["method"])
-    v2 = compat.runs_v2(planned.geometry.features, method, planned.moe, args.runner)
-    request = request_for(planned.geometry, planned.vocab_size, spec, args.max_logprobs, v2,
-                          planned.experts, args.gpu_name, planned.zeroing)  # fmt: skip
-    return cpu_engine(request), f"{'V2' if v2 else 'V1'} runner" + (
-        f", {method} k={spec['num_speculative_tokens']}" if spec else ", no speculative decoding"
+    request = planned_request(planned, spec, args.max_logprobs, args.gpu_name, args.runner)
+    return cpu_engine(request), f"{'V2' if request.runner_v2 else 'V1'} runner" + (
+        f", {spec['method']} k={spec['num_speculative_tokens']}"
+        if spec
+        else ", no speculative decoding"
     )
 
 

@@ -38,6 +38,7 @@ __all__ = [
     "cpu_engine",
     "jobs",
     "offline_drafter",
+    "planned_request",
     "request_for",
     "runs_v2",
 ]
@@ -122,6 +123,22 @@ def _experts_of(items: Any) -> tuple[compat.MoeExperts, ...]:
         )  # fmt: skip
     except (TypeError, KeyError, ValueError) as exc:
         raise ValueError(f"engine request moe_experts: {exc!r}") from None
+
+
+def planned_request(
+    planned: Any,
+    spec: Mapping[str, object] | None,
+    max_logprobs: int,
+    gpu_name: str = "",
+    runner: str | None = None,
+) -> EngineRequest:
+    """The engine arguments of a plan's worker (``planning.Planned``): its geometry,
+    vocabulary, experts and zeroing, and the runner vLLM picks for them
+    (``compat.runs_v2``; ``runner`` is ``--runner``, None for vLLM's default)."""
+    method = None if spec is None else str(spec["method"])
+    v2 = compat.runs_v2(planned.geometry.features, method, planned.moe, runner)
+    return request_for(planned.geometry, planned.vocab_size, spec, max_logprobs, v2,
+                       planned.experts, gpu_name, planned.zeroing)  # fmt: skip
 
 
 def request_for(
