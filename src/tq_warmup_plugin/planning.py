@@ -12,7 +12,7 @@ import dataclasses
 import importlib
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from . import compat
@@ -20,6 +20,7 @@ from .compat import Features
 from .geometry import DTYPE_BYTES, Geometry, preset
 
 __all__ = [
+    "STATELESS_LAYER_TYPES",
     "ModelShape",
     "PlanError",
     "PlanRequest",
@@ -38,6 +39,7 @@ __all__ = [
     "plan_geometry",
     "plan_shape",
     "shape_of",
+    "state_layer_count",
     "verify_len",
     "worker_plan",
 ]
@@ -196,8 +198,9 @@ class ModelShape(NamedTuple):
     """Why a MoE model's experts are not derived offline (their keys then warm in a
     worker, by model forwards)."""
     state_layers: int = 0
-    """A hybrid's layers without full attention (gated delta nets, Mamba): each keeps a
-    Mamba state, and with the attention layers they make vLLM's KV cache groups."""
+    """A hybrid's layers that keep a Mamba state (gated delta nets, Mamba; not an MLP-only
+    layer: ``state_layer_count``): with the attention layers they make vLLM's KV cache
+    groups."""
     mtp_layers: int = 0
     """The model's own MTP layers (``num_nextn_predict_layers``, Qwen3.5's
     ``mtp_num_hidden_layers``: what vLLM's MTP models read), which ``mtp`` drafts with."""
@@ -281,6 +284,35 @@ def _inspect_failure(line: str) -> str:
                 f"{_exception_line(exc)}), so it cannot tell which layers are attention"
             )
     return line
+
+
+STATELESS_LAYER_TYPES = frozenset({"full_attention", "attention", "mlp", "moe"})
+"""Layer types of vLLM's hybrid configs that keep no Mamba state: full attention, and
+Nemotron-H's MLP-only and MoE-only layers (``hybrid_override_pattern`` ``-`` and ``E``, read
+as ``layers_block_type``), which have no KV cache spec and so no place in vLLM's KV cache
+groups. Zamba2's ``hybrid`` layers hold a Mamba state beside their shared attention."""
+
+
+def _layer_types(model_config: Any) -> list[str] | None:
+    """The per-layer types vLLM's TurboQuant config reads a hybrid's attention from, in its
+    order (``_get_full_attention_layer_indices``, 0.21-0.33): ``layer_types``,
+    ``layers_block_type``, or ``attn_type_list`` (1 full attention, else linear); None
+    without any."""
+    text, hf = model_config.hf_text_config, model_config.hf_config
+    for listed in (getattr(text, "layer_types", None), getattr(text, "layers_block_type", None)):
+        if listed is not None:
+            return [str(t) for t in listed]
+    kinds = getattr(hf, "attn_type_list", None)
+    return None if kinds is None else ["attention" if k == 1 else "linear" for k in kinds]
+
+
+def state_layer_count(types: Sequence[str] | None, num_layers: int, attention: int) -> int:
+    """A hybrid's layers that keep a Mamba state (``ModelShape.state_layers``): of its
+    listed layer types, those not in ``STATELESS_LAYER_TYPES``; without a list, every
+    layer but the attention ones. A Nemotron-H counts its Mamba layers, not its MLPs."""
+    if types is None:
+        return num_layers - attention
+    return sum(1 for kind in types if kind not in STATELESS_LAYER_TYPES)
 
 
 def _full_attention_layers(model_config: Any) -> list[int]:
@@ -392,7 +424,11 @@ def shape_of(model_config: Any, parallel: Any) -> ModelShape:
             moe=bool(getattr(model_config, "is_moe", False)),
             experts=experts,
             experts_why=experts_why,
-            state_layers=num_layers - len(layers) if hybrid else 0,
+            state_layers=(
+                state_layer_count(_layer_types(model_config), num_layers, len(layers))
+                if hybrid
+                else 0
+            ),
             mtp_layers=int(
                 getattr(text, "num_nextn_predict_layers", 0)
                 or getattr(text, "mtp_num_hidden_layers", 0)
