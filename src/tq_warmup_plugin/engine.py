@@ -101,7 +101,7 @@ class Job:
     graphs: bool = False
     """``run`` calls a ``torch.compile``d function (the V1 sampler's rank count, the async
     spec-decode correction). Such jobs run one at a time, after the others (Dynamo's
-    trace beside them slowed their Triton lookups, ``engine_warmup.run``): Dynamo and AOT
+    traces beside them slowed their Triton lookups, ``engine_warmup.run``): Dynamo and AOT
     autograd keep
     process-global state (``torch.fx``'s tracing flag), and 3 of 4 correction graphs
     compiled on threads beside each other and the rank count failed with "Detected that

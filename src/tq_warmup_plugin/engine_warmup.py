@@ -126,10 +126,11 @@ def run(pm: pluggy.PluginManager, engine: Engine, load: bool, threads: int = 1) 
     with CompileCounter() as counter, compat.compile_only_launches(load) as met:
         with pool_of as pool:
             outcomes += pool.map(_timed, others)
-        # After the Triton jobs, not beside them: Dynamo's trace holds the GIL, and each
-        # file a Triton lookup reads gives the GIL up and waits for it again. Beside the
-        # graphs, a hybrid's 53 lookups from a layer took 3.0 s of job time (15 EAGLE-
-        # helper jobs 2.5 s) in a 1.51 s wall (H100, 0.26.0, serve-jit run BD).
+        # After the Triton jobs, not beside them: Dynamo's traces and Triton's cache hits
+        # are both Python under one GIL, so beside each other they cannot overlap, and on
+        # the GPU they slowed each other: a hybrid's 53 lookups from a layer took 3.0 s of
+        # job time beside the graphs and 0.48 s after them, its warmers 1.51 s and 1.10 s
+        # (H100, 0.26.0, serve-jit runs BD and BE; ``warm-cost`` shows it on a CPU).
         outcomes += [_timed(job) for job in graphs]
     result.compiled, result.compiled_names = counter.compiled, dict(counter.names)
     for job, (error, seconds) in zip(real + others + graphs, outcomes, strict=True):
