@@ -442,8 +442,8 @@ def test_graph_jobs_run_one_at_a_time_after_the_others() -> None:
     """``torch.compile`` keeps process-global tracing state: on the H100 (vLLM 0.26.0) 3 of
     4 async-correction graphs compiled on threads at once failed ("Detected that you are
     using FX to symbolically trace a dynamo-optimized function"). Beside the Triton jobs,
-    Dynamo's traces, Python under the same GIL, slowed their lookups 6x (serve-jit run BD). Graph jobs
-    overlap nothing; Triton jobs still overlap each other."""
+    Dynamo's traces, Python under the same GIL, slowed their lookups 6x (serve-jit runs
+    BD-BE). Graph jobs overlap nothing; Triton jobs still overlap each other."""
     pytest.importorskip("triton")
     import threading
     import time
