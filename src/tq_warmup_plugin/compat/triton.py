@@ -96,9 +96,9 @@ class Launches(list[str]):
     in Triton, summed over threads: ``lookup_s`` in the launch itself (bind, key, the
     in-memory cache, a compile or a load from disk), ``load_s`` in ``_init_handles``
     (the C launcher and the module's load on the GPU). What is left of a job's time is
-    vLLM's own code around the launch. From a layer and an entry the hybrid's 53
-    launches took 998 ms and compiled none (H100, 0.26.0, serve-jit run AZ): these say
-    where that goes."""
+    vLLM's own code around the launch. From a layer and an entry a hybrid worker's 53
+    launches compiled none and still took 3035 ms of lookups beside the warmers' graph
+    traces, 480 ms after them (H100, 0.26.0, serve-jit runs BD and BE)."""
 
     def __init__(self) -> None:
         super().__init__()
