@@ -333,15 +333,14 @@ def in_process_row(args: argparse.Namespace, p: Prepared, log: Path,
 
 def job_times(report: Path) -> dict[str, Any]:
     """From the plugin's JSON report (``TQ_WARMUP_REPORT``): its engine warmers' job
-    seconds per family and Triton's part of them, in ms; nothing where it is missing."""
+    seconds per family, in ms, which the INFO line names only the largest of; nothing
+    where it is missing. Triton's part of them the line gives (``row_facts``)."""
     try:
         data = json.loads(report.read_text())
         families = {k: round(float(v) * 1000) for k, v in data["vllm_family_s"].items()}
-        triton = {"lookups": round(float(data["vllm_lookup_s"]) * 1000),
-                  "loads": round(float(data["vllm_load_s"]) * 1000)}  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
-    return {"family_job_ms": families, "triton_job_ms": triton}
+    return {"family_job_ms": families}
 
 
 def build_layer(args: argparse.Namespace, model_dir: Path, spec: dict[str, Any] | None,

@@ -95,7 +95,6 @@ _GRAPH_PROBE = (
     _PLAN
     + _GRAPHS
     + """
-start = time.perf_counter()
 graphs(SHAPES[:1])
 ms["torch.compile's first graph (setup)"] = ms.pop("async correction graphs")
 graphs(SHAPES[1:])
