@@ -90,22 +90,23 @@ GATE_COLUMNS = (
     "block_table_rounded",
     "v2_runner_default",
     "draft_slot_in_threshold",
+    "kv_transient_window",
     "v1_runner",
 )
 T, F = True, False
 # fmt: off
 GATES = {
-    (0, 20): (F,F,F,F,F,F,T,F,F,F,F,F,F,T,T,T,F,F,F,F,F,F,F,F,F,F,F,F,F,T),
-    (0, 21): (F,F,T,T,T,T,T,T,F,T,T,F,F,T,T,T,T,T,F,F,F,F,F,T,F,T,F,F,F,T),
-    (0, 23): (F,F,T,T,T,T,T,T,F,T,T,F,F,T,T,T,T,T,F,F,F,F,F,T,F,T,F,F,F,T),
-    (0, 24): (F,F,T,T,T,T,T,T,F,T,T,F,F,T,T,T,T,T,F,F,F,F,F,T,F,T,F,F,F,T),
-    (0, 25): (F,F,T,T,T,T,T,T,T,T,T,F,F,T,T,T,T,T,F,F,F,F,F,T,T,T,F,T,F,T),
-    (0, 26): (T,T,T,T,T,T,T,T,T,T,T,F,F,T,T,T,T,T,F,T,F,F,F,T,T,T,F,T,F,T),
-    (0, 28): (T,T,T,T,T,T,T,T,F,T,T,F,T,T,F,T,T,T,F,F,F,F,F,T,T,T,T,T,F,T),
-    (0, 29): (T,F,T,T,T,T,T,T,F,T,T,F,T,T,F,T,T,T,T,F,F,F,T,T,T,T,T,T,F,T),
-    (0, 30): (T,F,T,T,T,T,T,T,F,T,T,T,T,T,F,T,T,F,T,F,T,T,T,T,T,T,T,T,F,T),
-    (0, 33): (T,F,T,T,T,T,T,T,F,T,T,T,T,T,F,T,T,F,T,F,T,T,T,T,T,T,T,T,F,T),
-    (0, 34): (T,F,T,T,T,T,T,T,F,T,F,T,T,T,F,T,T,F,T,F,T,T,T,T,T,T,T,T,T,F),
+    (0, 20): (F,F,F,F,F,F,T,F,F,F,F,F,F,T,T,T,F,F,F,F,F,F,F,F,F,F,F,F,F,F,T),
+    (0, 21): (F,F,T,T,T,T,T,T,F,T,T,F,F,T,T,T,T,T,F,F,F,F,F,T,F,T,F,F,F,F,T),
+    (0, 23): (F,F,T,T,T,T,T,T,F,T,T,F,F,T,T,T,T,T,F,F,F,F,F,T,F,T,F,F,F,F,T),
+    (0, 24): (F,F,T,T,T,T,T,T,F,T,T,F,F,T,T,T,T,T,F,F,F,F,F,T,F,T,F,F,F,F,T),
+    (0, 25): (F,F,T,T,T,T,T,T,T,T,T,F,F,T,T,T,T,T,F,F,F,F,F,T,T,T,F,T,F,F,T),
+    (0, 26): (T,T,T,T,T,T,T,T,T,T,T,F,F,T,T,T,T,T,F,T,F,F,F,T,T,T,F,T,F,F,T),
+    (0, 28): (T,T,T,T,T,T,T,T,F,T,T,F,T,T,F,T,T,T,F,F,F,F,F,T,T,T,T,T,F,F,T),
+    (0, 29): (T,F,T,T,T,T,T,T,F,T,T,F,T,T,F,T,T,T,T,F,F,F,T,T,T,T,T,T,F,F,T),
+    (0, 30): (T,F,T,T,T,T,T,T,F,T,T,T,T,T,F,T,T,F,T,F,T,T,T,T,T,T,T,T,F,F,T),
+    (0, 33): (T,F,T,T,T,T,T,T,F,T,T,T,T,T,F,T,T,F,T,F,T,T,T,T,T,T,T,T,F,F,T),
+    (0, 34): (T,F,T,T,T,T,T,T,F,T,F,T,T,T,F,T,T,F,T,F,T,T,T,T,T,T,T,T,T,T,F),
 }
 # fmt: on
 

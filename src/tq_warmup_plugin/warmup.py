@@ -72,7 +72,20 @@ def _run(worker: Any, settings: Settings, pm: pluggy.PluginManager | None) -> Re
         feats = compat.release_features(version_text)
     except compat.UnsupportedRelease as exc:
         return Report(status="unsupported", reason=str(exc), vllm_version=version_text)
+    # Everything below is one-off work (compiles, first launches, the engine warmers'
+    # inputs): kept out of the allocator peak an extensible KV cache reserves for serving.
+    with compat.kv_warmup_window(worker, feats):
+        return _warm(worker, settings, pm, feats, version_text, start)
 
+
+def _warm(
+    worker: Any,
+    settings: Settings,
+    pm: pluggy.PluginManager | None,
+    feats: compat.Features,
+    version_text: str,
+    start: float,
+) -> Report:
     found = discover(worker, feats)
     report = Report(vllm_version=version_text, layers=len(found.geometries))
     report.errors.extend(f"layer {name}: {why}" for name, why in found.refused.items())

@@ -28,6 +28,7 @@ __all__ = [
     "jit_registry",
     "kernel_function",
     "kv_view",
+    "kv_warmup_window",
     "local_attention_chunk",
     "metadata_builder",
     "plain_fa2_heads",
@@ -287,6 +288,25 @@ def jit_registry(worker: Any, feats: Features) -> Any | None:
         return None
     registry = getattr(getattr(worker, "model_runner", None), "jit_warmup_registry", None)
     return registry if callable(getattr(registry, "activate", None)) else None
+
+
+def kv_warmup_window(worker: Any, feats: Features) -> contextlib.AbstractContextManager[Any]:
+    """Where the plugin's one-off work runs: outside the extensible KV cache's transient
+    window, as vLLM runs its own autotune (``Features.kv_transient_window``), so that
+    scratch no request allocates again is not kept free for the server's lifetime.
+
+    vLLM's own context manager does it: the peak reached so far is folded into the reserve
+    first, and peak tracking restarts after, so what stays allocated (the workspace) counts
+    as resident memory and what was freed counts nowhere. A null context on 0.20-0.33, on a
+    cache that is not extensible (``kv_cache_memory_bytes`` or ``num_gpu_blocks_override``
+    set, not CUDA), and where the helper is missing."""
+    if not feats.kv_transient_window:
+        return contextlib.nullcontext()
+    runner = getattr(worker, "model_runner", None)
+    if getattr(runner, "extensible_kv_cache", None) is None:
+        return contextlib.nullcontext()
+    window = getattr(importlib.import_module(paths.WARMUP_MODULE), paths.KV_WARMUP_WINDOW, None)
+    return window(worker) if callable(window) else contextlib.nullcontext()
 
 
 def worker_uses_v2(worker: Any, feats: Features) -> bool:

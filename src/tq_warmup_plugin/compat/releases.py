@@ -190,6 +190,11 @@ class Features(NamedTuple):
     draft model's correction token (``max_num_new_slots_for_drafting``, ``backend.py``
     0.34:579-583; ``standalone_ar/config.py`` 0.34:24): ``2 + k`` for draft_model, where
     0.33 gives ``1 + k`` (0.33:583)."""
+    kv_transient_window: bool
+    """0.34+: on an extensible KV cache (CUDA's default) the worker keeps free the allocator
+    peak its warmup reaches, and ``kernel_warmup`` runs one-off tuning outside that window
+    (``_outside_kv_cache_transient_window``, ``kernel_warmup.py`` 0.34:66-87); 0.20-0.33
+    size the cache from profiling alone."""
     v1_runner: bool
     """0.20-0.33: the V1 model runner exists (``v1/worker/gpu_model_runner.py``, with its
     ``block_table``, ``v1/sample`` samplers and ``v1/spec_decode`` drafters); 0.34 removed
@@ -229,6 +234,7 @@ def features(version: Version) -> Features:
         block_table_rounded=version >= (0, 27),
         v2_runner_default=version >= (0, 25),
         draft_slot_in_threshold=version >= (0, 34),
+        kv_transient_window=version >= (0, 34),
         v1_runner=version <= (0, 33),
     )
 

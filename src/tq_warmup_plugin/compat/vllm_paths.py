@@ -32,6 +32,7 @@ __all__ = [
     "IMPL_CLASS",
     "JIT_WARMUP_MODULE",
     "KERNEL_MODULES",
+    "KV_WARMUP_WINDOW",
     "LAUNCHER_DEFAULT_KV_SPLITS",
     "LOGITS_PROCESSOR_MODULE",
     "MODEL_CONFIGS_MODULE",
@@ -68,6 +69,7 @@ STORE_MODULE = "vllm.v1.attention.ops.triton_turboquant_store"
 BACKEND_MODULE = "vllm.v1.attention.backends.turboquant_attn"
 WARMUP_MODULE = "vllm.model_executor.warmup.kernel_warmup"
 JIT_WARMUP_MODULE = "vllm.model_executor.warmup.jit_warmup"  # 0.27+: JitWarmupRegistry
+KV_WARMUP_WINDOW = "_outside_kv_cache_transient_window"  # 0.34+, in WARMUP_MODULE
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 ELASTIC_MODULE = "vllm.distributed.elastic_ep.elastic_execute"
 WORKSPACE_MODULE = "vllm.v1.worker.workspace"
