@@ -44,6 +44,7 @@ COMMAND_MODULES = (
     "tokens",
     "serve_prefix",
     "serve_jit",
+    "kv_reserve",
 )
 
 

@@ -247,7 +247,7 @@ def server_options(raw: str, max_model_len: int, kv_gib: float, port: int) -> tu
         ("--weight-scale", 100.0, "dummy weights times this, in vLLM's loader (dummy_scale)"),
         ("--seed", 0, "seed of the prompts"),
         ("--max-model-len", max_model_len, "--max-model-len"),
-        ("--kv-cache-gib", kv_gib, "--kv-cache-memory-bytes, in GiB"),
+        ("--kv-cache-gib", kv_gib, "--kv-cache-memory-bytes, in GiB (0: vLLM sizes it)"),
         ("--port", port, "the first server's port (the next one +1)"),
         ("--startup-timeout", 400.0, "seconds for /health"),
         ("--request-timeout", 120.0, "seconds per HTTP request"),
@@ -268,11 +268,13 @@ def serve_env(args: argparse.Namespace, triton_dir: Path, stub: Path) -> dict[st
 def engine_flags(args: argparse.Namespace, kv: str, jit: str) -> list[str]:
     """The engine's flags, less the model, of a dummy-weight model with token ids in and
     out: what ``vllm serve`` and vLLM's own ``EngineArgs`` parser both take
-    (``serve-jit --in-process`` gives them to the latter)."""
+    (``serve-jit --in-process`` gives them to the latter). ``--kv-cache-gib 0`` leaves the
+    KV cache's size to vLLM: on 0.34 that is its default, the extensible cache."""
+    kv_bytes = int(args.kv_cache_gib * 2**30)
+    sized = ["--kv-cache-memory-bytes", str(kv_bytes)] if kv_bytes > 0 else []
     return ["--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "bfloat16",
             "--kv-cache-dtype", kv, "--max-model-len", str(args.max_model_len),
-            "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30)), "--seed", "0",
-            "--jit-monitor-mode", jit]  # fmt: skip
+            *sized, "--seed", "0", "--jit-monitor-mode", jit]  # fmt: skip
 
 
 def serve_argv(

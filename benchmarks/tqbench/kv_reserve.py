@@ -1,0 +1,206 @@
+"""The ``kv-reserve`` command: the KV cache vLLM sizes with the plugin's warmup and without.
+
+From 0.34 vLLM sizes an extensible KV cache (on by default on CUDA) from the memory left
+after its warmup, keeping free the allocator peak that warmup reached. Scratch the
+plugin allocates once (first launches, the engine warmers' inputs) would be kept free
+for the server's lifetime unless it runs outside that window. Each engine here starts
+with vLLM's defaults (no ``kv_cache_memory_bytes``: that turns the extensible cache off),
+one at a time, in its own child process, in three modes:
+
+* ``off``: ``TQ_WARMUP=0``, the baseline;
+* ``unwrapped``: the plugin, its warmup inside vLLM's transient window (as before the
+  plugin kept it out);
+* ``on``: the plugin as shipped.
+
+The KV block count is vLLM's own log line ("N KV cache blocks ... fit", 0.34), read
+from each child's log; a release without that line reports vLLM's "GPU KV cache size".
+
+    python -m benchmarks.tqbench kv-reserve --max-model-len 4096 65536 \\
+        --out benchmarks/results/kv-reserve
+
+Prints a table and writes ``summary.json`` under ``--out``; the children's logs go to
+``--work-dir`` (git-ignored by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.tqbench.children import Children, child_pythonpath
+from benchmarks.tqbench.cli import add_options, new_parser
+from benchmarks.tqbench.engine import REPO_ROOT, gpu_name, installed_vllm_version
+
+__all__ = ["MODES", "add_parser", "child", "parse_log", "ratios", "table"]
+
+MODES = ("off", "unwrapped", "on")
+_BLOCKS = re.compile(
+    r"([\d.]+) GiB kept for transient activations \(([\d.]+) GiB allocated at peak.*?"
+    r"(\d+) KV cache blocks \(([\d.]+) GiB\) fit"
+)
+_TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+_PLUGIN = re.compile(r"tq-warmup: .*")
+
+# A Llama-3-8B-shaped attention (32 query heads, 8 KV heads, head size 128) on 16 layers:
+# TurboQuant compresses 12 of them (the first and last two stay full precision).
+MODEL = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "head_dim": 128,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "num_hidden_layers": 16,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "bfloat16",
+}
+
+
+def parse_log(text: str) -> dict[str, Any]:
+    """vLLM's sizing line and the plugin's line, from one engine's log."""
+    out: dict[str, Any] = {}
+    sized = _BLOCKS.findall(text)
+    if sized:
+        kept, peak, blocks, gib = sized[-1]
+        out.update(
+            kv_blocks=int(blocks), kv_gib=float(gib), kept_gib=float(kept), peak_gib=float(peak)
+        )
+    tokens = _TOKENS.findall(text)
+    if tokens:
+        out["kv_tokens"] = int(tokens[-1].replace(",", ""))
+    plugin = _PLUGIN.findall(text)
+    if plugin:
+        out["plugin_line"] = plugin[-1][:400]
+    return out
+
+
+def ratios(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per ``max_model_len``: each plugin mode's KV blocks over the ``off`` engine's."""
+    result: dict[str, dict[str, float]] = {}
+    for row in rows:
+        base = next(
+            (
+                r.get("kv_blocks")
+                for r in rows
+                if r["mode"] == "off" and r["max_model_len"] == row["max_model_len"]
+            ),
+            None,
+        )
+        if row["mode"] != "off" and base and row.get("kv_blocks"):
+            result.setdefault(str(row["max_model_len"]), {})[row["mode"]] = row["kv_blocks"] / base
+    return result
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    """The rows as a text table."""
+    head = f"{'max_model_len':>13} {'mode':<10}{'KV blocks':>10}{'kept GiB':>10}{'peak GiB':>10}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['max_model_len']:>13} {r['mode']:<10}{r.get('kv_blocks', '-')!s:>10}"
+            f"{r.get('kept_gib', '-')!s:>10}{r.get('peak_gib', '-')!s:>10}"
+        )
+    return "\n".join(lines)
+
+
+def child(args: argparse.Namespace) -> int:
+    """One engine: start with vLLM's defaults, serve one long prompt, exit."""
+    if args.child == "unwrapped":
+        import contextlib
+
+        from tq_warmup_plugin import compat
+
+        compat.kv_warmup_window = lambda worker, feats: contextlib.nullcontext()
+    from vllm import LLM, SamplingParams
+
+    length = args.max_model_len[0]
+    llm = LLM(
+        model=args.model_dir,
+        skip_tokenizer_init=True,
+        load_format="dummy",
+        dtype="bfloat16",
+        kv_cache_dtype=args.preset,
+        max_model_len=length,
+        seed=0,
+    )
+    ids = [(7 * i) % 1000 + 3 for i in range(min(3000, length // 2))]
+    prompt = {"prompt_token_ids": ids}
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
+    print(json.dumps({"served_tokens": len(out[0].outputs[0].token_ids)}), flush=True)
+    return 0
+
+
+def cmd_kv_reserve(args: argparse.Namespace) -> int:
+    """Run every (max_model_len, mode) engine one at a time; table and summary."""
+    if args.child:
+        return child(args)
+    work = Path(args.work_dir)
+    model = work / "model"
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps(MODEL, indent=1))
+    children = Children()
+    children.stop_on_sigterm()
+    rows: list[dict[str, Any]] = []
+    for length in args.max_model_len:
+        for mode in args.modes.split(","):
+            env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+            env["PYTHONPATH"] = child_pythonpath([str(REPO_ROOT / "src")], env)
+            env["TQ_WARMUP"] = "0" if mode == "off" else "1"
+            log = work / f"{length}-{mode}.log"
+            argv = [sys.executable, "-m", "benchmarks.tqbench", "kv-reserve", "--child", mode]
+            argv += ["--model-dir", str(model), "--preset", args.preset]
+            argv += ["--max-model-len", str(length)]
+            ended = children.run(argv, log, env, args.timeout, echo_argv=True)
+            text = log.read_text(errors="replace")
+            row = {"max_model_len": length, "mode": mode, "rc": ended.rc, "wall_s": ended.wall_s}
+            row.update(parse_log(text))
+            row["served"] = '"served_tokens": 8' in text
+            rows.append(row)
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    summary = {
+        "vllm": installed_vllm_version(),
+        "gpu": gpu_name(),
+        "preset": args.preset,
+        "model": "Llama-3-8B attention, 16 layers, dummy weights",
+        "command": "python -m benchmarks.tqbench " + " ".join(sys.argv[1:]),
+        "rows": rows,
+        "kv_blocks_ratio": ratios(rows),
+    }
+    print(table(rows))
+    print(json.dumps(summary["kv_blocks_ratio"], indent=1))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return 0 if all(r["rc"] == 0 and r["served"] for r in rows) else 1
+
+
+def add_parser(sub: Any) -> None:
+    p = new_parser(sub, "kv-reserve", "KV blocks vLLM sizes with and without the plugin", __doc__)
+    add_options(
+        p,
+        [
+            ("--preset", "turboquant_4bit_nc", "the KV cache dtype"),
+            ("--modes", ",".join(MODES), "comma-separated modes to run"),
+            ("--work-dir", "benchmarks/results/raw/kv-reserve", "model and logs"),
+            ("--out", "benchmarks/results/raw/kv-reserve", "where summary.json goes"),
+            ("--timeout", 900.0, "seconds per engine"),
+            ("--child", "", "internal: run one engine in this mode"),
+            ("--model-dir", "", "internal: the child's model"),
+        ],
+    )
+    p.add_argument("--max-model-len", type=int, nargs="+", default=[4096, 65536])
+    p.set_defaults(func=cmd_kv_reserve)
