@@ -82,6 +82,9 @@ def parse_log(text: str) -> dict[str, Any]:
     tokens = _TOKENS.findall(text)
     if tokens:
         out["kv_tokens"] = int(tokens[-1].replace(",", ""))
+    workspace = re.findall(r'"workspace_mib": ([\d.]+)', text)
+    if workspace:
+        out["workspace_mib"] = float(workspace[-1])
     plugin = _PLUGIN.findall(text)
     if plugin:
         out["plugin_line"] = plugin[-1][:400]
@@ -107,12 +110,16 @@ def ratios(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as a text table."""
-    head = f"{'max_model_len':>13} {'mode':<10}{'KV blocks':>10}{'kept GiB':>10}{'peak GiB':>10}"
+    head = (
+        f"{'max_model_len':>13} {'mode':<10}{'KV blocks':>10}{'kept GiB':>10}{'peak GiB':>10}"
+        f"{'workspace MiB':>15}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r['max_model_len']:>13} {r['mode']:<10}{r.get('kv_blocks', '-')!s:>10}"
             f"{r.get('kept_gib', '-')!s:>10}{r.get('peak_gib', '-')!s:>10}"
+            f"{r.get('workspace_mib', '-')!s:>15}"
         )
     return "\n".join(lines)
 
@@ -141,7 +148,23 @@ def child(args: argparse.Namespace) -> int:
     prompt = {"prompt_token_ids": ids}
     out = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
     print(json.dumps({"served_tokens": len(out[0].outputs[0].token_ids)}), flush=True)
+    print(json.dumps({"workspace_mib": _workspace_bytes() / 2**20}), flush=True)
     return 0
+
+
+def _workspace_bytes() -> int:
+    """Bytes the worker's workspace holds over all its slots once serving: what vLLM's own
+    steps grew it to, with the plugin's reservation or without."""
+    from tq_warmup_plugin import compat
+
+    feats = compat.release_features(compat.installed_vllm_version())
+    manager = compat.workspace_manager(feats, locked_too=True)
+    if manager is None:
+        return 0
+    return sum(
+        compat.workspace_slot_bytes(manager, ubatch, lane)
+        for ubatch, lane in compat.workspace_slots(manager)
+    )
 
 
 def cmd_kv_reserve(args: argparse.Namespace) -> int:
