@@ -328,8 +328,8 @@ def driver_cache(args: argparse.Namespace) -> int:
     if not args.model or args.plan_only:
         print(
             "tq-warmup: driver-cache without an engine (no --model, or --plan-only): the "
-            "entry holds the plan's FlashAttention-2 launches only, which on the H200 "
-            "(vLLM 0.26.0) left out one of the four modules a TurboQuant engine loads",
+            "entry holds the plan's FlashAttention-2 launches only, which may leave out "
+            "modules a TurboQuant engine loads (give --model for the engine's too)",
             file=sys.stderr,
         )
     else:
@@ -489,10 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=1200,
         help="seconds the launches may take (and the engine, each)",
     )
-    # The engine is the default: on the H200 (vLLM 0.26.0, 2026-12-01) the plan's four
-    # launches filled 3 of the 4 FA2 modules a TurboQuant engine loads (44.5 of 60.0 MiB),
-    # and an engine given that entry was still JIT-compiling after 120 s; with the engine
-    # the entry held all 4 and a shipped start was 1.9 s (mean of 4) from a warm one.
+    # The engine is the default: the plan's launches alone filled 3 of the 4 FA2 modules a
+    # TurboQuant engine loads, and an engine given that entry was still JIT-compiling after
+    # 120 s (benchmarks/results/driver-cache/README.md).
     how = p_driver.add_mutually_exclusive_group()
     how.add_argument(
         "--engine",

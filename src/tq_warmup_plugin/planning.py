@@ -135,11 +135,10 @@ def block_table_width(
     kernel_block`` kernel blocks, in every runner: V1's ``BlockTable`` and V2's
     ``BlockTables`` split their own rows (``blocks_per_kv_block``, 0.21-0.31 and 0.26-0.31),
     0.32+ the attention group's kernel table (``AttentionGroup.create_metadata_builders``).
-    Until session 24 a V1 plan left 0.21-0.26 unrounded: for 900 tokens of 16 it said 57
-    where vLLM's own table has 64 (``test_contract_worker_plan``); until session 26 a V2
-    plan of a hybrid was not split, nor rounded on 0.27+: 2 blocks of 2160 where vLLM's
-    table has 1080 blocks of 16 (``test_contract_table_width``). The keys read the row as
-    its stride's divisibility by 16 and its rows' 16-byte alignment: on 0.27+ 5 of that
+    Both matter: unrounded, 900 tokens of 16 are 57 blocks where vLLM's own V1 table on
+    0.21-0.26 has 64 (``test_contract_worker_plan``); unsplit, a V2 hybrid's row is 2 blocks of
+    2160 where vLLM's has 1080 blocks of 16 (``test_contract_table_width``). The keys read the
+    row as its stride's divisibility by 16 and its rows' 16-byte alignment: on 0.27+ 5 of that
     test's 10 hybrid and odd-block cases planned another key, on 0.26 none."""
     blocks = -(-max_model_len // block_size)
     if feats.block_table_rounded:
@@ -728,8 +727,8 @@ def worker_plan(
     rank (``shape_of``) and its engine arguments (the manager block as its
     ``CacheConfig`` has it, final where the child starts; the batched verify path's rows
     where ``verify_rows``, the guard's setting), and a hybrid's KV-block zeroing with its
-    real drafter's layers (``kv_zeroing``), which the worker compiled itself before (3
-    keys, run AM). A guess that misses the layers a worker then reads costs that worker the
+    real drafter's layers (``kv_zeroing``), whose 3 keys the worker otherwise compiles
+    itself. A guess that misses the layers a worker then reads costs that worker the
     keys' compiles, never a wrong key: the worker plans its own from what it discovers.
     Raises PlanError or UnsupportedModel with one line."""
     model = vllm_config.model_config
