@@ -180,3 +180,13 @@ def test_stale_ranges_need_a_gate_or_up_to() -> None:
     assert not stale_ranges(f'"""``{gate}``, ``utils.py`` 0.30:120-{PREVIOUS}:616."""\n')
     assert not stale_ranges(f'"""The V1 runner (0.20-{PREVIOUS})."""\n')
     assert not stale_ranges(f'"""``{gate}``.\n\nThe V1 runner (0.20-{PREVIOUS})."""\n')
+
+
+def test_the_readme_s_vllm_venv_is_ignored_by_git_and_docker() -> None:
+    root = SRC.parents[1]
+    recipes = re.findall(r"vllm-env\.sh \S+ \S+ (\S+)", (root / "README.md").read_text())
+    assert recipes, "the README's CPU recipe names no vLLM venv"
+    for name in (".gitignore", ".dockerignore"):
+        rules = (root / name).read_text().splitlines()
+        for venv in recipes:
+            assert f"{venv.rstrip('/')}/" in rules, f"{name} does not ignore {venv}/"
