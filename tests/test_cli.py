@@ -190,7 +190,8 @@ def test_doctor_reports_versions_and_settings(
     monkeypatch.setenv("VLLM_PLUGINS", "other")
     assert cli.main(["doctor"]) == 1  # will not warm: a script can gate on it
     out = capsys.readouterr().out
-    assert "enabled=False" in out and "VLLM_PLUGINS  other" in out
+    assert "enabled=off" in out and "VLLM_PLUGINS  other" in out
+    assert "None" not in out and "False" not in out  # no Python repr for a person
     assert rows_of(out)["GPU"] == ["NVIDIA H200"]
     assert rows_of(out)["will warm"][0].startswith("no: ")
 
@@ -198,11 +199,11 @@ def test_doctor_reports_versions_and_settings(
 @pytest.mark.parametrize(
     ("vllm", "env", "step"),
     [
-        (None, {}, f"install vLLM {compat.SUPPORTED} (found: None): pip install vllm=="),
+        (None, {}, f"install vLLM {compat.SUPPORTED} (none found): pip install vllm=="),
         (
             fakes.BEYOND_RELEASE,
             {},
-            f"install vLLM {compat.SUPPORTED} (found: {fakes.BEYOND_RELEASE}): pip install",
+            f"install vLLM {compat.SUPPORTED} (found {fakes.BEYOND_RELEASE}): pip install",
         ),
         ("0.26.0", {"TQ_WARMUP": "off"}, "unset TQ_WARMUP (it turns the plugin off)"),
         ("0.26.0", {"VLLM_PLUGINS": "other"}, "add tq_warmup to VLLM_PLUGINS, or unset it"),
@@ -255,7 +256,10 @@ def test_doctor_on_a_cpu_host_names_the_cpu_recipe_and_exits_1(
     rows = rows_of(capsys.readouterr().out)
     assert rows["GPU"] == ["none found"] and "no GPU" in rows["will warm"][0]
     recipe = rows["next step"][0]
-    assert "bash .ci/vllm-env.sh 0.33.0 3.8.0 .venv-vllm" in recipe
+    # the README's own recipe, word for word: one recommended release
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    step = f"bash .ci/vllm-env.sh {compat.RECOMMENDED} {compat.RECOMMENDED_TRITON} .venv-vllm"
+    assert step in recipe and step in readme
     assert (Path(__file__).parents[1] / ".ci" / "vllm-env.sh").is_file()
     assert rows["then"] == ["serve on a GPU host: the plugin warms vLLM's GPU workers"]
     assert cli.main(["doctor", "--json"]) == 1

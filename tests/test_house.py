@@ -190,3 +190,13 @@ def test_the_readme_s_vllm_venv_is_ignored_by_git_and_docker() -> None:
         rules = (root / name).read_text().splitlines()
         for venv in recipes:
             assert f"{venv.rstrip('/')}/" in rules, f"{name} does not ignore {venv}/"
+
+
+def test_one_recommended_release() -> None:
+    """``compat.RECOMMENDED`` is the newest release, the one CI runs first with its Triton."""
+    from tq_warmup_plugin import compat
+
+    root = SRC.parents[1]
+    assert compat.parse_version(compat.RECOMMENDED) == NEWEST
+    first = (root / ".ci" / "vllm-releases").read_text().split("\n", 1)[0].split()
+    assert first == [compat.RECOMMENDED, compat.RECOMMENDED_TRITON]
