@@ -505,6 +505,34 @@ def test_precompile_refuses_in_one_line(
     err = capsys.readouterr().err
     assert line in err and err.count("\n") == 1, err
     assert not stubbed_precompile.seen  # refused before compiling anything
+    assert not (tmp_path / "cache").exists()  # and before creating anything
+
+
+def test_a_refused_plan_creates_no_cache_dir(
+    tmp_path: Path,
+    stubbed_precompile: fakes.RecordingWarmer,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The plan comes after --cache-dir is checked; refusing it leaves no directory."""
+
+    def refused(args: object) -> None:
+        raise cli.CliError("--model nowhere: no config.json")
+
+    monkeypatch.setattr(cli, "geometries", refused)
+    cache = tmp_path / "new" / "cache"
+    assert cli.main(["precompile", *H200_FLAGS[:-2], "--cache-dir", str(cache)]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_an_unwritable_cache_dir_is_refused_before_the_plan(
+    tmp_path: Path, stubbed_precompile: fakes.RecordingWarmer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("")
+    cache = tmp_path / "file" / "cache"  # under a file: nothing can create it
+    assert cli.main(["precompile", *H200_FLAGS[:-2], "--cache-dir", str(cache)]) == 2
+    assert "not writable" in capsys.readouterr().err and not stubbed_precompile.seen
 
 
 def test_an_image_wheel_sets_the_manifests_triton_build_and_python_abi(

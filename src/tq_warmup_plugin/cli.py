@@ -191,16 +191,30 @@ def _progress(done: int, total: int) -> None:
 
 
 def _cache_dir(path: str) -> Path:
-    """``--cache-dir``, created if needed, checked writable before anything is compiled."""
+    """``--cache-dir``, checked writable before anything is compiled, and not created: a
+    command that refuses later leaves no directory behind (``_made`` creates it)."""
     cache_dir = Path(path).resolve()
     if cache_dir.exists() and not cache_dir.is_dir():
         raise CliError(f"--cache-dir {path}: exists and is not a directory")
+    existing = cache_dir
+    while not existing.exists():  # the directory that creating it would write into
+        existing = existing.parent
     try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=cache_dir, prefix=".tq-warmup-probe-"):
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{existing} is not a directory")
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".tq-warmup-probe-"):
             pass
     except OSError as exc:
         raise CliError(f"--cache-dir {path}: not writable ({exc.strerror or exc})") from None
+    return cache_dir
+
+
+def _made(cache_dir: Path) -> Path:
+    """``cache_dir`` created, once the command is about to write into it."""
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CliError(f"--cache-dir {cache_dir}: {exc.strerror or exc}") from None
     return cache_dir
 
 
@@ -273,7 +287,7 @@ def precompile(args: argparse.Namespace) -> int:
         if wheel_key is not None:
             stack.enter_context(cache_keys_for(wheel_key))
         try:
-            stage = stack.enter_context(staging(cache_dir, target))
+            stage = stack.enter_context(staging(_made(cache_dir), target))
             os.environ["TRITON_CACHE_DIR"] = str(stage)
             compile_start = time.perf_counter()
             key_dirs = warmup.compile_into(report, pm, the_plan.keys, load().threads, _progress)
