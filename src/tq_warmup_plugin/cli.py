@@ -95,6 +95,14 @@ def _engine(args: argparse.Namespace, planned: Planned) -> tuple[Engine | None, 
 
     if not planned.vocab_size:
         return None, "need --model or --vocab-size for their keys"
+    wanted = planned.geometry.features.version
+    installed = compat.installed_vllm_version()
+    if compat.parse_version(installed) != wanted:  # their keys come from its code
+        return None, (
+            f"their keys come from the installed vLLM's code ({installed or 'none installed'})"
+            f", not {wanted[0]}.{wanted[1]}'s: run inspect where vLLM {wanted[0]}.{wanted[1]} "
+            "is installed"
+        )
     spec = args.speculative_config
     request = planned_request(planned, spec, args.max_logprobs, args.gpu_name, args.runner)
     return cpu_engine(request), f"{'V2' if request.runner_v2 else 'V1'} runner" + (
