@@ -246,8 +246,9 @@ def build_host_launcher(kernel: Any) -> str | None:
         return _give_up("this Triton launches through one generic launcher")
     try:
         nvidia.library_dirs()
-    except (AssertionError, OSError, subprocess.SubprocessError) as exc:
-        return _give_up(f"libcuda.so.1 not found ({(str(exc).splitlines() or [''])[0]})")
+    except (AssertionError, OSError, subprocess.SubprocessError):  # Triton's own words:
+        # "libcuda.so cannot found!" and ldconfig's output, not for a person
+        return _give_up("libcuda.so.1 not found (no NVIDIA driver here; TRITON_LIBCUDA_PATH)")
     try:
         nvidia.CudaLauncher(kernel.src, kernel.metadata)
     except ImportError:
