@@ -462,6 +462,31 @@ def test_one_manifest_per_plan(
     assert "(compile " in out and " s in all with the vLLM import;" in out
 
 
+def test_precompile_counts_kernels_as_verify_does(
+    tmp_path: Path,
+    stubbed_precompile: fakes.RecordingWarmer,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """precompile's keys and jobs are not what verify counts: both name the manifest's
+    kernels and files, the same numbers."""
+    from tq_warmup_plugin import compat
+
+    def two_launchers(root: str) -> set[str]:  # the stub compiles nothing: two key dirs
+        for name in ("A" * 52, "B" * 52):
+            (Path(root) / name).mkdir(exist_ok=True)
+            (Path(root) / name / f"{compat.LAUNCHER_NAME}.so").write_bytes(b"elf")
+        return {"A" * 52, "B" * 52}
+
+    monkeypatch.setattr(compat, "launcher_dirs", two_launchers)
+    counted = re.compile(r"(\d+) kernels, (\d+) files")
+    cli.main(["precompile", *H200_FLAGS[:-2], "--cache-dir", str(tmp_path)])
+    built = counted.findall(capsys.readouterr().out)
+    cli.main(["verify", "--cache-dir", str(tmp_path)])
+    checked = counted.findall(capsys.readouterr().out)
+    assert built == checked == [("2", "2")]
+
+
 @pytest.mark.parametrize(
     ("argv", "line"),
     [

@@ -322,14 +322,15 @@ def precompile(args: argparse.Namespace) -> int:
             why = exc if isinstance(exc, InstallError) else f"{cache_dir}: {exc.strerror or exc}"
             print(f"tq-warmup: {why}", file=sys.stderr)
             return 1
+    listed = manifest.read(manifest_file).files  # counted as verify counts them
     print(
         f"tq-warmup: {len(the_plan.keys)} keys for sm{args.arch} in {cache_dir}: "
         f"{report.compiled} built, {report.loaded} already there, {report.failed} failed; "
         f"vLLM's own kernels: {len(built)} jobs; host launchers: "
-        f"{len(launchers) or compat.no_launchers_why() or 0} "
+        f"{len(launchers) or compat.no_launchers_why() or 0}; manifest "
+        f"{manifest_file.name}: {len(listed)} kernels, {sum(map(len, listed.values()))} files "
         f"(compile {compile_s:.1f} s, {time.perf_counter() - start:.1f} s in all with the "
-        f"vLLM import; vLLM {installed['vllm']}, Triton {installed['triton']}; "
-        f"manifest {manifest_file.name})"
+        f"vLLM import; vLLM {installed['vllm']}, Triton {installed['triton']})"
     )
     print(pins.line([pins.digest(manifest_file.read_bytes())]))  # TQ_WARMUP_CACHE_PIN
     for line in report.errors:
