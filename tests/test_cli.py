@@ -57,6 +57,17 @@ def test_inspect_plans_what_the_h200_startup_discovered(capsys: pytest.CaptureFi
     assert from_report["paths"] == planned["paths"]
 
 
+def test_inspect_says_what_it_waits_for_on_a_terminal_only(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's import takes tens of seconds on a CPU: a terminal sees a line first."""
+    assert cli.main(["inspect", *H200_FLAGS]) == 0
+    assert capsys.readouterr().err == ""  # a pipe or a log: nothing
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert cli.main(["inspect", *H200_FLAGS]) == 0
+    assert capsys.readouterr().err == "tq-warmup: importing vLLM to plan the keys ...\n"
+
+
 def test_inspect_text_counts_keys(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["inspect", *H200_FLAGS]) == 0
     text = capsys.readouterr().out

@@ -72,8 +72,11 @@ def doctor(args: argparse.Namespace) -> int:
 def _plan(
     args: argparse.Namespace, pm: pluggy.PluginManager
 ) -> tuple[warmup.Plan[Hashable], dict[str, Geometry], Planned]:
-    if args.model is not None:  # vLLM's import and ModelConfig: 8-17 s on 2 cores
-        _stage(f"reading {args.model} with vLLM's ModelConfig")
+    # vLLM's import (and a model's ModelConfig) is the slow part: tens of seconds on a CPU
+    if args.model is not None:
+        _stage(f"importing vLLM and reading {args.model} with its ModelConfig")
+    else:
+        _stage("importing vLLM to plan the keys")
     named, planned = geometries(args)
     return warmup.plan_keys(pm, named), named, planned
 
@@ -317,6 +320,7 @@ def precompile(args: argparse.Namespace) -> int:
                 "keys": [warmup.describe(k) for k in the_plan.keys],
                 "vllm_kernels": built,
             }
+            _stage(f"installing {len(key_dirs)} kernels into {cache_dir}")
             manifest_file = install(cache_dir, stage, key_dirs, plan, target)
         except (InstallError, OSError) as exc:  # a full disk: one line, nothing installed
             why = exc if isinstance(exc, InstallError) else f"{cache_dir}: {exc.strerror or exc}"
@@ -343,6 +347,8 @@ def driver_cache(args: argparse.Namespace) -> int:
     JIT cache and install it under ``--cache-dir`` (``driver_build``)."""
     if args.engine and not args.model:
         raise CliError("--engine starts an engine of --model: give --model")
+    if args.model is not None:
+        _stage(f"importing vLLM and reading {args.model} with its ModelConfig")
     named, planned = geometries(args)
     from .driver.build import BuildError, build, engine_spec
 
