@@ -68,6 +68,15 @@ def test_inspect_says_what_it_waits_for_on_a_terminal_only(
     assert capsys.readouterr().err == "tq-warmup: importing vLLM to plan the keys ...\n"
 
 
+def test_a_draft_model_without_a_local_config_is_said(capsys: pytest.CaptureFixture[str]) -> None:
+    """Its own layers are not planned, and the plan says so instead of nothing."""
+    spec = '{"method": "draft_model", "model": "org/drafter", "num_speculative_tokens": 3}'
+    alone = inspect_json(capsys, *H200_FLAGS)
+    planned = inspect_json(capsys, *H200_FLAGS, "--speculative-config", spec)
+    assert "; draft model org/drafter: not planned, no local config.json" in str(planned["source"])
+    assert "draft model" not in str(alone["source"])
+
+
 def test_inspect_text_counts_keys(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["inspect", *H200_FLAGS]) == 0
     text = capsys.readouterr().out
