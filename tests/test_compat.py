@@ -411,6 +411,7 @@ def test_a_hybrid_vllm_cannot_size_is_planned_at_its_block_with_one_line() -> No
     assert planned.geometry.block_size == 16  # no boundary layers: not TurboQuant's 32
     assert "; hybrid: block 16 (vLLM could not size the hybrid block: " in planned.note
     assert planned.note.endswith("--geometry-json is exact") and "\n" not in planned.note
+    assert "Error(" not in planned.note  # the exception's name and words, not its repr
 
 
 @pytest.mark.parametrize(

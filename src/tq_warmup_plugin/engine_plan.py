@@ -122,7 +122,7 @@ def _experts_of(items: Any) -> tuple[compat.MoeExperts, ...]:
             for e in items
         )  # fmt: skip
     except (TypeError, KeyError, ValueError) as exc:
-        raise ValueError(f"engine request moe_experts: {exc!r}") from None
+        raise ValueError(f"engine request moe_experts: {type(exc).__name__}: {exc}") from None
 
 
 def planned_request(

@@ -460,7 +460,8 @@ def hybrid_block_size(
         hybrid.verify_and_update_config(config)
         platform._align_hybrid_block_size(config, backend)
     except Exception as exc:  # vLLM raises anything from a model class or a config
-        raise CompatError(f"vLLM could not size the hybrid block: {exc!r}"[:300]) from None
+        why = f"{type(exc).__name__}: {exc}"
+        raise CompatError(f"vLLM could not size the hybrid block: {why}"[:300]) from None
     return int(cache.block_size)
 
 
