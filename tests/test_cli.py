@@ -57,6 +57,26 @@ def test_inspect_plans_what_the_h200_startup_discovered(capsys: pytest.CaptureFi
     assert from_report["paths"] == planned["paths"]
 
 
+def test_inspect_says_what_it_waits_for_on_a_terminal_only(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's import takes tens of seconds on a CPU: a terminal sees a line first."""
+    assert cli.main(["inspect", *H200_FLAGS]) == 0
+    assert capsys.readouterr().err == ""  # a pipe or a log: nothing
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert cli.main(["inspect", *H200_FLAGS]) == 0
+    assert capsys.readouterr().err == "tq-warmup: importing vLLM to plan the keys ...\n"
+
+
+def test_a_draft_model_without_a_local_config_is_said(capsys: pytest.CaptureFixture[str]) -> None:
+    """Its own layers are not planned, and the plan says so instead of nothing."""
+    spec = '{"method": "draft_model", "model": "org/drafter", "num_speculative_tokens": 3}'
+    alone = inspect_json(capsys, *H200_FLAGS)
+    planned = inspect_json(capsys, *H200_FLAGS, "--speculative-config", spec)
+    assert "; draft model org/drafter: not planned, no local config.json" in str(planned["source"])
+    assert "draft model" not in str(alone["source"])
+
+
 def test_inspect_text_counts_keys(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["inspect", *H200_FLAGS]) == 0
     text = capsys.readouterr().out
@@ -190,7 +210,8 @@ def test_doctor_reports_versions_and_settings(
     monkeypatch.setenv("VLLM_PLUGINS", "other")
     assert cli.main(["doctor"]) == 1  # will not warm: a script can gate on it
     out = capsys.readouterr().out
-    assert "enabled=False" in out and "VLLM_PLUGINS  other" in out
+    assert "enabled=off" in out and "VLLM_PLUGINS  other" in out
+    assert "None" not in out and "False" not in out  # no Python repr for a person
     assert rows_of(out)["GPU"] == ["NVIDIA H200"]
     assert rows_of(out)["will warm"][0].startswith("no: ")
 
@@ -198,11 +219,11 @@ def test_doctor_reports_versions_and_settings(
 @pytest.mark.parametrize(
     ("vllm", "env", "step"),
     [
-        (None, {}, f"install vLLM {compat.SUPPORTED} (found: None): pip install vllm=="),
+        (None, {}, f"install vLLM {compat.SUPPORTED} (none found): pip install vllm=="),
         (
             fakes.BEYOND_RELEASE,
             {},
-            f"install vLLM {compat.SUPPORTED} (found: {fakes.BEYOND_RELEASE}): pip install",
+            f"install vLLM {compat.SUPPORTED} (found {fakes.BEYOND_RELEASE}): pip install",
         ),
         ("0.26.0", {"TQ_WARMUP": "off"}, "unset TQ_WARMUP (it turns the plugin off)"),
         ("0.26.0", {"VLLM_PLUGINS": "other"}, "add tq_warmup to VLLM_PLUGINS, or unset it"),
@@ -255,7 +276,10 @@ def test_doctor_on_a_cpu_host_names_the_cpu_recipe_and_exits_1(
     rows = rows_of(capsys.readouterr().out)
     assert rows["GPU"] == ["none found"] and "no GPU" in rows["will warm"][0]
     recipe = rows["next step"][0]
-    assert "bash .ci/vllm-env.sh 0.33.0 3.8.0 .venv-vllm" in recipe
+    # the README's own recipe, word for word: one recommended release
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    step = f"bash .ci/vllm-env.sh {compat.RECOMMENDED} {compat.RECOMMENDED_TRITON} .venv-vllm"
+    assert step in recipe and step in readme
     assert (Path(__file__).parents[1] / ".ci" / "vllm-env.sh").is_file()
     assert rows["then"] == ["serve on a GPU host: the plugin warms vLLM's GPU workers"]
     assert cli.main(["doctor", "--json"]) == 1
@@ -458,6 +482,31 @@ def test_one_manifest_per_plan(
     assert "(compile " in out and " s in all with the vLLM import;" in out
 
 
+def test_precompile_counts_kernels_as_verify_does(
+    tmp_path: Path,
+    stubbed_precompile: fakes.RecordingWarmer,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """precompile's keys and jobs are not what verify counts: both name the manifest's
+    kernels and files, the same numbers."""
+    from tq_warmup_plugin import compat
+
+    def two_launchers(root: str) -> set[str]:  # the stub compiles nothing: two key dirs
+        for name in ("A" * 52, "B" * 52):
+            (Path(root) / name).mkdir(exist_ok=True)
+            (Path(root) / name / f"{compat.LAUNCHER_NAME}.so").write_bytes(b"elf")
+        return {"A" * 52, "B" * 52}
+
+    monkeypatch.setattr(compat, "launcher_dirs", two_launchers)
+    counted = re.compile(r"(\d+) kernels, (\d+) files")
+    cli.main(["precompile", *H200_FLAGS[:-2], "--cache-dir", str(tmp_path)])
+    built = counted.findall(capsys.readouterr().out)
+    cli.main(["verify", "--cache-dir", str(tmp_path)])
+    checked = counted.findall(capsys.readouterr().out)
+    assert built == checked == [("2", "2")]
+
+
 @pytest.mark.parametrize(
     ("argv", "line"),
     [
@@ -501,6 +550,34 @@ def test_precompile_refuses_in_one_line(
     err = capsys.readouterr().err
     assert line in err and err.count("\n") == 1, err
     assert not stubbed_precompile.seen  # refused before compiling anything
+    assert not (tmp_path / "cache").exists()  # and before creating anything
+
+
+def test_a_refused_plan_creates_no_cache_dir(
+    tmp_path: Path,
+    stubbed_precompile: fakes.RecordingWarmer,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The plan comes after --cache-dir is checked; refusing it leaves no directory."""
+
+    def refused(args: object) -> None:
+        raise cli.CliError("--model nowhere: no config.json")
+
+    monkeypatch.setattr(cli, "geometries", refused)
+    cache = tmp_path / "new" / "cache"
+    assert cli.main(["precompile", *H200_FLAGS[:-2], "--cache-dir", str(cache)]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_an_unwritable_cache_dir_is_refused_before_the_plan(
+    tmp_path: Path, stubbed_precompile: fakes.RecordingWarmer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("")
+    cache = tmp_path / "file" / "cache"  # under a file: nothing can create it
+    assert cli.main(["precompile", *H200_FLAGS[:-2], "--cache-dir", str(cache)]) == 2
+    assert "not writable" in capsys.readouterr().err and not stubbed_precompile.seen
 
 
 def test_an_image_wheel_sets_the_manifests_triton_build_and_python_abi(

@@ -215,3 +215,23 @@ def test_a_hybrids_block_is_the_one_the_h200_logged(tmp_path: Path) -> None:
     if isinstance(sizes, str):
         pytest.skip(f"vLLM cannot inspect Qwen3-Next here: {sizes}")
     assert sizes == [2096, 2160, 2224]
+
+
+@pytest.mark.real_vllm
+def test_a_draft_models_own_layers_are_planned(capsys: pytest.CaptureFixture[str]) -> None:
+    """A draft model of head size 64 beside a 128-wide target: its keys too, and said."""
+    target = ["--model", str(MODELS / "llama-3-8b"), "--json"]
+    rc, out, _ = inspect(capsys, *target)
+    alone = json.loads(out)
+    spec = {
+        "method": "draft_model",
+        "model": str(MODELS / "falcon-7b"),
+        "num_speculative_tokens": 3,
+    }
+    rc, out, err = inspect(capsys, *target, "--speculative-config", json.dumps(spec))
+    assert rc == 0, err
+    both = json.loads(out)
+    assert "draft model: 28 TurboQuant layers, head size 64, heads 71/1" in both["source"]
+    keys = [k for described in both["paths"].values() for k in described]
+    assert any("HEAD_DIM=64," in k for k in keys) and any("HEAD_DIM=128," in k for k in keys)
+    assert both["distinct"] > alone["distinct"]

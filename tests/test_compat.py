@@ -411,6 +411,7 @@ def test_a_hybrid_vllm_cannot_size_is_planned_at_its_block_with_one_line() -> No
     assert planned.geometry.block_size == 16  # no boundary layers: not TurboQuant's 32
     assert "; hybrid: block 16 (vLLM could not size the hybrid block: " in planned.note
     assert planned.note.endswith("--geometry-json is exact") and "\n" not in planned.note
+    assert "Error(" not in planned.note  # the exception's name and words, not its repr
 
 
 @pytest.mark.parametrize(
@@ -456,3 +457,20 @@ def test_a_v1_runner_is_refused_where_the_release_has_none() -> None:
     with pytest.raises(planning.PlanError, match=r"^--runner v1: vLLM 0.34 has no V1 model"):
         planning.plan_geometry(request, None)
     assert planning.plan_geometry(dataclasses.replace(request, runner="v2"), None).geometry
+
+
+def test_no_libcuda_is_our_line_not_tritons(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton 3.6 asserts "libcuda.so cannot found!" on a host without the driver; the
+    precompile line says it in the plugin's words."""
+    from tq_warmup_plugin.compat import triton as compat_triton
+
+    def no_driver() -> list[str]:
+        raise AssertionError("libcuda.so cannot found!\nPossible files are located at []")
+
+    driver = SimpleNamespace(make_launcher=object(), library_dirs=no_driver)
+    monkeypatch.setitem(sys.modules, "triton.backends.nvidia.driver", driver)
+    monkeypatch.setattr(compat_triton, "_no_launchers", [])
+    kernel = SimpleNamespace(metadata=SimpleNamespace(target=SimpleNamespace(backend="cuda")))
+    why = compat_triton.build_host_launcher(kernel)
+    assert why is not None and why.startswith("libcuda.so.1 not found")
+    assert "cannot found" not in why and compat_triton.no_launchers_why() == why

@@ -1,28 +1,20 @@
 """The compile-ahead child: TurboQuant's and vLLM's own kernel keys built while the worker
 loads its model.
 
-Why: from a cold Triton cache the engine warmers' compiles cost a TurboQuant worker 7.2 s
-(V1 with ngram) and 8.7 s (V2) of startup on the H200 (vLLM 0.26.0, one server on 16 CPUs,
-``benchmarks/results/serve-jit`` run J), over the 5 s a worker may add. Triton holds the GIL
-for most of a compile (its AST walk and MLIR passes), so the worker's threads help little,
-and processes do: the child's V1 ngram keys took 23.9 s in one compile process and 15.5 s in
-two (2 CPUs, vLLM 0.26.0, ``python -m benchmarks.tqbench ahead-cost``,
-``benchmarks/results/ahead-cost.json``, session 24; 27.1 and 16.1 s in its run before). But
+Why: from a cold Triton cache the engine warmers' compiles cost a TurboQuant worker several
+seconds of startup, over the 5 s a worker may add. Triton holds the GIL for most of a compile
+(its AST walk and MLIR passes), so the worker's threads help little, and processes do. But
 those keys depend only on engine arguments a worker knows before it loads its model
 (``engine_plan.EngineRequest``), and the worker then spends seconds to minutes on weights,
-``torch.compile``, profiling and the KV cache; and so do TurboQuant's own keys (1.2-2.3 s
-cold in the worker, runs AK-AM; 57-73 ms once the child built them, runs AQ-AR), whose
-layers the child plans from the worker's config
-(``planning.worker_plan``) as ``precompile`` plans them from a model's: beside the engine
-jobs, a dense Llama's 6 keys left the fork's 10.5 s as it was (2 processes, the same
-``ahead-cost`` run). So ``Worker.load_model`` (a hybrid model's
+``torch.compile``, profiling and the KV cache; and so do TurboQuant's own keys, whose layers
+the child plans from the worker's config (``planning.worker_plan``) as ``precompile`` plans
+them from a model's. So ``Worker.load_model`` (a hybrid model's
 ``determine_available_memory``, where its block is final: ``LATE``) forks one child
 (``spawn``, ``ahead_child.run_child``): vLLM already imported, CPU only (Triton's
 compile-only target: no CUDA call, no GPU memory), with the worker's own environment, so it
 compiles into the Triton cache the worker reads (its ``TRITON_CACHE_DIR``,
 ``TRITON_CACHE_MANAGER`` and shipped layers), for the worker's GPU architecture, the very
-keys ``precompile`` builds, in forked processes, last job first. (Until session 23 the child
-was a fresh ``python -m`` interpreter, whose import of vLLM was 15-29 s of its time.)
+keys ``precompile`` builds, in forked processes, last job first.
 
 The worker's warmup does not wait for it. Its TurboQuant keys and engine warmers run as
 before and find on disk what it has built; what it has not, they compile, first job first,
@@ -32,12 +24,9 @@ restart, a shipped layer) it finds everything built and ends. Nothing it does ca
 starting: a child that fails or cannot start costs its one line in the report.
 ``TQ_WARMUP_AHEAD=0`` turns it off.
 
-Measured as a fork (H200, 0.26.0, serve-jit runs AK-AM): its plan took 0.1 s and its builds
-5.3-10.7 s in 4 processes, done before the worker's warmers, a V2 worker's included (a V2
-worker reaches its warmup about 15 s after ``load_model``, which the fresh interpreter's import
-alone outlasted, so until then a V2 worker started none: run T). A V2 worker's vLLM-kernel
-warmers took 0.12 s with it and 10.8 s without (run AK); a MoE worker's 2.4 s, forwards
-included, where the fresh interpreter left 10.9 s (runs AL, AG).
+Evidence: with the child a V2 worker's vLLM-kernel warmers took 0.12 s where they took 10.8 s
+without it (H200, vLLM 0.26.0); the runs are in ``benchmarks/results/serve-jit/SUMMARY.md``
+and the child's CPU cost in ``benchmarks/results/ahead-cost.json``.
 """
 
 from __future__ import annotations
@@ -191,9 +180,9 @@ def spawn(given: dict[str, Any], config: Any = None) -> None:
     The child runs ``ahead_child.run_child`` and exits, never returning here; the worker keeps
     its pid and the pipe its result line comes on.
 
-    Why a fork and not a fresh interpreter: the child's own import of vLLM took 15-29 s beside
-    a starting worker (24.6 s of a MoE child's 31.4 s, H200, 0.26.0, serve-jit run AG), and
-    a V2 worker reached its warmup 15 s after ``load_model``; the worker has vLLM imported.
+    Why a fork and not a fresh interpreter: a fresh child's own import of vLLM outlasted
+    the time a V2 worker takes from ``load_model`` to its warmup (15-29 s against 15 s,
+    ``benchmarks/results/serve-jit/SUMMARY.md``); the worker has vLLM imported.
     The fork has the worker's memory and none of its threads or its CUDA context: it runs
     Triton's compiler on the compile-only target (``use_compile_only_target``) and vLLM's CPU
     objects, and touches no GPU. Its standard streams go to ``/dev/null`` (the worker's log
@@ -293,9 +282,8 @@ def _reap(pid: int, timeout: float) -> int | str | None:
 def _written(fd: int) -> bytes:
     """What an ended child left in its pipe, at most ``ahead_child.OUTPUT_LIMIT`` bytes, without
     blocking: a compile process it forked may still hold the pipe open for a moment.
-    (``communicate(timeout=0)`` was no way to read a child's pipe: it raised
-    ``TimeoutExpired`` even where the child had long exited and written its line, so every
-    child read as stopped: 108.7 s after a V2 child started, H200, serve-jit run O.)"""
+    (Not ``communicate(timeout=0)``: it raises ``TimeoutExpired`` even where the child has
+    long exited and written its line, so every child read as stopped.)"""
     from .ahead_child import OUTPUT_LIMIT
 
     out = b""
@@ -315,10 +303,10 @@ LATE = "determine_available_memory"
 """Where a hybrid model's worker starts its child: its KV manager block is final only there.
 vLLM sizes a hybrid's attention block to its Mamba state after ``load_model`` (the
 executor's ``update_block_size_for_backend``, 0.22-0.33: "Setting attention block size
-to 2160 tokens" came after the model loaded, H200, 0.26.0, serve-jit run AB), so a child
-started at ``load_model`` planned slot mapping and the EAGLE helpers at TurboQuant's own
-block (32), and the worker compiled all 4 of them again. The next call, the memory
-profile, runs the model's first ``torch.compile`` (30 s of that run's 84 s profile)."""
+to 2160 tokens" comes after the model loaded), so a child started at ``load_model`` plans
+slot mapping and the EAGLE helpers at TurboQuant's own block (32), and the worker compiles
+them again. The next call, the memory profile, runs the model's first ``torch.compile``,
+which leaves the child time (``benchmarks/results/serve-jit/SUMMARY.md``)."""
 
 
 def _hybrid(worker: Any) -> bool:

@@ -72,8 +72,11 @@ def doctor(args: argparse.Namespace) -> int:
 def _plan(
     args: argparse.Namespace, pm: pluggy.PluginManager
 ) -> tuple[warmup.Plan[Hashable], dict[str, Geometry], Planned]:
-    if args.model is not None:  # vLLM's import and ModelConfig: 8-17 s on 2 cores
-        _stage(f"reading {args.model} with vLLM's ModelConfig")
+    # vLLM's import (and a model's ModelConfig) is the slow part: tens of seconds on a CPU
+    if args.model is not None:
+        _stage(f"importing vLLM and reading {args.model} with its ModelConfig")
+    else:
+        _stage("importing vLLM to plan the keys")
     named, planned = geometries(args)
     return warmup.plan_keys(pm, named), named, planned
 
@@ -95,6 +98,14 @@ def _engine(args: argparse.Namespace, planned: Planned) -> tuple[Engine | None, 
 
     if not planned.vocab_size:
         return None, "need --model or --vocab-size for their keys"
+    wanted = planned.geometry.features.version
+    installed = compat.installed_vllm_version()
+    if compat.parse_version(installed) != wanted:  # their keys come from its code
+        return None, (
+            f"their keys come from the installed vLLM's code ({installed or 'none installed'})"
+            f", not {wanted[0]}.{wanted[1]}'s: run inspect where vLLM {wanted[0]}.{wanted[1]} "
+            "is installed"
+        )
     spec = args.speculative_config
     request = planned_request(planned, spec, args.max_logprobs, args.gpu_name, args.runner)
     return cpu_engine(request), f"{'V2' if request.runner_v2 else 'V1'} runner" + (
@@ -191,16 +202,30 @@ def _progress(done: int, total: int) -> None:
 
 
 def _cache_dir(path: str) -> Path:
-    """``--cache-dir``, created if needed, checked writable before anything is compiled."""
+    """``--cache-dir``, checked writable before anything is compiled, and not created: a
+    command that refuses later leaves no directory behind (``_made`` creates it)."""
     cache_dir = Path(path).resolve()
     if cache_dir.exists() and not cache_dir.is_dir():
         raise CliError(f"--cache-dir {path}: exists and is not a directory")
+    existing = cache_dir
+    while not existing.exists():  # the directory that creating it would write into
+        existing = existing.parent
     try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=cache_dir, prefix=".tq-warmup-probe-"):
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{existing} is not a directory")
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".tq-warmup-probe-"):
             pass
     except OSError as exc:
         raise CliError(f"--cache-dir {path}: not writable ({exc.strerror or exc})") from None
+    return cache_dir
+
+
+def _made(cache_dir: Path) -> Path:
+    """``cache_dir`` created, once the command is about to write into it."""
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CliError(f"--cache-dir {cache_dir}: {exc.strerror or exc}") from None
     return cache_dir
 
 
@@ -273,7 +298,7 @@ def precompile(args: argparse.Namespace) -> int:
         if wheel_key is not None:
             stack.enter_context(cache_keys_for(wheel_key))
         try:
-            stage = stack.enter_context(staging(cache_dir, target))
+            stage = stack.enter_context(staging(_made(cache_dir), target))
             os.environ["TRITON_CACHE_DIR"] = str(stage)
             compile_start = time.perf_counter()
             key_dirs = warmup.compile_into(report, pm, the_plan.keys, load().threads, _progress)
@@ -295,19 +320,21 @@ def precompile(args: argparse.Namespace) -> int:
                 "keys": [warmup.describe(k) for k in the_plan.keys],
                 "vllm_kernels": built,
             }
+            _stage(f"installing {len(key_dirs)} kernels into {cache_dir}")
             manifest_file = install(cache_dir, stage, key_dirs, plan, target)
         except (InstallError, OSError) as exc:  # a full disk: one line, nothing installed
             why = exc if isinstance(exc, InstallError) else f"{cache_dir}: {exc.strerror or exc}"
             print(f"tq-warmup: {why}", file=sys.stderr)
             return 1
+    listed = manifest.read(manifest_file).files  # counted as verify counts them
     print(
         f"tq-warmup: {len(the_plan.keys)} keys for sm{args.arch} in {cache_dir}: "
         f"{report.compiled} built, {report.loaded} already there, {report.failed} failed; "
         f"vLLM's own kernels: {len(built)} jobs; host launchers: "
-        f"{len(launchers) or compat.no_launchers_why() or 0} "
+        f"{len(launchers) or compat.no_launchers_why() or 0}; manifest "
+        f"{manifest_file.name}: {len(listed)} kernels, {sum(map(len, listed.values()))} files "
         f"(compile {compile_s:.1f} s, {time.perf_counter() - start:.1f} s in all with the "
-        f"vLLM import; vLLM {installed['vllm']}, Triton {installed['triton']}; "
-        f"manifest {manifest_file.name})"
+        f"vLLM import; vLLM {installed['vllm']}, Triton {installed['triton']})"
     )
     print(pins.line([pins.digest(manifest_file.read_bytes())]))  # TQ_WARMUP_CACHE_PIN
     for line in report.errors:
@@ -320,6 +347,8 @@ def driver_cache(args: argparse.Namespace) -> int:
     JIT cache and install it under ``--cache-dir`` (``driver_build``)."""
     if args.engine and not args.model:
         raise CliError("--engine starts an engine of --model: give --model")
+    if args.model is not None:
+        _stage(f"importing vLLM and reading {args.model} with its ModelConfig")
     named, planned = geometries(args)
     from .driver.build import BuildError, build, engine_spec
 
@@ -328,8 +357,8 @@ def driver_cache(args: argparse.Namespace) -> int:
     if not args.model or args.plan_only:
         print(
             "tq-warmup: driver-cache without an engine (no --model, or --plan-only): the "
-            "entry holds the plan's FlashAttention-2 launches only, which on the H200 "
-            "(vLLM 0.26.0) left out one of the four modules a TurboQuant engine loads",
+            "entry holds the plan's FlashAttention-2 launches only, which may leave out "
+            "modules a TurboQuant engine loads (give --model for the engine's too)",
             file=sys.stderr,
         )
     else:
@@ -489,10 +518,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=1200,
         help="seconds the launches may take (and the engine, each)",
     )
-    # The engine is the default: on the H200 (vLLM 0.26.0, 2026-12-01) the plan's four
-    # launches filled 3 of the 4 FA2 modules a TurboQuant engine loads (44.5 of 60.0 MiB),
-    # and an engine given that entry was still JIT-compiling after 120 s; with the engine
-    # the entry held all 4 and a shipped start was 1.9 s (mean of 4) from a warm one.
+    # The engine is the default: the plan's launches alone filled 3 of the 4 FA2 modules a
+    # TurboQuant engine loads, and an engine given that entry was still JIT-compiling after
+    # 120 s (benchmarks/results/driver-cache/README.md).
     how = p_driver.add_mutually_exclusive_group()
     how.add_argument(
         "--engine",

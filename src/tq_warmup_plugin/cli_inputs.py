@@ -98,4 +98,9 @@ def geometries(args: argparse.Namespace) -> tuple[dict[str, Geometry], Planned]:
         if model is not None:  # a local config: nothing to download
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
         planned = planning.plan_geometry(request, model)
+        draft = planning.draft_model(request.speculative_config)
+        if draft is not None:  # its own layers: read from a local config only
+            here = Path(draft).is_dir() or Path(draft).is_file()
+            drafter = stack.enter_context(model_dir(draft)) if here else None
+            planned = planning.plan_draft(request, planned, drafter)
     return planning.named_geometries(planned), planned

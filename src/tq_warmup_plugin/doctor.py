@@ -26,8 +26,6 @@ __all__ = ["CPU_RECIPE", "Diagnosis", "Facts", "diagnose", "facts", "install_ste
 CPU_RECIPE = ".ci/vllm-env.sh"
 """The checkout's script that builds a CPU virtual environment with vLLM (``--no-deps``),
 a CPU torch and the release's Triton, as CI does."""
-# The release CI's first job runs, and its Triton (.ci/vllm-releases).
-_CPU_RELEASE, _CPU_TRITON = "0.33.0", "3.8.0"
 
 
 @dataclass(frozen=True)
@@ -64,18 +62,24 @@ class Diagnosis:
 def install_step(found: str | None, gpu: bool, checkout: str | None) -> str:
     """How to get a supported vLLM here: on a GPU host vLLM's own wheel (with its CUDA
     torch) in a fresh virtual environment; on a CPU host the recipe CI uses."""
-    head = f"install vLLM {compat.SUPPORTED} (found: {found})"
+    head = f"install vLLM {compat.SUPPORTED} ({f'found {found}' if found else 'none found'})"
     if gpu:
-        newest = f"{compat.NEWEST[0]}.{compat.NEWEST[1]}.0"
-        return f"{head}: pip install vllm=={newest} in a fresh virtual environment"
+        return f"{head}: pip install vllm=={compat.RECOMMENDED} in a fresh virtual environment"
     where = f"from {checkout}" if checkout else "from a checkout of tq-warmup-plugin"
     venv = ".venv-vllm"
     return (
         f"{head}; on this CPU host (inspect, precompile, the tests), {where}: "
-        f"bash {CPU_RECIPE} {_CPU_RELEASE} {_CPU_TRITON} {venv} && "
+        f"bash {CPU_RECIPE} {compat.RECOMMENDED} {compat.RECOMMENDED_TRITON} {venv} && "
         f"{venv}/bin/pip install --no-deps -e . (vLLM with --no-deps beside a CPU torch, as "
         "CI does; a plain pip install vllm pulls a CUDA torch)"
     )
+
+
+def _shown(value: object) -> str:
+    """A setting as a person reads it: on/off, unset, or the value."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "unset" if value is None else str(value)
 
 
 def diagnose(f: Facts) -> Diagnosis:
@@ -87,7 +91,7 @@ def diagnose(f: Facts) -> Diagnosis:
         ("torch", f.torch or "not installed"),
         ("triton", f.triton or "not installed"),
         ("supported", "yes" if problem is None else f"no: {problem}"),
-        ("settings", ", ".join(f"{k}={v}" for k, v in f.settings._asdict().items())),
+        ("settings", ", ".join(f"{k}={_shown(v)}" for k, v in f.settings._asdict().items())),
         ("entry point", "visible" if f.entry_point else "missing (reinstall the package)"),
         ("VLLM_PLUGINS", f.vllm_plugins if f.vllm_plugins is not None else "unset (all load)"),
         ("GPU", ", ".join(dict.fromkeys(f.gpus)) or "none found"),

@@ -105,8 +105,8 @@ class Job:
     autograd keep process-global state (``torch.fx``'s tracing flag), and 3 of 4
     correction graphs compiled on threads beside each other and the rank count failed
     with "Detected that you are using FX to symbolically trace a dynamo-optimized
-    function" (H100, vLLM 0.26.0, torch 2.11, the serve-jit hybrid with MTP, session 28);
-    their graphs then compiled while serving."""
+    function" (H100, vLLM 0.26.0, torch 2.11, the serve-jit hybrid with MTP,
+    ``benchmarks/results/serve-jit/SUMMARY.md``); their graphs then compiled while serving."""
     offline: bool = True
     """Its keys can be built without the worker, on vLLM's CPU objects (``engine_plan``:
     ``precompile``, the compile-ahead child): a launch of Triton kernels on a few bytes.

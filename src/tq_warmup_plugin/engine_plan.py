@@ -26,7 +26,7 @@ from typing import Any
 import pluggy
 
 from . import compat, engine_warmup
-from .compat import V2_SPEC_METHODS, Features, runs_v2  # there since session 29: an alias
+from .compat import V2_SPEC_METHODS, Features, runs_v2  # compat re-exports them
 from .engine import Declined, Engine, Job
 from .warmers.vllm_eagle import eagle_style
 
@@ -122,7 +122,7 @@ def _experts_of(items: Any) -> tuple[compat.MoeExperts, ...]:
             for e in items
         )  # fmt: skip
     except (TypeError, KeyError, ValueError) as exc:
-        raise ValueError(f"engine request moe_experts: {exc!r}") from None
+        raise ValueError(f"engine request moe_experts: {type(exc).__name__}: {exc}") from None
 
 
 def planned_request(

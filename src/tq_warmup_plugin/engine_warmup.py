@@ -50,8 +50,7 @@ class EngineResult:
     seconds."""
     family_seconds: dict[str, float] = field(default_factory=dict)
     """Each family's jobs' seconds, summed (jobs of a family may overlap on threads): where
-    a warm start's time goes. From a shipped layer and entry, a Qwen3-Next worker with MTP
-    spent 998 ms in 53 launches and compiled none (H100, 0.26.0, run AZ)."""
+    a warm start's time goes (``benchmarks/results/serve-jit/SUMMARY.md`` has a hybrid's)."""
     triton_seconds: tuple[float, float] = (0.0, 0.0)
     """Of the jobs' time, what Triton took (``compat.Launches``): its launches' lookups
     (a compile or a disk load among them) and ``_init_handles`` (launcher, module load)."""
@@ -128,9 +127,8 @@ def run(pm: pluggy.PluginManager, engine: Engine, load: bool, threads: int = 1) 
             outcomes += pool.map(_timed, others)
         # After the Triton jobs, not beside them: Dynamo's traces and Triton's cache hits
         # are both Python under one GIL, so beside each other they cannot overlap, and on
-        # the GPU they slowed each other: a hybrid's 53 lookups from a layer took 3.0 s of
-        # job time beside the graphs and 0.48 s after them, its warmers 1.51 s and 1.10 s
-        # (H100, 0.26.0, serve-jit runs BD and BE; ``warm-cost`` shows it on a CPU).
+        # the GPU they slowed each other: a hybrid's warmers took 1.51 s beside and 1.10 s
+        # after (benchmarks/results/serve-jit/SUMMARY.md; ``warm-cost`` shows it on a CPU).
         outcomes += [_timed(job) for job in graphs]
     result.compiled, result.compiled_names = counter.compiled, dict(counter.names)
     for job, (error, seconds) in zip(real + others + graphs, outcomes, strict=True):

@@ -135,11 +135,10 @@ def block_table_width(
     kernel_block`` kernel blocks, in every runner: V1's ``BlockTable`` and V2's
     ``BlockTables`` split their own rows (``blocks_per_kv_block``, 0.21-0.31 and 0.26-0.31),
     0.32+ the attention group's kernel table (``AttentionGroup.create_metadata_builders``).
-    Until session 24 a V1 plan left 0.21-0.26 unrounded: for 900 tokens of 16 it said 57
-    where vLLM's own table has 64 (``test_contract_worker_plan``); until session 26 a V2
-    plan of a hybrid was not split, nor rounded on 0.27+: 2 blocks of 2160 where vLLM's
-    table has 1080 blocks of 16 (``test_contract_table_width``). The keys read the row as
-    its stride's divisibility by 16 and its rows' 16-byte alignment: on 0.27+ 5 of that
+    Both matter: unrounded, 900 tokens of 16 are 57 blocks where vLLM's own V1 table on
+    0.21-0.26 has 64 (``test_contract_worker_plan``); unsplit, a V2 hybrid's row is 2 blocks of
+    2160 where vLLM's has 1080 blocks of 16 (``test_contract_table_width``). The keys read the
+    row as its stride's divisibility by 16 and its rows' 16-byte alignment: on 0.27+ 5 of that
     test's 10 hybrid and odd-block cases planned another key, on 0.26 none."""
     blocks = -(-max_model_len // block_size)
     if feats.block_table_rounded:
@@ -471,6 +470,9 @@ class Planned(NamedTuple):
     zeroing: compat.KvZeroing | None = None
     """A hybrid's KV-block zeroing (``kv_zeroing``), None for another model or where its
     drafter's layers are not known here."""
+    draft: Geometry | None = None
+    """The draft model's own TurboQuant geometry (``plan_draft``) where it differs from the
+    target's: its layers share the target's KV cache dtype and engine arguments."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -713,11 +715,57 @@ def _parallel_drafting(spec: Mapping[str, object] | None) -> bool:
 
 
 def named_geometries(planned: Planned) -> dict[str, Geometry]:
-    """A plan's distinct geometries by name (its chunked local layers' apart)."""
+    """A plan's distinct geometries by name (its chunked local layers' and its draft
+    model's apart)."""
     named = {"geometry0": planned.geometry}
     if planned.local is not None:
         named["local"] = planned.local
+    if planned.draft is not None:
+        named["draft"] = planned.draft
     return named
+
+
+def draft_model(spec: Mapping[str, object] | None) -> str | None:
+    """The draft model a speculative config names (``"model"``), or None: ngram, suffix
+    and MTP draft with no model of their own."""
+    name = (spec or {}).get("model")
+    return name if isinstance(name, str) and name else None
+
+
+def plan_draft(request: PlanRequest, target: Planned, draft_dir: str | None) -> Planned:
+    """``target`` and its draft model's own TurboQuant layers: vLLM runs the drafter's
+    attention with the target's KV cache dtype and engine arguments, so a draft model
+    of another head size (a 64-wide drafter of a 128-wide target) has keys of its own.
+    Planned from the config in ``draft_dir`` (the speculative config's ``"model"``,
+    checked and read by the CLI); where there is none here, or vLLM cannot read it,
+    the plan's note says in one clause why those keys are not planned."""
+    name = draft_model(request.speculative_config)
+    if name is None:
+        return target
+    g = target.geometry
+    if draft_dir is None:
+        why = "no local config.json (give the speculative config's model as a directory)"
+        return target._replace(note=f"{target.note}; draft model {name}: not planned, {why}")
+    drafter = dataclasses.replace(
+        request, model=name, num_heads=None, num_kv_heads=None, head_size=None, scale=None,
+        attention_chunk_size=None, vocab_size=None, dtype=g.model_dtype,
+        max_model_len=g.max_model_len,
+    )  # fmt: skip
+    try:
+        shape = model_shape(  # its own length: vLLM caps the target's to it, rows stay
+            draft_dir, request.tensor_parallel_size, g.model_dtype, None,
+            request.trust_remote_code,
+        )  # fmt: skip
+        planned = plan_shape(drafter, shape)
+    except (ImportError, UnsupportedModel, PlanError) as exc:
+        why = str(exc).removeprefix(f"--model {name}: ")
+        return target._replace(note=f"{target.note}; draft model {name}: not planned, {why}")
+    draft = planned.geometry
+    said = f"{target.note}; draft model: {planned.layers} TurboQuant layers, head size "
+    said += f"{draft.head_size}, heads {draft.num_heads}/{draft.num_kv_heads}"
+    if draft == g:
+        return target._replace(note=f"{said}, the target's keys")
+    return target._replace(note=said, draft=draft)
 
 
 def worker_plan(
@@ -728,8 +776,8 @@ def worker_plan(
     rank (``shape_of``) and its engine arguments (the manager block as its
     ``CacheConfig`` has it, final where the child starts; the batched verify path's rows
     where ``verify_rows``, the guard's setting), and a hybrid's KV-block zeroing with its
-    real drafter's layers (``kv_zeroing``), which the worker compiled itself before (3
-    keys, run AM). A guess that misses the layers a worker then reads costs that worker the
+    real drafter's layers (``kv_zeroing``), whose 3 keys the worker otherwise compiles
+    itself. A guess that misses the layers a worker then reads costs that worker the
     keys' compiles, never a wrong key: the worker plans its own from what it discovers.
     Raises PlanError or UnsupportedModel with one line."""
     model = vllm_config.model_config

@@ -121,8 +121,8 @@ class Report:
 
 
 def _most_time(seconds: dict[str, float]) -> str:
-    """``, most job time: EAGLE helpers 719 ms`` (its jobs' seconds summed: 32 jobs on 4
-    threads took 719 ms of a 439 ms wall, H100, 0.26.0, run BB), or nothing."""
+    """``, most job time: EAGLE helpers 719 ms`` (its jobs' seconds summed, so on threads
+    it may exceed the wall time), or nothing."""
     if not seconds:
         return ""
     family, took = max(seconds.items(), key=lambda item: (item[1], item[0]))

@@ -35,8 +35,8 @@ def cpu_count() -> int:
 # cut a cold 6-key warmup from 1.4-1.6 s to 0.8-0.9 s (benchmarks/results/README.md). More threads
 # than CPUs only compete for them (issue 12: 6 threads on 2 CPUs were 3x slower), and more
 # than 4 did not help on 16 CPUs either: a cold V2 worker's vLLM-kernel compiles took 6.4 s on
-# 4 threads, 8.3 s on 8 and 7.3 s on 16 (H200, 0.26.0, serve-jit runs T and W; Triton holds
-# the GIL for most of a compile).
+# 4 threads, 8.3 s on 8 and 7.3 s on 16 (H200, 0.26.0; Triton holds the GIL for most of a
+# compile; benchmarks/results/serve-jit/SUMMARY.md).
 DEFAULT_THREADS = min(4, cpu_count())
 
 _FALSE = frozenset({"0", "false", "off", "no"})
@@ -85,9 +85,7 @@ class Settings(NamedTuple):
         worker started at ``load_model`` builds those kernels' keys while the worker loads
         its model (``ahead``), so a cold worker does not compile them in ``kernel_warmup``:
         a V2 worker's vLLM-kernel warmers took 0.12 s with it and 10.8 s without (H200,
-        vLLM 0.26.0, serve-jit run AK); ``0`` never starts it. (Until session 23 a V2
-        worker started none unless it was ``1``: the child was then a fresh interpreter
-        whose vLLM import outlasted the worker's way to its warmup, run T.)
+        vLLM 0.26.0, ``benchmarks/results/serve-jit/SUMMARY.md``); ``0`` never starts it.
     """
 
     enabled: bool = True

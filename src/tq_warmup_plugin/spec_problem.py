@@ -26,7 +26,7 @@ def spec_decode_problem(
     ``speculative_config.method`` (None without speculative decoding).
 
     All causes need TurboQuant to read the CPU bound (``prefill_host_copies``, 0.21+); the
-    draft_model causes need ``draft_cpu_seq_lens_stale`` too (0.21-0.33: 0.34's V2 first
+    draft_model causes need ``draft_cpu_seq_lens_stale`` too (it ends where the V2 first
     draft pass takes the bound plus its correction token):
     * async scheduling: the bound "assumes every draft was accepted" (``backend.py``
       0.22:405-409; V1 ``gpu_model_runner.py`` 0.22:1985-1993, V2 takes the scheduler's

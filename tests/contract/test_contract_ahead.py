@@ -151,6 +151,26 @@ def test_inspect_lists_vllms_own_kernels(capsys: pytest.CaptureFixture[str]) -> 
     ]
 
 
+def test_inspect_for_another_release_plans_its_keys_not_vllms(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """vLLM's own kernels come from the installed vLLM's code: for another release (0.26's
+    V1 sampler, which 0.34 removed) they are one line, and TurboQuant's keys are planned."""
+    from tq_warmup_plugin import cli
+
+    other = "0.22" if feats().version == (0, 26) else "0.26"
+    argv = ["inspect", *FLAGS, "--speculative-config", NGRAM, "--vllm-version", f"{other}.0"]
+    assert cli.main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (why,) = out["vllm_kernels"]["not_planned"]
+    assert out["distinct"] > 0 and out["vllm_kernels"]["jobs"] == []
+    assert "installed vLLM" in why and f"not {other}'s" in why
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert f", vLLM {other}, sm" in text.splitlines()[0]
+    assert f"vLLM's own kernels: not planned: {why}" in text
+
+
 @pytest.mark.parametrize(
     ("spec", "why"),
     [('{"method": "ngram"}', '"num_speculative_tokens" of 1 or more'),

@@ -207,13 +207,13 @@ def flash_attn_paged(impl: Any, max_seqlen_q: int) -> Any:
 
 def preallocate_prefill_buffers(impl: Any, device: Any, max_model_len: int) -> int:
     """Create, before any CUDA graph capture, the buffers ``_prefill_attention`` and
-    ``_continuation_prefill`` would otherwise create on first use (0.21-0.33, same
-    names and dtypes: int32 ``_cu_2``, ``_cu_2_q``, ``_cu_2_k`` of 2 and an int32
-    ``_arange_cache`` of ``0..max_model_len + 1``, long enough that the loop never
-    regrows it). ``prefill_buffers_cached``: 0.21+ cache them on the impl the first
-    time the loop runs and grow the arange when a longer sequence comes; 0.20 allocates
-    them on every call. Created lazily, the first one made inside a capture would live
-    in the graph's private pool. Returns the bytes allocated; buffers that exist stay."""
+    ``_continuation_prefill`` would otherwise create on first use (every release with
+    ``prefill_buffers_cached``, same names and dtypes: int32 ``_cu_2``, ``_cu_2_q``,
+    ``_cu_2_k`` of 2 and an int32 ``_arange_cache`` of ``0..max_model_len + 1``, long enough
+    that the loop never regrows it). ``prefill_buffers_cached``: 0.21+ cache them on the impl
+    the first time the loop runs and grow the arange when a longer sequence comes; 0.20
+    allocates them on every call. Created lazily, the first one made inside a capture would
+    live in the graph's private pool. Returns the bytes allocated; buffers that exist stay."""
     import torch
 
     made = 0
@@ -330,7 +330,7 @@ def ubatch_sliced(feats: Features, ubatching: bool, runner_v2: bool) -> tuple[st
     an int32 ``seq_lens`` starts at ``4 * r`` bytes, token t of the int64 slot mapping at
     ``8 * t``, block-table row r at ``4 * r * width``). Nothing without microbatching.
 
-    V1 (0.20-0.33, ``_make_metadata_with_slice`` in ``v1/worker/ubatch_utils.py``):
+    V1 (``v1_runner``, ``_make_metadata_with_slice`` in ``v1/worker/ubatch_utils.py``):
     ``seq_lens[request_slice]`` (0.20-0.29:179, 0.30:282, 0.33:283; a clone only when
     the microbatch's last request continues in the next one), ``block_table_tensor
     [request_slice]`` and ``slot_mapping[token_slice]`` (0.20:230-231, 0.21-0.29:232-233,
@@ -338,7 +338,7 @@ def ubatch_sliced(feats: Features, ubatching: bool, runner_v2: bool) -> tuple[st
     sliced by ``token_slice`` too (``gpu_model_runner.py`` 0.22:3939, 0.33:3890). 0.32+
     copy a block table whose kernel block size differs into ``kernel_block_table
     [ubatch]`` (``v1/worker/utils.py`` 0.33:380-392), whose base is also at an offset.
-    V2 (``v2_ubatches``, 0.30-0.33, ``v1/worker/gpu/ubatch_utils.py``): ``seq_lens``
+    V2 (``v2_ubatches``, ``v1/worker/gpu/ubatch_utils.py``): ``seq_lens``
     copied into a per-microbatch buffer (``_slice_seq_lens``, 0.30:229, 0.33:235),
     ``block_table[request_slice]`` and ``slot_mappings[:, token_slice]`` (0.30:361-363,
     0.33:367-369). 0.20-0.29 list dual-batch overlap as unsupported by V2
@@ -425,9 +425,9 @@ def flydsl_layer(feats: Features, impl: Any) -> bool:
     """Whether a ``TurboQuantAttentionImpl`` runs ROCm's SoA/FlyDSL kernels instead of
     the warmed ones: ``impl._soa_store`` is True.
 
-    ``rocm_flydsl``, 0.28-0.33: on ROCm gfx950 with FlyDSL importable, the impl sets
+    Where ``rocm_flydsl``: on ROCm gfx950 with FlyDSL importable, the impl sets
     ``_soa_store = _use_flydsl = is_flydsl_available()`` (``turboquant_attn.py``
-    0.28:398-399, 0.29-0.33:369-370) and then stores, decodes and dequantizes with the
+    0.28:398-399, 0.29-0.33:369-370, 0.34:368-369) and then stores, decodes and dequantizes with the
     SoA Triton and FlyDSL kernels (0.33: ``_store_kv`` :686, continuation :839,
     ``_continuation_prefill`` :952, ``_decode_attention`` :1129; 0.28: :715, :868, :981,
     :1158). 0.20-0.27 have no such path.

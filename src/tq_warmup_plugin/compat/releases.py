@@ -23,6 +23,8 @@ __all__ = [
     "JUDGED_ENDINGS",
     "NEWEST",
     "OLDEST",
+    "RECOMMENDED",
+    "RECOMMENDED_TRITON",
     "SUPPORTED",
     "V2_SPEC_METHODS",
     "Features",
@@ -47,6 +49,11 @@ OLDEST: Version = (0, 20)
 NEWEST: Version = (0, 34)
 SUPPORTED = f"{OLDEST[0]}.{OLDEST[1]}-{NEWEST[0]}.{NEWEST[1]}"
 """The supported releases as a person reads them: ``"0.20-0.34"``."""
+RECOMMENDED = f"{NEWEST[0]}.{NEWEST[1]}.0"
+"""The release to install, everywhere the package or its docs name one: ``NEWEST``'s ``.0``."""
+RECOMMENDED_TRITON = "3.8.0"
+"""The Triton ``RECOMMENDED`` pins, for the CPU recipe (``.ci/vllm-env.sh``), which installs
+vLLM without its dependencies; ``.ci/vllm-releases`` lists it first (``tests/test_house.py``)."""
 
 
 def parse_version(text: str | None) -> Version | None:

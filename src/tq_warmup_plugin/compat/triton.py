@@ -96,9 +96,9 @@ class Launches(list[str]):
     in Triton, summed over threads: ``lookup_s`` in the launch itself (bind, key, the
     in-memory cache, a compile or a load from disk), ``load_s`` in ``_init_handles``
     (the C launcher and the module's load on the GPU). What is left of a job's time is
-    vLLM's own code around the launch. From a layer and an entry a hybrid worker's 53
-    launches compiled none and still took 3035 ms of lookups beside the warmers' graph
-    traces, 480 ms after them (H100, 0.26.0, serve-jit runs BD and BE)."""
+    vLLM's own code around the launch. The split found that a hybrid worker's lookups,
+    nothing compiled, were six times as long beside the warmers' graph traces as after
+    them (H100, 0.26.0, ``benchmarks/results/serve-jit/SUMMARY.md``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -161,13 +161,13 @@ def _one_compile_per_key() -> Iterator[None]:
     the others wait for it and then find it in Triton's disk cache. Entered only by
     ``compile_only_launches``, whose lock also covers this patch of the class.
 
-    Why: ``JITFunction.run`` looks the key up in its in-memory cache and, on a miss,
-    compiles (``_do_compile(key, signature, device, ...)``, Triton 3.6-3.8), with no lock
-    between the two. The V2 sampler's 7 logprob jobs each launch ``_ranks_kernel`` with
-    one key, so a cold V2 worker compiled it 4 times on 4 threads and 7 times on 16: 3 of
-    its 17 compiles, 6 of 20 (H200, vLLM 0.26.0, serve-jit runs T and W). The lock is one
-    per (kernel, key, device) and lives as long as this context; distinct keys still
-    compile side by side. Where Triton has no ``_do_compile``, nothing changes.
+    Why: ``JITFunction.run`` looks the key up in its in-memory cache and, on a miss, compiles
+    (``_do_compile(key, signature, device, ...)``, Triton 3.6-3.8), with no lock between the
+    two. The V2 sampler's 7 logprob jobs each launch ``_ranks_kernel`` with one key, so a cold
+    V2 worker compiled it 4 times on 4 threads and 7 times on 16: 3 of its 17 compiles, 6 of 20
+    (H200, vLLM 0.26.0, ``benchmarks/results/serve-jit/SUMMARY.md``). The lock is one per
+    (kernel, key, device) and lives as long as this context; distinct keys still compile side
+    by side. Where Triton has no ``_do_compile``, nothing changes.
     """
     from triton.runtime.jit import JITFunction
 
@@ -227,11 +227,11 @@ def build_host_launcher(kernel: Any) -> str | None:
     cached on disk under ``sha256(source + platform_key())``. A worker served 20 launches of
     vLLM's own kernels from a shipped layer, 0 Triton compiles, in 0.98 s, where the same
     worker over the Triton cache of an earlier start (launchers there) took 0.09 s (H200,
-    0.26.0, serve-jit runs J and Q). Building them where the kernels are built (the
-    compile-ahead child, ``precompile``) leaves the worker a load. Triton 3.7.1 and 3.8.0
-    launch through one generic launcher and build none (no ``make_launcher``). Linking needs
-    ``libcuda.so.1`` (``libcuda_dirs``, or ``TRITON_LIBCUDA_PATH``) and a C compiler: a host
-    without them (a CPU build machine) builds none and says why once."""
+    0.26.0, ``benchmarks/results/serve-jit/SUMMARY.md``). Building them where the kernels are
+    built (the compile-ahead child, ``precompile``) leaves the worker a load. Triton 3.7.1 and
+    3.8.0 launch through one generic launcher and build none (no ``make_launcher``). Linking
+    needs ``libcuda.so.1`` (``libcuda_dirs``, or ``TRITON_LIBCUDA_PATH``) and a C compiler: a
+    host without them (a CPU build machine) builds none and says why once."""
     if _no_launchers:
         return _no_launchers[0]
     import subprocess  # register() imports this module: not there
@@ -246,8 +246,9 @@ def build_host_launcher(kernel: Any) -> str | None:
         return _give_up("this Triton launches through one generic launcher")
     try:
         nvidia.library_dirs()
-    except (AssertionError, OSError, subprocess.SubprocessError) as exc:
-        return _give_up(f"libcuda.so.1 not found ({(str(exc).splitlines() or [''])[0]})")
+    except (AssertionError, OSError, subprocess.SubprocessError):  # Triton's own words:
+        # "libcuda.so cannot found!" and ldconfig's output, not for a person
+        return _give_up("libcuda.so.1 not found (no NVIDIA driver here; TRITON_LIBCUDA_PATH)")
     try:
         nvidia.CudaLauncher(kernel.src, kernel.metadata)
     except ImportError:

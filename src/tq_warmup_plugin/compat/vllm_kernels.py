@@ -423,16 +423,16 @@ def hybrid_block_size(
     ``Platform._align_hybrid_block_size`` over TurboQuant's backend (0.21-0.33), which grows
     the block until a TurboQuant page covers the model's Mamba state, on a ``VllmConfig`` of
     the model (a CPU device: the method reads the model, cache, parallel and speculative
-    configs only). The state grows with the draft tokens, and so does the block: 2096, 2160
-    and 2224 tokens at k = 0, 2 and 4 for the serve-jit Qwen3-Next (vLLM 0.22-0.33 on the
-    CPU; the H200 logged "Setting attention block size to 2160 tokens" with MTP k=2, 0.26.0,
-    run Z). A worker does this after loading its model, which is why ``precompile --model``
-    planned such a model at TurboQuant's own 32 before session 24.
+    configs only). The state grows with the draft tokens, and so does the block: 2096, 2160 and
+    2224 tokens at k = 0, 2 and 4 for the serve-jit Qwen3-Next (vLLM 0.22-0.33 on the CPU; the
+    H200 logged "Setting attention block size to 2160 tokens" with MTP k=2, 0.26.0,
+    ``benchmarks/results/serve-jit/SUMMARY.md``). A worker does this after loading its model,
+    so an offline plan that skipped it would plan such a model at TurboQuant's own 32.
 
     Prefix caching (opt-in for hybrids, 0.22-0.33) picks the ``mamba_cache_mode`` first, by
     vLLM's own ``HybridAttentionMambaModelConfig`` as ``VllmConfig`` runs it: ``all`` for
     a model that declares Mamba prefix caching on 0.22-0.26, whose block then aligns to the
-    Mamba chunk (Jamba: 2048 tokens where it is 304 without; CPU, session 25), ``align`` on
+    Mamba chunk (Jamba: 2048 tokens where it is 304 without, on a CPU), ``align`` on
     0.30+ and for other models, which keeps the block. Raises CompatError where vLLM cannot
     say (a model class that does not import)."""
     from types import SimpleNamespace
@@ -460,7 +460,8 @@ def hybrid_block_size(
         hybrid.verify_and_update_config(config)
         platform._align_hybrid_block_size(config, backend)
     except Exception as exc:  # vLLM raises anything from a model class or a config
-        raise CompatError(f"vLLM could not size the hybrid block: {exc!r}"[:300]) from None
+        why = f"{type(exc).__name__}: {exc}"
+        raise CompatError(f"vLLM could not size the hybrid block: {why}"[:300]) from None
     return int(cache.block_size)
 
 
@@ -468,11 +469,11 @@ def kernel_block_size(block_size: int) -> int:
     """The block TurboQuant's kernels run on for a KV manager block of ``block_size``
     tokens: vLLM's own ``select_common_block_size`` over TurboQuant's backend, as the V1
     runner's ``prepare_kernel_block_sizes`` picks it for an attention group (0.22-0.33,
-    ``vllm.v1.worker.utils``). The two differ for a hybrid model, whose attention pages
-    vLLM sizes to the Mamba state: the serve-jit Qwen3-Next's block of 2160 tokens runs
-    kernels of 16, 135 to a block (H200, 0.26.0, run Z), and its drafter's helpers and slot
-    mapping are keyed by those. Where the function or the backend is missing, the block
-    itself: a miss costs the worker a compile, never a wrong result."""
+    ``vllm.v1.worker.utils``). The two differ for a hybrid model, whose attention pages vLLM
+    sizes to the Mamba state: the serve-jit Qwen3-Next's block of 2160 tokens runs kernels of
+    16, 135 to a block (H200, 0.26.0, ``benchmarks/results/serve-jit/SUMMARY.md``), and its
+    drafter's helpers and slot mapping are keyed by those. Where the function or the backend is
+    missing, the block itself: a miss costs the worker a compile, never a wrong result."""
     try:
         select = importlib.import_module(paths.WORKER_UTILS_MODULE).select_common_block_size
         backend = getattr(importlib.import_module(paths.BACKEND_MODULE), paths.BACKEND_CLASS)

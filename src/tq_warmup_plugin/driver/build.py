@@ -214,6 +214,12 @@ def _hashed(cache: Path) -> dict[str, tuple[str, int]]:
     return files
 
 
+def _step(text: str) -> None:
+    """One progress line on a terminal's stderr (never in a pipe or a log), as the CLI's."""
+    if sys.stderr.isatty():
+        print(f"tq-warmup: {text} ...", file=sys.stderr, flush=True)
+
+
 def build(
     layer: Path,
     todo: Mapping[Launch, str],
@@ -239,9 +245,12 @@ def build(
         if gpu is not None:
             key = driver_cache.entry_key(node.driver, gpu, node.fa2_sha256)
             earlier = _seed(root, key, node, cache)
+        _step(f"{len(todo)} FlashAttention-2 launches into a fresh driver cache (minutes)")
         facts = _run_child(todo, scale, cache, timeout)
         if facts["errors"]:
             raise BuildError(f"{len(facts['errors'])} launches failed: {facts['errors'][0]}")
+        if engine is not None:
+            _step(f"starting a dummy-weight vLLM engine of {engine[0]} into the same cache")
         started = _run_engine(*engine, cache, timeout) if engine is not None else {}
         _name_saved(staged / driver_cache.COMPILED_DIR)
         engine_label = (

@@ -1,24 +1,20 @@
 """The ``torch.compile`` artifacts a driver-cache entry ships: saved by the build's engine,
 handed to torch in each worker's ``kernel_warmup`` before the warmers compile.
 
-Why: what a shipped Triton layer cannot hold is what ``torch.compile`` generates for the
-device in the worker. From a shipped layer on the H200 (vLLM 0.26.0, in-process
-``serve-jit``, runs AS and AT) the V1 sampler's rank count (inductor's
-``triton_per_fused_ge_sum_0``) was about 0.35-0.4 s of a V1 worker's 0.53 s of warmers,
-and a hybrid with MTP compiled 7 such graphs (the rank count, the async spec-decode
-correction's 6). ``precompile`` runs on a CPU and cannot build them; the driver-cache
-build already starts an engine of the fleet's model on one of its GPUs
-(``driver.build``), whose warmers compile exactly these graphs.
+Why: what a shipped Triton layer cannot hold is what ``torch.compile`` generates for the device
+in the worker: from a shipped layer the V1 sampler's rank count (inductor's
+``triton_per_fused_ge_sum_0``) was most of a V1 worker's warmers, and a hybrid with MTP
+compiled 7 such graphs (``benchmarks/results/serve-jit/SUMMARY.md``). ``precompile`` runs on a
+CPU and cannot build them; the driver-cache build already starts an engine of the fleet's model
+on one of its GPUs (``driver.build``), whose warmers compile exactly these graphs.
 
 How: torch's own "mega-cache" (``torch.compiler.save_cache_artifacts`` and
 ``load_cache_artifacts``, torch 2.7+): inductor's FX graph cache entries with their
 Triton kernels bundled, and AOTAutograd's, each keyed by torch itself on the graph, the
 torch and Triton versions and the device. Loading writes them into this process's
 inductor caches, so the warmers' compiles of the same graphs are cache hits; an
-artifact of another stack or graph only misses. On an H100 (vLLM 0.26.0, ``serve-jit
---build-driver-cache``, runs AU-AV) a MoE worker from a layer and an entry loaded 4 in
-2 ms and compiled nothing (302 ms of warmers), and compiled the rank count without
-them (384 ms).
+artifact of another stack or graph only misses. With them a MoE worker from a layer
+and an entry compiled nothing (H100, vLLM 0.26.0; the same record).
 
 Trust: artifacts are pickles, and loading one runs code, as the driver cache's GPU code
 is code the driver runs. They are read only from the entry ``driver.startup`` chose for

@@ -8,11 +8,11 @@ scratch per request and layer). On the H200 (vLLM 0.26.0, Llama-3-8B shape,
 FULL-graph throughput at batch 1 (175 vs 344 tok/s) and 28% at batch 8 (458 vs 1639),
 below no speculative decoding at all (1029). Upstream #40914 (a uniform-batch branch
 that allocates during replay and lets mixed batches reach the loop) and #53410
-(spec-as-decode rows, unmerged) do not serve both needs in any release up to 0.33.
+(spec-as-decode rows, unmerged) do not serve both needs in any release the gate names.
 
 What, under speculative decoding on a release with ``Features.spec_verify_batched``:
 * the builder treats requests of up to ``1 + k`` tokens as decodes: its own
-  ``_init_reorder_batch_threshold(1, supports_spec_as_decode=True)`` (0.21-0.33), so the
+  ``_init_reorder_batch_threshold(1, supports_spec_as_decode=True)``, so the
   runner orders them first (V1 ``reorder_batch_to_split_decodes_and_prefills``, V2
   ``sort_batch_req_ids``);
 * every metadata it builds has that decode part rewritten into one row per query token
@@ -22,10 +22,10 @@ What, under speculative decoding on a release with ``Features.spec_verify_batche
   chunks after them keep vLLM's path;
 * the builder keeps vLLM's ``UNIFORM_BATCH``, so uniform verify batches are captured
   FULL with the rows inside; configurations the rows do not serve (decode context
-  parallelism forces the threshold to 1, 0.21-0.33) keep the PIECEWISE cap.
+  parallelism forces the threshold to 1) keep the PIECEWISE cap.
 The KV cache layout never matters here: the rows are metadata, and vLLM's
-``_decode_attention`` hands the kernels its own view (token-major 0.20-0.25 and
-0.29-0.33, head-major 0.26-0.28). Releases without the gate (0.20: decode scratch
+``_decode_attention`` hands the kernels its own view (head-major where
+``Features.kv_head_major``, else token-major). Releases without the gate (0.20: decode scratch
 lives on the layer and grows with ``torch.empty``, and the metadata has no host copies)
 get the PIECEWISE cap, said in one line.
 """

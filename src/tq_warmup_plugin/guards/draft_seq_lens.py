@@ -12,7 +12,7 @@ size of the tensor (191) must match the existing size (0)" (seen on an H200 with
 0.22.0, draft_model); at 128 or fewer it attends with every length one short. 0.20
 reads the GPU ``seq_lens`` (``turboquant_attn.py`` 0.20:571) and is not affected.
 
-Which setups reach it (``compat.Features.draft_cpu_seq_lens_stale``, 0.21-0.33):
+Which setups reach it (``compat.Features.draft_cpu_seq_lens_stale``):
 draft_model runs on the V1 runner up to 0.30 (V2 refuses it, ``config/vllm.py``
 0.23:2011, 0.30:2844) and on request (``VLLM_USE_V2_MODEL_RUNNER=0``) in 0.31-0.33;
 scheduling is async by default from 0.28, where the bound's prefill rows are still exact

@@ -22,9 +22,10 @@ def install_where_needed(
     ``needed`` names, else nothing. Never raises into vLLM's import: an unknown release
     or layout is one WARNING and vLLM starts unguarded. A release newer than the plugin
     knows is unguarded too, and ``risk`` (what the bug does on every release the plugin
-    knows, and how an operator avoids it) goes into that WARNING: vLLM 0.34.0 left
-    TurboQuant's backend as 0.33 had it but for one line (session 25), and a user who
-    upgrades vLLM before the plugin must learn that the wrong tokens are theirs to avoid."""
+    knows, and how an operator avoids it) goes into that WARNING: a new release may keep the
+    bug (0.34.0 left TurboQuant's backend as 0.33 had it but for one unused attribute), and
+    a user who upgrades vLLM before the plugin must learn that the wrong tokens are theirs
+    to avoid."""
     try:
         if not needed(compat.release_features(compat.installed_vllm_version())):
             return False

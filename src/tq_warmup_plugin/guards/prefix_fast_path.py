@@ -16,15 +16,15 @@ hallucinated (Qwen3-8B, turboquant_4bit_nc, 512 sequences), gone with prefix cac
 off; PR #46461 (open) adds a host-side check. The same test is in every release
 all releases (``compat.Features.prefix_fast_path_unsafe``).
 
-What: ``_prefill_attention`` keeps vLLM's fast path only for a batch whose every
-request is a first chunk (``seq_len == query_len``), decided on the host from the
-metadata's CPU copies (``query_start_loc_cpu``, ``seq_lens_cpu``: 0.21-0.33; no sync,
-no ``.tolist()`` of a device tensor). Any other batch reaches vLLM's own per-request
-loop, unchanged: the same call with ``max_seq_len`` one above ``max_query_len`` (still
-an upper bound of every sequence, which is all the loop reads it for: the size of its
-cached arange), where a fresh request still takes FlashAttention over its own K/V and a
-hit takes the continuation kernels over its cached prefix. Those kernels are in the
-warmup plan already (``continuation``, ``dequant``): a routed request compiles nothing.
+What: ``_prefill_attention`` keeps vLLM's fast path only for a batch whose every request is a
+first chunk (``seq_len == query_len``), decided on the host from the metadata's CPU copies
+(``query_start_loc_cpu``, ``seq_lens_cpu``: ``Features.prefill_host_copies``; no sync, no
+``.tolist()`` of a device tensor). Any other batch reaches vLLM's own per-request loop,
+unchanged: the same call with ``max_seq_len`` one above ``max_query_len`` (still an upper bound
+of every sequence, which is all the loop reads it for: the size of its cached arange), where a
+fresh request still takes FlashAttention over its own K/V and a hit takes the continuation
+kernels over its cached prefix. Those kernels are in the warmup plan already (``continuation``,
+``dequant``): a routed request compiles nothing.
 
 Where the decision cannot be made exactly it is made conservatively, said in the INFO
 line: 0.20's metadata has no host copies, so there only a batch of one request (whose

@@ -7,9 +7,9 @@ step's accepted counts: ``update_num_computed_tokens_for_batch_change``
 the first time each size is 1 or more than 1 (it specializes sizes 0 and 1): this step's
 requests and the previous step's. vLLM's startup never calls it (no step has a previous
 one), so an in-process Qwen3-Next with MTP k=2 compiled it 3 times over the serve-jit
-mix, 2 inductor kernels each (H200, 0.26.0, ``serve-jit --in-process``, run AI). vLLM's
-JIT monitor does not see these: inductor compiles without a ``@triton.jit`` launch, so
-a server's log names none (runs AB, AD); Triton's compile listener does.
+mix (``benchmarks/results/serve-jit/SUMMARY.md``). vLLM's JIT monitor does not see these:
+inductor compiles without a ``@triton.jit`` launch, so a server's log names none; Triton's
+compile listener does.
 
 This warmer calls vLLM's own function with copies of the runner's own buffers (their
 dtypes, sizes and strides; nothing of the runner is written), in inference mode as
@@ -36,7 +36,7 @@ PLANNED = (
     "the worker's scheduling decides it: warmed at startup where async scheduling runs a drafter"
 )
 """An offline plan's line: async scheduling is settled in the worker's config (0.26 turned it
-off for ngram and draft_model, on for MTP, runs AF-AH), and the graphs are the device's."""
+off for ngram and draft_model, on for MTP), and the graphs are the device's."""
 SHAPES = ((1, 1), (1, 3), (2, 1), (2, 3))
 """(this step's requests, the previous step's): each size 1 or past 1, past 1 unequal."""
 

@@ -222,8 +222,8 @@ def tq_warmup_engine_jobs(engine: Engine) -> Iterable[Job | Declined]:
         return [Declined(FAMILY, "vLLM's JIT warmup registry warms them (0.30+)")]
     if engine.runner_v2:
         # V2's ``_dummy_run`` proposes with its speculator (0.26 ``gpu/model_runner.py``:
-        # 605-627); EAGLE k=3 and MTP k=1 there compiled nothing after startup (H200,
-        # 0.26.0, benchmarks/results/serve-jit runs E-F).
+        # 605-627); EAGLE k=3 and MTP k=1 there compiled nothing after startup
+        # (benchmarks/results/serve-jit/SUMMARY.md).
         why = "the V2 runner's speculator launches its own kernels, in its own warmup steps"
         return [Declined(FAMILY, why)]
     drafter = compat.drafter_of(engine.runner)

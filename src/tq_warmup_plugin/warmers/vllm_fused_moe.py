@@ -6,8 +6,8 @@ and the down GEMM), with a config that follows the step's token count
 to a captured one, whose keys capture compiled; a longer step (a prefill chunk) runs
 eagerly at its own size and compiled on first use: ``fused_moe_kernel`` stopped an
 error-mode DeepSeek-V2-Lite (upstream #46167) and compiled late in a hybrid Qwen3-Next
-with MTP (H200, vLLM 0.26.0). vLLM's JIT warmup registry registers no MoE kernel up to
-0.33.
+with MTP (H200, vLLM 0.26.0). vLLM's JIT warmup registry registers no
+``fused_moe_kernel`` key in any supported release (0.34 registers its router GEMMs only).
 
 Which sizes: ``fused_moe_kernel``'s key depends on the step's ``tokens`` only through
 its config and two integer arguments, ``num_valid_tokens`` (tokens x top_k) and each
@@ -27,12 +27,10 @@ plan's those of ``Engine.gpu_name`` (``compat.moe_experts_of_config`` gives it t
 experts). ``tests/contract/test_contract_fused_moe_offline`` holds them to the keys the
 worker's forwards launch.
 
-Before session 27 a worker ran one of vLLM's warmup forwards per size instead
-(``compat.dummy_run``, serially: ``Job.real``). On the H200 (0.26.0, in-process
-``serve-jit``, runs AR-AT) those forwards took 0.46-1.24 s with 0 compiles in them, the
-keys already on disk: most of what a MoE worker's warmers cost from a shipped layer.
-Without them (H100, 0.26.0, run AU) the same worker's 8 steps loaded those keys within its
-254 ms of vLLM kernels, and the mix compiled nothing after startup.
+Why steps and not vLLM's warmup forwards (``compat.dummy_run``, serially: ``Job.real``):
+with the keys already on disk such forwards were most of what a MoE worker's warmers cost
+from a shipped layer, and the steps load the same keys in a fraction of it, with nothing
+compiled after startup (``benchmarks/results/serve-jit/SUMMARY.md``).
 The forwards stay for a model whose experts run another backend than ``TritonExperts``
 (``compat.moe_runs_triton_experts``: FlashInfer's, a quantized method), whose kernels
 only a forward reaches. On the H200 (0.26.0) 11 such forwards compiled the serve-jit

@@ -56,7 +56,7 @@ def warm_v1(engine: Engine) -> None:
     mode, as ``execute_model`` samples. Dynamo keys a graph on its inputs' dispatch keys,
     and the graph this warmer compiled outside it was compiled again by serving: the
     first batch with logprobs of an in-process Qwen3-Next with MTP
-    (``triton_red_fused_ge_sum_0``, H200, 0.26.0, serve-jit --in-process run AJ); on the
+    (``triton_red_fused_ge_sum_0``, ``benchmarks/results/serve-jit/SUMMARY.md``); on the
     CPU, 1 graph of 1 (``tests/contract/test_contract_v1_rank_count.py``)."""
     import torch
 

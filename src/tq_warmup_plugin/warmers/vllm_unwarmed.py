@@ -1,17 +1,17 @@
 """vLLM's kernels a TurboQuant server can reach that no warmer covers yet, named at startup.
 
-A hybrid model's Mamba or gated-delta-net layers run their own Triton kernels (causal
-conv1d, the gated delta rule, their layer norms), keyed by each step's batch shape.
-vLLM's JIT warmup registry registers none of them in any release up to 0.33 (read in
-0.30.0 and 0.33.0). Seen after startup: ``_causal_conv1d_*``,
-``fused_sigmoid_gating_delta_rule_update_kernel`` and ``layer_norm_fwd_kernel`` in a
-hybrid Qwen3-Next with MTP (H200, vLLM 0.26.0: one in-process engine, whose graph mode the
-record does not give; another, with FULL graphs, compiled none of them). Served with vLLM's
-default FULL_AND_PIECEWISE graphs the same model compiled none of them after startup
-(serve-jit runs U and V): there the family declines in one INFO line. Elsewhere
-(``--enforce-eager``, PIECEWISE graphs), until a warmer derives their keys, it declines in
-one line: INFO, or a WARNING where ``--jit-monitor-mode error`` will stop the engine core
-on the first such compile. (MoE layers: ``vllm_fused_moe``.)
+A hybrid model's Mamba or gated-delta-net layers run their own Triton kernels (causal conv1d,
+the gated delta rule, their layer norms), keyed by each step's batch shape. vLLM's JIT warmup
+registry registers none of them on 0.30-0.33 (read in 0.30.0 and 0.33.0); 0.34 registers the
+layer norm (``layernorm_guard.py``) and not the others. Seen after startup:
+``_causal_conv1d_*``, ``fused_sigmoid_gating_delta_rule_update_kernel`` and
+``layer_norm_fwd_kernel`` in a hybrid Qwen3-Next with MTP (H200, vLLM 0.26.0: one in-process
+engine, whose graph mode the record does not give; another, with FULL graphs, compiled none of
+them). Served with vLLM's default FULL_AND_PIECEWISE graphs the same model compiled none of
+them after startup (``benchmarks/results/serve-jit/SUMMARY.md``): there the family declines in
+one INFO line. Elsewhere (``--enforce-eager``, PIECEWISE graphs), until a warmer derives their
+keys, it declines in one line: INFO, or a WARNING where ``--jit-monitor-mode error`` will stop
+the engine core on the first such compile. (MoE layers: ``vllm_fused_moe``.)
 """
 
 from __future__ import annotations
@@ -31,9 +31,8 @@ def tq_warmup_engine_jobs(engine: Engine) -> Iterable[Job | Declined]:
     if not engine.hybrid:
         return []
     if engine.full_decode_graphs:
-        # Qwen3-Next (MoE, GDN) with MTP k=2, FULL_AND_PIECEWISE: 0 JIT events over the
-        # serve-jit mix in warn mode (each event named) and in error mode, 33/33 served
-        # (H200, 0.26.0, runs U and V): vLLM's own startup ran these layers' kernels.
+        # vLLM's own startup and FULL graph capture ran these layers' kernels: a Qwen3-Next
+        # server with MTP compiled none after startup (benchmarks/results/serve-jit/SUMMARY.md).
         return [Declined(HYBRID, "no warmer of their own: vLLM's startup and its FULL "
                          "decode-graph capture ran their kernels (0 compiles after startup "
                          "in a Qwen3-Next server, H200, 0.26.0)")]  # fmt: skip

@@ -7,20 +7,20 @@ keys as 1, a multiple of 16 or other (0.22-0.26; 0.30 and 0.33 grid over the blo
 instead, one key for every count, which their V2 runner warms and their V1 runner does
 not). vLLM 0.26 warms it for Qwen models only, at 1 and 2 blocks
 (``qwen_triton_warmup.py``); 0.22 not at all. A burst of 16 fresh requests took 16 blocks
-in one step and compiled it after startup in an in-process Qwen3-Next with MTP (H200,
-0.26.0, ``serve-jit --in-process``, runs AH and AI), where a server fed over HTTP, its
-requests spread over several steps, had not (runs AB, AD). This warmer calls the runner's
+in one step and compiled it after startup in an in-process Qwen3-Next with MTP, where a
+server fed over HTTP, its requests spread over several steps, had not
+(``benchmarks/results/serve-jit/SUMMARY.md``). This warmer calls the runner's
 own zeroer at each count that is a key of its own (``compat.kv_zeroing_counts``: 1, 2 and
 16 blocks on 0.22-0.26) under ``compat.compile_only_launches``: its segment
 table, page size and tile are serving's, and no block is zeroed.
 
-Offline (``precompile``, ``inspect``, the compile-ahead child), where no KV cache is
-allocated, the constants come from the plan (``planning.kv_zeroing``: the attention layers'
-KV tensors by vLLM's grouping, their page by the plan's layout) and vLLM's kernel is launched
-with them (``compat.zero_blocks_launch``), so a shipped layer holds the keys: a hybrid from
-a layer compiled all three in the worker before (H200, 0.26.0, serve-jit run AS) and none
-after (H100, 0.26.0, run AX). Where the plan misses the live cache (a model whose layers
-group otherwise), the worker compiles its own key at startup, as without the layer.
+Offline (``precompile``, ``inspect``, the compile-ahead child), where no KV cache is allocated,
+the constants come from the plan (``planning.kv_zeroing``: the attention layers' KV tensors by
+vLLM's grouping, their page by the plan's layout) and vLLM's kernel is launched with them
+(``compat.zero_blocks_launch``), so a shipped layer holds the keys: a hybrid served from a
+layer compiles none of them in the worker (the same record). Where the plan misses the live
+cache (a model whose layers group otherwise), the worker compiles its own key at startup, as
+without the layer.
 """
 
 from __future__ import annotations
