@@ -265,7 +265,10 @@ def test_unwritable_report_only_warns(
     install.warm_worker(SimpleNamespace(rank=0), settings)
     levels = [level for level, _ in log()]
     assert levels == [logging.INFO, logging.WARNING]
-    assert "cannot write the JSON report" in log()[1][1]
+    assert log()[1][1] == (
+        f"tq-warmup: TQ_WARMUP_REPORT={tmp_path}/missing/r.json: the JSON report is not "
+        f"written (directory {tmp_path}/missing: No such file or directory)"
+    )
 
 
 UNSUPPORTED = Report(status="unsupported", reason=fakes.OUTSIDE)

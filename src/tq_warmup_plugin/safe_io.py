@@ -37,6 +37,7 @@ __all__ = [
     "MAX_JSON_BYTES",
     "MAX_JSON_DEPTH",
     "UnsafeFile",
+    "kind_of",
     "open_dir",
     "open_regular",
     "parse_json",
@@ -70,7 +71,8 @@ class UnsafeFile(Exception):
         self.missing = missing
 
 
-def _kind(mode: int) -> str:
+def kind_of(mode: int) -> str:
+    """What a file that is not a regular one is, in words ("a FIFO")."""
     for test, name in (
         (stat.S_ISDIR, "a directory"),
         (stat.S_ISFIFO, "a FIFO"),
@@ -115,11 +117,11 @@ def open_dir(name: str, dir_fd: int | None = None) -> int:
             fd = os.open(name, _BASE | _NOFOLLOW | _DIRECTORY, dir_fd=dir_fd)
         except NotADirectoryError:  # Linux: also what a symlink is, with O_NOFOLLOW
             mode = os.lstat(name, dir_fd=dir_fd).st_mode
-            raise UnsafeFile(_SYMLINK if stat.S_ISLNK(mode) else _kind(mode)) from None
+            raise UnsafeFile(_SYMLINK if stat.S_ISLNK(mode) else kind_of(mode)) from None
         try:
             mode = os.fstat(fd).st_mode
             if not stat.S_ISDIR(mode):
-                raise UnsafeFile(_kind(mode))
+                raise UnsafeFile(kind_of(mode))
         except BaseException:
             os.close(fd)
             raise
@@ -137,7 +139,7 @@ def open_regular(
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
-                raise UnsafeFile(_kind(info.st_mode))
+                raise UnsafeFile(kind_of(info.st_mode))
         except BaseException:
             os.close(fd)
             raise
