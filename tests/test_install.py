@@ -187,6 +187,22 @@ def test_register_warns_about_an_odd_variable_when_disabled_too(
     ]
 
 
+def test_register_warns_about_a_variable_it_does_not_read(
+    installs: list[Settings], monkeypatch: pytest.MonkeyPatch, log: Log
+) -> None:
+    """Before: ``TQ_WARMUP_STRICT`` misspelt left CI's strict mode off without a word."""
+    monkeypatch.setenv("TQ_WARMUP_STRIKT", "1")
+    tq_warmup_plugin.register()
+    assert installs == [Settings()]
+    assert log() == [
+        (
+            logging.WARNING,
+            "tq-warmup: TQ_WARMUP_STRIKT is not a setting of this plugin: ignored "
+            "(did you mean TQ_WARMUP_STRICT?)",
+        )
+    ]
+
+
 @pytest.mark.parametrize("raw", ["disable", "nope"])
 def test_an_odd_tq_warmup_leaves_the_plugin_on_and_says_so(
     installs: list[Settings], monkeypatch: pytest.MonkeyPatch, log: Log, raw: str
