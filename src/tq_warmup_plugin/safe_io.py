@@ -109,14 +109,15 @@ def _guarded() -> Iterator[None]:
         raise UnsafeFile(_reason(exc), isinstance(exc, FileNotFoundError)) from None
 
 
-def open_dir(name: str, dir_fd: int | None = None) -> int:
+def open_dir(name: str, dir_fd: int | None = None, *, follow: bool = False) -> int:
     """A descriptor of directory ``name`` (relative to ``dir_fd``), not followed if the
-    final component is a symlink; the caller closes it."""
+    final component is a symlink unless ``follow`` (a layer's root, which its operator
+    names: a ``current`` link is how fleets roll layers); the caller closes it."""
     with _guarded():
         try:
-            fd = os.open(name, _BASE | _NOFOLLOW | _DIRECTORY, dir_fd=dir_fd)
+            fd = os.open(name, _BASE | (0 if follow else _NOFOLLOW) | _DIRECTORY, dir_fd=dir_fd)
         except NotADirectoryError:  # Linux: also what a symlink is, with O_NOFOLLOW
-            mode = os.lstat(name, dir_fd=dir_fd).st_mode
+            mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=follow).st_mode
             raise UnsafeFile(_SYMLINK if stat.S_ISLNK(mode) else kind_of(mode)) from None
         try:
             mode = os.fstat(fd).st_mode
