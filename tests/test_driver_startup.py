@@ -209,7 +209,9 @@ def test_a_copy_name_that_is_a_link_is_replaced_not_followed(
     assert list(victim.iterdir()) == []
 
 
-@pytest.mark.parametrize("case", ["others-world-writable", "private-is-a-link", "private-open"])
+@pytest.mark.parametrize(
+    "case", ["others-world-writable", "others-own", "private-is-a-link", "private-open"]
+)
 def test_a_copy_directory_others_could_write_is_refused_in_one_warning(
     tmp_path: Path, layer: tuple[Path, Path, Path], caplog: pytest.LogCaptureFixture, case: str
 ) -> None:
@@ -222,6 +224,10 @@ def test_a_copy_directory_others_could_write_is_refused_in_one_warning(
         if os.geteuid() != 0:
             pytest.skip("chown to another user needs root")
         base.chmod(0o777)  # another user's, no sticky bit: they could rename the copy away
+        os.chown(base, 65534, 65534)
+    elif case == "others-own":  # 0755, but its owner can rename the copy away (was used)
+        if os.geteuid() != 0:
+            pytest.skip("chown to another user needs root")
         os.chown(base, 65534, 65534)
     elif case == "private-is-a-link":
         (tmp_path / "elsewhere").mkdir()

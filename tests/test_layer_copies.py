@@ -129,3 +129,29 @@ def test_a_noexec_dev_shm_sends_the_copies_to_tmpdir(tmp_path: Path, noexec: boo
     result, _ = _copy_beside_tmpfs(tmp_path, "noexec,size=64m" if noexec else "size=64m")
     want = tmp_path / ("tmp" if noexec else "shm")
     assert result["path"].startswith(str(want)), result
+
+
+@pytest.mark.parametrize(("mode", "owner"), [(0o777, None), (0o775, None), (0o755, 65534)])
+def test_copies_never_go_where_another_user_could_swap_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: int, owner: int | None
+) -> None:
+    """``/dev/shm`` and ``TMPDIR`` both a directory others may write without the sticky
+    bit (an emptyDir), or another user's. Before: the 0700 private directory was made
+    there, and that user could rename it away and put one of theirs at its name, whose
+    files Triton then loaded. Now no copy is made (the caller's one WARNING: the kernels
+    compile instead)."""
+    import tempfile
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    if owner is not None:
+        if os.geteuid() != 0:
+            pytest.skip("chown to another user needs root")
+        os.chown(shared, owner, owner)
+    shared.chmod(mode)
+    monkeypatch.setattr(layer_trust, "SHM", str(shared))
+    monkeypatch.setattr(tempfile, "tempdir", str(shared))
+    monkeypatch.setattr(layer_trust, "_private_roots", {})
+    with pytest.raises(PermissionError, match=f"directory {shared} .*: another user could"):
+        layer_trust._make_private_root()
+    assert list(shared.iterdir()) == []

@@ -171,9 +171,10 @@ def decide(
 
 def private_dir(base: str, uid: int | None = None) -> Path | str:
     """``base/tq-warmup-driver-<uid>``, made 0700 if absent: the directory the copies go
-    into, or why it cannot be (one line). ``base`` must be a directory others cannot
-    write, or one with the sticky bit (``/tmp``); the private one must be a real
-    directory, this user's, closed to others; nothing is followed through a link."""
+    into, or why it cannot be (one line). ``base`` must be root's or this user's, and a
+    directory others cannot write, or one with the sticky bit (``/tmp``); the private one
+    must be a real directory, this user's, closed to others; nothing is followed through
+    a link."""
     uid = os.getuid() if uid is None else uid
     where = os.path.abspath(base)
     try:
@@ -184,6 +185,11 @@ def private_dir(base: str, uid: int | None = None) -> Path | str:
         return f"{where}: {exc.strerror or exc}"
     if not stat.S_ISDIR(info.st_mode):
         return f"{where} is not a directory"
+    if info.st_uid not in (0, uid):
+        return (
+            f"{where} belongs to another user (uid {info.st_uid}), who could rename the "
+            "copy away and put another in its place"
+        )
     if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
         if info.st_uid != uid:
             return (

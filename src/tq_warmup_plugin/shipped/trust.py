@@ -12,7 +12,8 @@ as hostile (a hostile image builder, a shared volume, a full disk: issue 20).
   read once (bounded, ``O_NOFOLLOW``), hashed, and written to a private directory of
   this process (``mkdtemp`` in ``/dev/shm``, else, where it is mounted ``noexec`` or
   once a write there fails, ``TMPDIR``: mode 0700, removed at exit, and what a killed
-  process of this user left there is removed by the next one); Triton is handed paths
+  process of this user left there is removed by the next one; never in a directory
+  another user owns or may write without the sticky bit); Triton is handed paths
   there, never into the layer. Chosen over refusing layer files that others can write:
   Triton opens the returned path later, by name, so a check of the layer's modes or owner
   at hash time cannot bind the bytes Triton reads then (a file, or a whole key directory,
@@ -40,6 +41,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..atomic import directory_problem
 from ..settings import load as load_settings
 from . import manifest, pins
 
@@ -133,8 +135,15 @@ def sweep(parent: str) -> list[str]:
 
 def _new_root(base: str | None) -> str:
     """A fresh private directory (``mkdtemp``: 0700) in ``base`` (None: ``TMPDIR``),
-    marked with its owner; OSError when ``base`` cannot hold it (a full ``/dev/shm``)."""
-    made = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=base)
+    marked with its owner; OSError when ``base`` cannot hold it (a full ``/dev/shm``) or
+    another user could swap it there (``atomic.directory_problem``: a ``TMPDIR`` that is
+    a 0777 emptyDir, or another user's, whose owner could rename the 0700 directory
+    away and put one of theirs at its name, whose files Triton then loads)."""
+    parent = tempfile.gettempdir() if base is None else base
+    problem = directory_problem(os.stat(parent), parent)
+    if problem:
+        raise PermissionError(f"{problem}: another user could swap the copies")
+    made = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent)
     try:
         fd = os.open(os.path.join(made, OWNER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as fh:
