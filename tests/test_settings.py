@@ -235,3 +235,27 @@ def test_a_pin_item_not_understood_is_one_line_at_register() -> None:
         "tq-warmup: TQ_WARMUP_CACHE_PIN item 'sha256:abc' is not sha256:<64 hex digits>: "
         "it pins nothing"
     ]
+
+
+@pytest.mark.parametrize("manager", [None, "", "triton.runtime.cache:FileCacheManager"])
+def test_layers_that_triton_will_not_read_are_one_line(manager: str | None) -> None:
+    """Before: ``TQ_WARMUP_CACHE_LAYERS`` without the layered cache manager was read by
+    nothing and said nothing: every kernel compiled cold."""
+    env = {"TQ_WARMUP_CACHE_LAYERS": "/layers/current"}
+    if manager is not None:
+        env["TRITON_CACHE_MANAGER"] = manager
+    shown = "unset" if manager is None else repr(manager)
+    assert parse(env)[1] == [
+        f"tq-warmup: TQ_WARMUP_CACHE_LAYERS is set but TRITON_CACHE_MANAGER is {shown}, not "
+        "tq_warmup_plugin.layered_cache:LayeredCacheManager: Triton reads no layer"
+    ]
+    for name in settings.MANAGERS:
+        assert parse({**env, "TRITON_CACHE_MANAGER": name})[1] == []
+
+
+def test_the_manager_names_are_the_layered_cache_s() -> None:
+    pytest.importorskip("triton")
+    from tq_warmup_plugin.shipped import layered_cache
+
+    assert settings.MANAGERS[1] == f"{layered_cache.__name__}:LayeredCacheManager"
+    assert layered_cache.MANAGER_NAMES == settings.MANAGERS

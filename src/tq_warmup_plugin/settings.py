@@ -17,6 +17,7 @@ __all__ = [
     "CACHE_LAYERS_ENV",
     "DEFAULT_THREADS",
     "KNOWN",
+    "MANAGERS",
     "Settings",
     "cache_layers",
     "cpu_count",
@@ -203,8 +204,24 @@ def parse(env: Mapping[str, str] | None = None) -> tuple[Settings, list[str]]:
         from .shipped import pins
 
         problems.extend(pins.parse(env["TQ_WARMUP_CACHE_PIN"])[1])
+    manager = env.get("TRITON_CACHE_MANAGER")
+    if env.get(CACHE_LAYERS_ENV, "").strip() and manager not in MANAGERS:
+        problems.append(
+            f"tq-warmup: {CACHE_LAYERS_ENV} is set but TRITON_CACHE_MANAGER is "
+            f"{'unset' if manager is None else repr(manager)}, not {MANAGERS[0]}: "
+            "Triton reads no layer"
+        )
     problems.extend(_unknown(env))
     return settings, problems
+
+
+MANAGERS = (
+    "tq_warmup_plugin.layered_cache:LayeredCacheManager",
+    "tq_warmup_plugin.shipped.layered_cache:LayeredCacheManager",
+)
+"""``TRITON_CACHE_MANAGER`` values that read ``TQ_WARMUP_CACHE_LAYERS``: what operators
+write, and the module's own name (``shipped.layered_cache.MANAGER_NAMES``, which imports
+Triton; ``tests/test_settings.py`` checks that the two agree)."""
 
 
 KNOWN = frozenset(
