@@ -124,35 +124,38 @@ def test_a_report_hard_linked_to_another_file_replaces_the_name_not_the_file(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "victim"]  # no temp left
 
 
-@pytest.mark.parametrize(
-    ("mode", "owner", "why"),
-    [
-        (0o777, None, "is writable by others (mode 777) without the sticky bit"),
-        (0o775, None, "is writable by others (mode 775) without the sticky bit"),
-        (0o755, NOBODY, f"belongs to another user (uid {NOBODY})"),
-        (0o1777, NOBODY, f"belongs to another user (uid {NOBODY})"),
-    ],
-)
-def test_a_report_in_a_directory_others_may_swap_it_in_is_refused(
-    mode: int,
-    owner: int | None,
-    why: str,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    log: Log,
+@pytest.mark.parametrize("mode", [0o755, 0o777, 0o1777])
+def test_a_report_in_another_users_directory_is_refused(
+    mode: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, log: Log
 ) -> None:
-    """Before: written into a 0777 emptyDir, or another user's directory, where that user
-    can swap the name for a link between any check and the write."""
+    """Before: written into a directory of uid 65534, who can rename or swap any name in
+    it between any check and the write, sticky bit or not."""
+    if os.geteuid() != 0:
+        pytest.skip("chown to another user needs root (CI runs as root)")
     shared = tmp_path / "shared"
     shared.mkdir()
-    if owner is not None:
-        if os.geteuid() != 0:
-            pytest.skip("chown to another user needs root (CI runs as root)")
-        os.chown(shared, owner, owner)
+    os.chown(shared, NOBODY, NOBODY)
     shared.chmod(mode)
     warm(shared / "r.json", monkeypatch)
-    assert f"directory {shared} {why}" in refused(log)
+    assert f"directory {shared} belongs to another user (uid {NOBODY})" in refused(log)
     assert list(shared.iterdir()) == []
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775])
+def test_a_report_in_a_directory_of_ours_others_may_write_gets_the_sticky_bit(
+    mode: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, log: Log
+) -> None:
+    """A Kubernetes emptyDir is the pod user's and 0777. Before: written without a word,
+    any other user able to rename the report away or plant its name as a link; now the
+    directory gets the sticky bit first (as ``/tmp``), one INFO line."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(mode)
+    warm(shared / "r.json", monkeypatch)
+    assert log()[1:] == [
+        (logging.INFO, f"tq-warmup: set the sticky bit on {shared} (others could write it)")
+    ]
+    assert stat.S_IMODE(shared.stat().st_mode) == mode | stat.S_ISVTX and written(shared / "r.json")
 
 
 def test_a_report_in_a_sticky_directory_is_written(
@@ -179,6 +182,23 @@ def world() -> Iterator[Path]:
 def as_nobody(*argv: str) -> None:
     cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *argv]
     subprocess.run(cmd, check=True, capture_output=True, timeout=10)
+
+
+def test_a_link_another_user_planted_in_an_emptydir_is_not_followed(
+    world: Path, monkeypatch: pytest.MonkeyPatch, log: Log
+) -> None:
+    """The issue's case: the report's directory is root's and 0777 (an emptyDir), and a
+    real process of uid 65534 plants the report's name as a link to a root file. Before:
+    the root worker overwrote the file."""
+    victim = world / "victim"
+    victim.write_text("precious")
+    shared = world / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    as_nobody("ln", "-s", str(victim), str(shared / "r-0.json"))
+    warm(shared / "r-{rank}.json", monkeypatch)
+    assert "r-0.json is a symlink, not a regular file" in log()[-1][1]
+    assert victim.read_text() == "precious" and shared.stat().st_mode & stat.S_ISVTX
 
 
 def test_a_link_another_user_planted_in_a_sticky_directory_is_not_followed(

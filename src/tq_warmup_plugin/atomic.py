@@ -8,7 +8,9 @@ a careful daemon writes:
 * the directory it goes into is opened once and everything after is relative to that
   descriptor; it must be this user's or root's, and not writable by group or others
   unless it has the sticky bit (``/tmp``): in a 0777 directory (a Kubernetes emptyDir)
-  another user could swap the name for a link between any check and the write;
+  another user could swap the name for a link between any check and the write. One of
+  this user's gets the sticky bit (``claim_directory``), as ``driver.startup`` gives its
+  copy's base: an emptyDir is the pod user's;
 * a target that exists and is not a regular file (a symlink, a FIFO, a device, a
   directory) is refused, never opened: a FIFO without a reader blocks an ``open`` for
   writing for ever, a symlink would have this (often root) process overwrite whatever it
@@ -40,7 +42,7 @@ from pathlib import Path
 
 from .safe_io import kind_of
 
-__all__ = ["UnsafeWrite", "replace_dir", "write_file"]
+__all__ = ["UnsafeWrite", "claim_directory", "directory_problem", "replace_dir", "write_file"]
 
 ATTEMPTS = 3
 
@@ -98,9 +100,31 @@ def directory_problem(info: os.stat_result, where: str, uid: int | None = None) 
     return None
 
 
-def write_file(path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -> None:
+def claim_directory(where: str, dir_fd: int | None = None) -> str | None:
+    """Make sure directory ``where`` (open as ``dir_fd``, if given) may hold this user's
+    files: None where it may as it is; where it is this user's and others may write it
+    without the sticky bit (a Kubernetes emptyDir is root's and 0777), the sticky bit is
+    set, as ``/tmp`` has it, so that nobody else can rename or remove what this user makes
+    in it, and the line saying so is returned (for an INFO line); ``UnsafeWrite`` where
+    another user owns it, or may write it and this user cannot set the bit."""
+    info = os.stat(where) if dir_fd is None else os.fstat(dir_fd)
+    problem = directory_problem(info, where)
+    if problem is None:
+        return None
+    if info.st_uid != os.geteuid() or not stat.S_ISDIR(info.st_mode):
+        raise UnsafeWrite(problem)
+    mode = stat.S_IMODE(info.st_mode) | stat.S_ISVTX
+    try:
+        os.chmod(where, mode) if dir_fd is None else os.fchmod(dir_fd, mode)
+    except OSError as exc:
+        raise UnsafeWrite(f"{problem} ({_why(exc)} setting the sticky bit)") from None
+    return f"tq-warmup: set the sticky bit on {where} (others could write it)"
+
+
+def write_file(path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -> str | None:
     """Write ``data`` as the regular file ``path``, atomically (module docstring);
-    ``UnsafeWrite`` with the reason where it is refused or fails."""
+    ``UnsafeWrite`` with the reason where it is refused or fails. Returns
+    ``claim_directory``'s line where it set the sticky bit on the directory, else None."""
     where, name = os.path.split(os.path.abspath(os.fspath(path)))
     if not name or name in (".", ".."):
         raise UnsafeWrite(f"{path} names no file")
@@ -109,7 +133,7 @@ def write_file(path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -> 
     except (OSError, ValueError) as exc:  # ValueError: a NUL or a lone surrogate in it
         raise UnsafeWrite(f"directory {where}: {_why(exc)}") from None
     try:
-        _write_in(dir_fd, where, name, data, mode)
+        return _write_in(dir_fd, where, name, data, mode)
     except (OSError, ValueError) as exc:
         raise UnsafeWrite(_why(exc)) from None
     finally:
@@ -120,10 +144,8 @@ def _why(exc: Exception) -> str:
     return (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
 
 
-def _write_in(dir_fd: int, where: str, name: str, data: bytes, mode: int) -> None:
-    problem = directory_problem(os.fstat(dir_fd), where)
-    if problem:
-        raise UnsafeWrite(problem)
+def _write_in(dir_fd: int, where: str, name: str, data: bytes, mode: int) -> str | None:
+    claimed = claim_directory(where, dir_fd)
     try:
         there = os.lstat(name, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -148,3 +170,4 @@ def _write_in(dir_fd: int, where: str, name: str, data: bytes, mode: int) -> Non
         raise
     with contextlib.suppress(OSError):
         os.fsync(dir_fd)  # the rename itself survives a crash
+    return claimed

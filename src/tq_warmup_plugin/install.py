@@ -31,20 +31,24 @@ logger = logging.getLogger("vllm.tq_warmup_plugin")
 def _emit(report: Any, settings: Settings, worker: Any) -> None:
     """The report's line, and its JSON at ``TQ_WARMUP_REPORT``: written by
     ``atomic.write_file`` (never through a link, into a FIFO or into a directory others
-    may swap it in); a refusal or a failure is one WARNING and startup goes on."""
+    may swap it in: one of this user's that others may write gets the sticky bit, one
+    INFO line); a refusal or a failure is one WARNING and startup goes on."""
     from .atomic import UnsafeWrite, write_file
 
     logger.log(logging.WARNING if report.is_problem else logging.INFO, report.line())
     if settings.report_path:
         path = settings.report_path.replace("{rank}", str(getattr(worker, "rank", 0)))
         try:
-            write_file(path, report.to_json().encode())
+            claimed = write_file(path, report.to_json().encode())
         except UnsafeWrite as exc:
             logger.warning(
                 "tq-warmup: TQ_WARMUP_REPORT=%s: the JSON report is not written (%s)",
                 printable(path),
-                exc,
+                printable(str(exc)),
             )
+        else:
+            if claimed:
+                logger.info(printable(claimed))
 
 
 def warm_worker(worker: Any, settings: Settings) -> None:
