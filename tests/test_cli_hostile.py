@@ -144,3 +144,28 @@ def test_an_error_nobody_foresaw_is_one_line_exit_2(
     err = one_line(capsys.readouterr().err)
     assert err.startswith("tq-warmup: verify failed: KeyError: 'first\\nsecond' (at ")
     assert err.endswith(f"{Path(__file__).name}:{broken.__code__.co_firstlineno + 1})\n")
+
+
+@pytest.mark.parametrize("make", ["open", "link"])
+def test_a_driver_cache_directory_others_could_swap_is_refused_before_any_launch(
+    make: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``driver-cache`` stages its entry in ``LAYER/driver-cache``. Before: a 0777 one
+    (or a link elsewhere) was staged in, where another user could rename the stage."""
+    layer = tmp_path / "layer"
+    layer.mkdir()
+    if make == "open":
+        (layer / "driver-cache").mkdir()
+        (layer / "driver-cache").chmod(0o777)
+        why = f"directory {layer}/driver-cache is writable by others (mode 777) without the "
+        why += "sticky bit"
+    else:
+        (tmp_path / "elsewhere").mkdir()
+        (layer / "driver-cache").symlink_to(tmp_path / "elsewhere")
+        why = f"{layer}/driver-cache is not a directory of its own (a link?)"
+    flags = ["--kv-cache-dtype", "turboquant_4bit_nc", "--head-size", "128", "--num-heads", "16"]
+    flags += ["--num-kv-heads", "8", "--vllm-version", "0.26.0", "--cache-dir", str(layer)]
+    assert cli.main(["driver-cache", *flags]) == 2
+    note, line = capsys.readouterr().err.splitlines()
+    assert note.startswith("tq-warmup: driver-cache without an engine")
+    assert line == f"tq-warmup: --cache-dir {layer}: {why}: another user could swap the build"

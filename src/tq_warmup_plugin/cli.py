@@ -191,17 +191,24 @@ def _progress(done: int, total: int) -> None:
             sys.stderr.write("\n")
 
 
-def _cache_dir(path: str) -> Path:
+def _cache_dir(path: str, inside: str | None = None) -> Path:
     """``--cache-dir``, created if needed, checked writable before anything is compiled,
     and one that no other user can swap what is built in (``atomic.directory_problem``:
-    this user's or root's, closed to others unless sticky). A ``current`` link to a
-    layer is followed: what is built goes into the layer it names now."""
+    this user's or root's, closed to others unless sticky), as is its directory
+    ``inside`` where it exists (``driver-cache``, where entries are staged). A ``current``
+    link to a layer is followed: what is built goes into the layer it names now."""
     cache_dir = Path(path).resolve()
     if cache_dir.exists() and not cache_dir.is_dir():
         raise CliError(f"--cache-dir {path}: exists and is not a directory")
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         problem = directory_problem(cache_dir.stat(), str(cache_dir))
+        sub = cache_dir / inside if inside else None
+        if not problem and sub is not None and os.path.lexists(sub):
+            if sub.is_symlink() or not sub.is_dir():
+                problem = f"{sub} is not a directory of its own (a link?)"
+            else:
+                problem = directory_problem(sub.stat(), str(sub))
         if problem:
             raise CliError(f"--cache-dir {path}: {problem}: another user could swap the build")
         with tempfile.NamedTemporaryFile(dir=cache_dir, prefix=".tq-warmup-probe-"):
@@ -329,6 +336,7 @@ def driver_cache(args: argparse.Namespace) -> int:
         raise CliError("--engine starts an engine of --model: give --model")
     named, planned = geometries(args)
     from .driver.build import BuildError, build, engine_spec
+    from .driver.entry import DRIVER_DIR
 
     todo = launches.driver_plan(named, _boundary(planned))
     engine = None
@@ -352,7 +360,8 @@ def driver_cache(args: argparse.Namespace) -> int:
         )
         engine = (Path(args.model).resolve(), spec)
     try:
-        return build(_cache_dir(args.cache_dir), todo, planned.geometry.scale, args.timeout, engine)
+        layer = _cache_dir(args.cache_dir, DRIVER_DIR)
+        return build(layer, todo, planned.geometry.scale, args.timeout, engine)
     except BuildError as exc:
         raise CliError(str(exc)) from None
 
