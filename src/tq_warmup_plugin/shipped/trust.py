@@ -14,13 +14,13 @@ as hostile (a hostile image builder, a shared volume, a full disk: issue 20).
   once a write there fails, ``TMPDIR``: mode 0700, removed at exit, and what a killed
   process of this user left there is removed by the next one; never in a directory
   another user owns or may write without the sticky bit, which one of this user's gets);
-  Triton is handed paths
-  there, never into the layer. Chosen over refusing layer files that others can write:
-  Triton opens the returned path later, by name, so a check of the layer's modes or owner
-  at hash time cannot bind the bytes Triton reads then (a file, or a whole key directory,
-  swapped after the first lookup was served; issue 20), and the owner (root, in an image)
-  can still write; a copy binds them by construction. It costs one write of the kernel's
-  files (0.02-0.5 MiB) per key and process (``python -m benchmarks.tqbench layer-check-cost``).
+  Triton is handed paths there, never into the layer. Chosen over refusing layer files
+  that others can write: Triton opens the returned path later, by name, so a check of
+  the layer's modes or owner at hash time cannot bind the bytes Triton reads then (a
+  file, or a whole key directory, swapped after the first lookup was served; issue 20),
+  and the owner (root, in an image) can still write; a copy binds them by construction.
+  It costs one write of the kernel's files (0.02-0.5 MiB) per key and process
+  (``python -m benchmarks.tqbench layer-check-cost``).
 * Files a manifest does not list are never served: only the listed ones are copied.
 * **Any failure reading a manifest costs only that manifest**: one WARNING naming the
   layer and the manifest, remembered for the process; nothing raises into Triton.
