@@ -107,7 +107,43 @@ def test_an_unreadable_entry_is_a_reason_and_the_next_is_tried(tmp_path: Path) -
     alone = driver_startup.decide(settings, {}, NODE, found[:1], lambda: PRIVATE)
     assert "a: manifest: not JSON" in alone.line
     none = driver_startup.decide(settings, {}, NODE, [], lambda: PRIVATE)
-    assert none.action == "info" and "no entry (built by tq-warmup driver-cache)" in none.line
+    assert none.action == "warn" and "holds no entry" in none.line
+
+
+@pytest.mark.parametrize(
+    ("where", "why"),
+    [
+        ("missing", "names no directory"),
+        ("file", "names no directory"),
+        ("empty", "holds no entry (tq-warmup driver-cache builds them)"),
+        ("layer", "holds no entry (the entries are in {root}/driver-cache: name that)"),
+    ],
+)
+def test_a_driver_cache_setting_that_names_no_entry_is_one_warning(
+    where: str, why: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: a path that did not exist, or a directory without entries, was one INFO
+    line (``no entry``) that a fleet's log level hides, and the driver JIT-compiled on
+    every node; the layer named instead of its ``driver-cache`` directory was a WARNING
+    about the missing ``manifest.json`` of an "entry" called ``driver-cache``."""
+    root = tmp_path / "layer"
+    if where == "file":
+        root.write_text("")
+    elif where == "empty":
+        root.mkdir()
+    elif where == "layer":
+        make_entry(root / dc.DRIVER_DIR)
+    env: dict[str, str] = {}
+    proc, fa2 = fake_proc(tmp_path), tmp_path / "fa2.so"
+    fa2.write_bytes(FA2)
+    with caplog.at_level(logging.INFO, "vllm.tq_warmup_plugin"):
+        driver_startup.apply(Settings(driver_cache=str(root)), env, proc, fa2)
+    assert env == {}
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    assert record.getMessage() == (
+        f"tq-warmup: TQ_WARMUP_DRIVER_CACHE={root} {why.format(root=root)}: {driver_startup.TAIL}"
+    )
 
 
 @pytest.fixture
@@ -173,7 +209,9 @@ def test_a_copy_name_that_is_a_link_is_replaced_not_followed(
     assert list(victim.iterdir()) == []
 
 
-@pytest.mark.parametrize("case", ["others-world-writable", "private-is-a-link", "private-open"])
+@pytest.mark.parametrize(
+    "case", ["others-world-writable", "others-own", "private-is-a-link", "private-open"]
+)
 def test_a_copy_directory_others_could_write_is_refused_in_one_warning(
     tmp_path: Path, layer: tuple[Path, Path, Path], caplog: pytest.LogCaptureFixture, case: str
 ) -> None:
@@ -186,6 +224,10 @@ def test_a_copy_directory_others_could_write_is_refused_in_one_warning(
         if os.geteuid() != 0:
             pytest.skip("chown to another user needs root")
         base.chmod(0o777)  # another user's, no sticky bit: they could rename the copy away
+        os.chown(base, 65534, 65534)
+    elif case == "others-own":  # 0755, but its owner can rename the copy away (was used)
+        if os.geteuid() != 0:
+            pytest.skip("chown to another user needs root")
         os.chown(base, 65534, 65534)
     elif case == "private-is-a-link":
         (tmp_path / "elsewhere").mkdir()

@@ -148,6 +148,20 @@ def test_a_key_directory_that_is_a_symlink_out_of_the_layer_is_not_served(
     assert "found a symlink" in warning
 
 
+def test_a_layer_named_through_a_current_link_is_served(
+    lc: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``TQ_WARMUP_CACHE_LAYERS=/layers/current``, a link fleets repoint to roll a layer.
+    Before: the layer's root was opened O_NOFOLLOW, every key was 'found a symlink' (one
+    WARNING each) and nothing in it was served."""
+    layer(tmp_path / "layer-v2", monkeypatch)
+    (tmp_path / "current").symlink_to("layer-v2")
+    monkeypatch.setenv(lc.LAYERS_ENV, str(tmp_path / "current"))
+    caplog.set_level(logging.WARNING, logger="vllm.tq_warmup_plugin")
+    assert served(KEY) is not None and served(OTHER) is not None
+    assert _warnings(caplog) == []
+
+
 def test_bytes_swapped_after_the_first_lookup_are_not_served(hostile: dict[str, Path]) -> None:
     """Before: the first lookup hashed the layer's file and every later one handed
     Triton the layer's path: a cubin swapped to EVILEVILEVIL was served."""

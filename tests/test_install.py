@@ -187,6 +187,22 @@ def test_register_warns_about_an_odd_variable_when_disabled_too(
     ]
 
 
+def test_register_warns_about_a_variable_it_does_not_read(
+    installs: list[Settings], monkeypatch: pytest.MonkeyPatch, log: Log
+) -> None:
+    """Before: ``TQ_WARMUP_STRICT`` misspelt left CI's strict mode off without a word."""
+    monkeypatch.setenv("TQ_WARMUP_STRIKT", "1")
+    tq_warmup_plugin.register()
+    assert installs == [Settings()]
+    assert log() == [
+        (
+            logging.WARNING,
+            "tq-warmup: TQ_WARMUP_STRIKT is not a setting of this plugin: ignored "
+            "(did you mean TQ_WARMUP_STRICT?)",
+        )
+    ]
+
+
 @pytest.mark.parametrize("raw", ["disable", "nope"])
 def test_an_odd_tq_warmup_leaves_the_plugin_on_and_says_so(
     installs: list[Settings], monkeypatch: pytest.MonkeyPatch, log: Log, raw: str
@@ -265,7 +281,10 @@ def test_unwritable_report_only_warns(
     install.warm_worker(SimpleNamespace(rank=0), settings)
     levels = [level for level, _ in log()]
     assert levels == [logging.INFO, logging.WARNING]
-    assert "cannot write the JSON report" in log()[1][1]
+    assert log()[1][1] == (
+        f"tq-warmup: TQ_WARMUP_REPORT={tmp_path}/missing/r.json: the JSON report is not "
+        f"written (directory {tmp_path}/missing: No such file or directory)"
+    )
 
 
 UNSUPPORTED = Report(status="unsupported", reason=fakes.OUTSIDE)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +130,52 @@ def test_a_noexec_dev_shm_sends_the_copies_to_tmpdir(tmp_path: Path, noexec: boo
     result, _ = _copy_beside_tmpfs(tmp_path, "noexec,size=64m" if noexec else "size=64m")
     want = tmp_path / ("tmp" if noexec else "shm")
     assert result["path"].startswith(str(want)), result
+
+
+@pytest.mark.parametrize("mode", [0o755, 0o777])
+def test_copies_never_go_into_another_users_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: int
+) -> None:
+    """``/dev/shm`` and ``TMPDIR`` both another user's. Before: the 0700 private
+    directory was made there, and that user could rename it away and put one of theirs
+    at its name, whose files Triton then loaded. Now no copy is made (the caller's one
+    WARNING: the kernels compile instead)."""
+    import tempfile
+
+    if os.geteuid() != 0:
+        pytest.skip("chown to another user needs root")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chown(shared, 65534, 65534)
+    shared.chmod(mode)
+    monkeypatch.setattr(layer_trust, "SHM", str(shared))
+    monkeypatch.setattr(tempfile, "tempdir", str(shared))
+    monkeypatch.setattr(layer_trust, "_private_roots", {})
+    with pytest.raises(PermissionError, match=f"directory {shared} belongs to another user"):
+        layer_trust._make_private_root()
+    assert list(shared.iterdir()) == []
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775])
+def test_a_directory_of_ours_others_may_write_gets_the_sticky_bit_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``deploy/kubernetes.yaml`` mounts emptyDirs (the pod user's, 0777) at ``/dev/shm``
+    and ``/tmp``. Before: the private directory was made there as it was, and any other
+    user could rename it away and put one of theirs at its name. Now the directory gets
+    the sticky bit first (one INFO line), and the copies go there."""
+    import logging
+
+    shared = tmp_path / "shm"
+    shared.mkdir()
+    shared.chmod(mode)
+    monkeypatch.setattr(layer_trust, "SHM", str(shared))
+    monkeypatch.setattr(layer_trust, "_executable_mount", lambda path: True)
+    monkeypatch.setattr(layer_trust, "_private_roots", {})
+    with caplog.at_level(logging.INFO, "vllm.tq_warmup_plugin"):
+        made = layer_trust._make_private_root()
+    assert Path(made).parent == shared and stat.S_IMODE(shared.stat().st_mode) == mode | 0o1000
+    assert [r.getMessage() for r in caplog.records] == [
+        f"tq-warmup: set the sticky bit on {shared} (others could write it)"
+    ]
+    shutil.rmtree(made)

@@ -334,3 +334,20 @@ def test_pin_values(text: str | None, pinned: set[str] | None, problems: int) ->
 
     found, lines = pins.parse(text)
     assert (found if found is None else set(found)) == pinned and len(lines) == problems
+
+
+def test_a_layer_reached_through_a_current_link_serves_its_listed_files(tmp_path: Path) -> None:
+    """What a worker reads for a key (``shipped.trust``) when ``TQ_WARMUP_CACHE_LAYERS``
+    names a ``current`` link to the layer, as fleets roll layers. Before: the root was
+    opened O_NOFOLLOW and every key was refused ('found a symlink'). A key directory
+    that is a link is still refused."""
+    layer = tmp_path / "layer-v2"
+    key_dir(layer, K1)
+    listed = manifest.key_dir_hashes(layer / K1)
+    (tmp_path / "current").symlink_to("layer-v2")
+    data, problems = manifest.load_key_dir(tmp_path / "current", K1, listed)
+    assert problems == [] and sorted(data) == sorted(listed)
+    (layer / K1).rename(tmp_path / "elsewhere")
+    (layer / K1).symlink_to(tmp_path / "elsewhere")
+    data, problems = manifest.load_key_dir(tmp_path / "current", K1, listed)
+    assert data == {} and "found a symlink" in str(problems[0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import fakes
 import pytest
@@ -191,3 +192,70 @@ def test_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_spec_guard_values(value: str, guard: bool, piecewise: bool) -> None:
     settings, problems = parse({"TQ_WARMUP_SPEC_GUARD": value})
     assert (settings.spec_guard, settings.spec_piecewise, problems) == (guard, piecewise, [])
+
+
+@pytest.mark.parametrize(
+    ("name", "hint"),
+    [
+        ("TQ_WARMUP_THREAD", "did you mean TQ_WARMUP_THREADS?"),
+        ("TQ_WARMUP_DRIVER_CACHE_COPYTO", "did you mean TQ_WARMUP_DRIVER_CACHE_COPY_TO?"),
+        ("TQ_WARMUPS", "did you mean TQ_WARMUP?"),
+        ("TQ_WARMUP_FOO", "known: TQ_WARMUP, TQ_WARMUP_AHEAD, "),
+    ],
+)
+def test_a_variable_the_plugin_does_not_read_is_one_line_naming_it(name: str, hint: str) -> None:
+    """Before: ignored without a word (a typo'd setting kept its default silently)."""
+    got, problems = parse({name: "1", "TQ_WARMUP_STRICT": "1", "OTHER_TQ_WARMUP": "1"})
+    assert got == Settings(strict=True)
+    (line,) = problems
+    assert line.startswith(f"tq-warmup: {name} is not a setting of this plugin: ignored ({hint}")
+
+
+def test_every_variable_the_plugin_reads_is_known() -> None:
+    """``KNOWN`` is what the package reads: a name it reads never warns."""
+    import re
+
+    root = Path(settings.__file__).parent
+    read = {
+        name
+        for path in root.rglob("*.py")
+        for name in re.findall(r"\"(TQ_WARMUP[A-Z_]*)\"", path.read_text())
+        if name != "TQ_WARMUP_"
+    }
+    assert read <= settings.KNOWN, read - settings.KNOWN
+    assert parse(dict.fromkeys(settings.KNOWN, ""))[1] == []
+
+
+def test_a_pin_item_not_understood_is_one_line_at_register() -> None:
+    """Before: said nowhere: the item pinned nothing, and every manifest was refused
+    with a WARNING that did not name the typo."""
+    good = "sha256:" + "ab" * 32
+    _, problems = parse({"TQ_WARMUP_CACHE_PIN": f"{good}, sha256:abc"})
+    assert problems == [
+        "tq-warmup: TQ_WARMUP_CACHE_PIN item 'sha256:abc' is not sha256:<64 hex digits>: "
+        "it pins nothing"
+    ]
+
+
+@pytest.mark.parametrize("manager", [None, "", "triton.runtime.cache:FileCacheManager"])
+def test_layers_that_triton_will_not_read_are_one_line(manager: str | None) -> None:
+    """Before: ``TQ_WARMUP_CACHE_LAYERS`` without the layered cache manager was read by
+    nothing and said nothing: every kernel compiled cold."""
+    env = {"TQ_WARMUP_CACHE_LAYERS": "/layers/current"}
+    if manager is not None:
+        env["TRITON_CACHE_MANAGER"] = manager
+    shown = "unset" if manager is None else repr(manager)
+    assert parse(env)[1] == [
+        f"tq-warmup: TQ_WARMUP_CACHE_LAYERS is set but TRITON_CACHE_MANAGER is {shown}, not "
+        "tq_warmup_plugin.layered_cache:LayeredCacheManager: Triton reads no layer"
+    ]
+    for name in settings.MANAGERS:
+        assert parse({**env, "TRITON_CACHE_MANAGER": name})[1] == []
+
+
+def test_the_manager_names_are_the_layered_cache_s() -> None:
+    pytest.importorskip("triton")
+    from tq_warmup_plugin.shipped import layered_cache
+
+    assert settings.MANAGERS[1] == f"{layered_cache.__name__}:LayeredCacheManager"
+    assert layered_cache.MANAGER_NAMES == settings.MANAGERS

@@ -26,6 +26,7 @@ from pathlib import Path
 import pluggy
 
 from . import compat, launches, planning, safe_io, warmup
+from .atomic import directory_problem
 from .cli_flags import (
     Parser,
     arch,
@@ -201,9 +202,13 @@ def _progress(done: int, total: int) -> None:
             sys.stderr.write("\n")
 
 
-def _cache_dir(path: str) -> Path:
-    """``--cache-dir``, checked writable before anything is compiled, and not created: a
-    command that refuses later leaves no directory behind (``_made`` creates it)."""
+def _cache_dir(path: str, inside: str | None = None) -> Path:
+    """``--cache-dir``, checked writable before anything is compiled and not created: a
+    command that refuses later leaves no directory behind (``_made`` creates it). Where it
+    exists it must be one that no other user can swap what is built in
+    (``atomic.directory_problem``: this user's or root's, closed to others unless sticky),
+    as must its directory ``inside`` (``driver-cache``, where entries are staged). A
+    ``current`` link to a layer is followed: what is built goes into the layer it names now."""
     cache_dir = Path(path).resolve()
     if cache_dir.exists() and not cache_dir.is_dir():
         raise CliError(f"--cache-dir {path}: exists and is not a directory")
@@ -213,6 +218,15 @@ def _cache_dir(path: str) -> Path:
     try:
         if not existing.is_dir():
             raise NotADirectoryError(f"{existing} is not a directory")
+        problem = directory_problem(existing.stat(), str(existing))
+        sub = cache_dir / inside if inside else None
+        if not problem and sub is not None and os.path.lexists(sub):
+            if sub.is_symlink() or not sub.is_dir():
+                problem = f"{sub} is not a directory of its own (a link?)"
+            else:
+                problem = directory_problem(sub.stat(), str(sub))
+        if problem:
+            raise CliError(f"--cache-dir {path}: {problem}: another user could swap the build")
         with tempfile.NamedTemporaryFile(dir=existing, prefix=".tq-warmup-probe-"):
             pass
     except OSError as exc:
@@ -351,6 +365,7 @@ def driver_cache(args: argparse.Namespace) -> int:
         _stage(f"importing vLLM and reading {args.model} with its ModelConfig")
     named, planned = geometries(args)
     from .driver.build import BuildError, build, engine_spec
+    from .driver.entry import DRIVER_DIR
 
     todo = launches.driver_plan(named, _boundary(planned))
     engine = None
@@ -374,7 +389,8 @@ def driver_cache(args: argparse.Namespace) -> int:
         )
         engine = (Path(args.model).resolve(), spec)
     try:
-        return build(_cache_dir(args.cache_dir), todo, planned.geometry.scale, args.timeout, engine)
+        layer = _cache_dir(args.cache_dir, DRIVER_DIR)
+        return build(layer, todo, planned.geometry.scale, args.timeout, engine)
     except BuildError as exc:
         raise CliError(str(exc)) from None
 
@@ -547,13 +563,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: every way it ends is an exit code and, where it did not do
+    what was asked, one ``tq-warmup:`` line on stderr; exit 2 where it could not run
+    (refused input, a closed or broken stdout, any unforeseen error), never a traceback."""
+    _tolerant_streams()
+    if sys.stdout is None:  # `tq-warmup doctor >&-`: Python starts without one
+        _error("standard output is closed: there is nowhere to print the answer")
+        return 2
     args = build_parser().parse_args(argv)
     conflicts = report_conflicts(sys.argv[1:] if argv is None else argv)
     if conflicts:
-        print(
-            f"tq-warmup: --geometry-json plans from a startup report, which fixes "
-            f"{', '.join(conflicts)}: drop them",
-            file=sys.stderr,
+        _error(
+            f"--geometry-json plans from a startup report, which fixes "
+            f"{', '.join(conflicts)}: drop them"
         )
         return 2
     # vLLM's import-time warnings (no CUDA here, no vllm._C) are not the CLI's answer.
@@ -572,18 +594,50 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.flush()  # inside the try: a reader that went away is one case below
             return rc
         except (CliError, planning.PlanError) as exc:
-            print(f"tq-warmup: {exc}", file=sys.stderr)
+            _error(str(exc))
             return 2
         except BrokenPipeError:  # `tq-warmup inspect | head`: the reader has gone
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return 141  # what a shell reports for a process killed by SIGPIPE
+            with contextlib.suppress(Exception):  # nothing more reaches it at exit either
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            _error(f"{args.command}: standard output was closed before the answer was printed")
+            return 2
         except KeyboardInterrupt:  # SIGINT, or SIGTERM (below): the stacks have unwound
-            print(
-                f"tq-warmup: {args.command} interrupted: its stage is removed and nothing "
-                "it had not finished installing was installed",
-                file=sys.stderr,
+            _error(
+                f"{args.command} interrupted: its stage is removed and nothing "
+                "it had not finished installing was installed"
             )
             return 130
+        except Exception as exc:  # a case nobody foresaw is still one line, not a traceback
+            _error(f"{args.command} failed: {_crash(exc)}")
+            return 2
+
+
+def _error(line: str) -> None:
+    """One ``tq-warmup:`` line on stderr, if there is a stderr; what a layer's author or
+    a file name controls is escaped (``safe_io.printable``)."""
+    if sys.stderr is not None:
+        with contextlib.suppress(OSError):
+            print(f"tq-warmup: {safe_io.printable(line)}", file=sys.stderr, flush=True)
+
+
+def _crash(exc: BaseException) -> str:
+    """An unforeseen exception in one line: its type, first line and where it was raised."""
+    import traceback
+
+    text = str(exc).strip().splitlines()
+    where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    at = f" (at {Path(where[0].filename).name}:{where[0].lineno})" if where else ""
+    return f"{type(exc).__name__}{': ' + text[0] if text else ''}{at}"
+
+
+def _tolerant_streams() -> None:
+    """stdout and stderr escape what they cannot encode (a file name that is not UTF-8
+    arrives as lone surrogates) instead of raising UnicodeEncodeError mid-answer."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            with contextlib.suppress(Exception):
+                reconfigure(errors="backslashreplace")
 
 
 @contextlib.contextmanager

@@ -8,12 +8,12 @@ Parsing only: what a flag's value means is decided where it is used (``planning`
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from . import compat
+from . import compat, safe_io
 from .geometry import PRESETS
 from .planning import PlanRequest
 
@@ -50,13 +50,26 @@ def whole(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def _json(text: str) -> object:
+    """A JSON flag's value, parsed as a hostile file's (``safe_io.parse_json``): deep
+    nesting or bytes that are not UTF-8 (an argument is any bytes) are a usage error,
+    never a RecursionError or UnicodeEncodeError."""
+    try:
+        data = os.fsencode(text)  # the argument's own bytes
+    except UnicodeEncodeError:  # a lone surrogate given in-process
+        data = text.encode("utf-8", "surrogatepass")
+    try:
+        return safe_io.parse_json(data)
+    except safe_io.UnsafeFile as exc:
+        if str(exc).startswith("not valid JSON"):
+            raise argparse.ArgumentTypeError(f"{text[:80]!r} is not JSON") from None
+        raise argparse.ArgumentTypeError(f"not usable JSON: {exc}") from None
+
+
 def speculative_config(text: str) -> dict[str, object]:
     """vLLM's ``--speculative-config`` JSON object, checked as vLLM's engine would need it
     for its kernels: a method and one or more draft tokens."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text[:80]!r} is not JSON") from None
+    value = _json(text)
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("it is not a JSON object")
     try:
@@ -79,10 +92,7 @@ def engine_args(text: str) -> dict[str, object]:
     ``EngineArgs`` field names, for the fleet's flags that change what its engine loads or
     compiles (a hybrid's ``{"gdn_prefill_backend": "triton"}``). One the build sets itself
     (``FIXED_ENGINE_ARGS``) is refused: its own flag says it."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text[:80]!r} is not JSON") from None
+    value = _json(text)
     if not isinstance(value, dict) or not all(k.isidentifier() for k in value):
         raise argparse.ArgumentTypeError("it is not a JSON object of EngineArgs field names")
     fixed = sorted(FIXED_ENGINE_ARGS & set(value))

@@ -21,6 +21,7 @@ from types import ModuleType
 from typing import Any
 
 from . import ahead, compat, guards, patching
+from .safe_io import printable
 from .settings import Settings
 
 # A child of vLLM's "vllm" logger inherits its handlers and format.
@@ -28,11 +29,26 @@ logger = logging.getLogger("vllm.tq_warmup_plugin")
 
 
 def _emit(report: Any, settings: Settings, worker: Any) -> None:
+    """The report's line, and its JSON at ``TQ_WARMUP_REPORT``: written by
+    ``atomic.write_file`` (never through a link, into a FIFO or into a directory others
+    may swap it in: one of this user's that others may write gets the sticky bit, one
+    INFO line); a refusal or a failure is one WARNING and startup goes on."""
+    from .atomic import UnsafeWrite, write_file
+
     logger.log(logging.WARNING if report.is_problem else logging.INFO, report.line())
     if settings.report_path:
         path = settings.report_path.replace("{rank}", str(getattr(worker, "rank", 0)))
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(report.to_json())
+        try:
+            claimed = write_file(path, report.to_json().encode())
+        except UnsafeWrite as exc:
+            logger.warning(
+                "tq-warmup: TQ_WARMUP_REPORT=%s: the JSON report is not written (%s)",
+                printable(path),
+                printable(str(exc)),
+            )
+        else:
+            if claimed:
+                logger.info(printable(claimed))
 
 
 def warm_worker(worker: Any, settings: Settings) -> None:
@@ -49,10 +65,7 @@ def warm_worker(worker: Any, settings: Settings) -> None:
         if settings.strict:
             raise
         report = Report(status="failed", reason=error_line(exc))
-    try:
-        _emit(report, settings, worker)
-    except OSError as exc:
-        logger.warning("tq-warmup: cannot write the JSON report: %s", exc)
+    _emit(report, settings, worker)
     if settings.strict and (report.status in ("failed", "unsupported") or report.errors):
         raise RuntimeError(f"tq-warmup strict mode: {report.line()}")
 

@@ -37,6 +37,7 @@ __all__ = [
     "MAX_JSON_BYTES",
     "MAX_JSON_DEPTH",
     "UnsafeFile",
+    "kind_of",
     "open_dir",
     "open_regular",
     "parse_json",
@@ -70,7 +71,8 @@ class UnsafeFile(Exception):
         self.missing = missing
 
 
-def _kind(mode: int) -> str:
+def kind_of(mode: int) -> str:
+    """What a file that is not a regular one is, in words ("a FIFO")."""
     for test, name in (
         (stat.S_ISDIR, "a directory"),
         (stat.S_ISFIFO, "a FIFO"),
@@ -107,19 +109,20 @@ def _guarded() -> Iterator[None]:
         raise UnsafeFile(_reason(exc), isinstance(exc, FileNotFoundError)) from None
 
 
-def open_dir(name: str, dir_fd: int | None = None) -> int:
+def open_dir(name: str, dir_fd: int | None = None, *, follow: bool = False) -> int:
     """A descriptor of directory ``name`` (relative to ``dir_fd``), not followed if the
-    final component is a symlink; the caller closes it."""
+    final component is a symlink unless ``follow`` (a layer's root, which its operator
+    names: a ``current`` link is how fleets roll layers); the caller closes it."""
     with _guarded():
         try:
-            fd = os.open(name, _BASE | _NOFOLLOW | _DIRECTORY, dir_fd=dir_fd)
+            fd = os.open(name, _BASE | (0 if follow else _NOFOLLOW) | _DIRECTORY, dir_fd=dir_fd)
         except NotADirectoryError:  # Linux: also what a symlink is, with O_NOFOLLOW
-            mode = os.lstat(name, dir_fd=dir_fd).st_mode
-            raise UnsafeFile(_SYMLINK if stat.S_ISLNK(mode) else _kind(mode)) from None
+            mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=follow).st_mode
+            raise UnsafeFile(_SYMLINK if stat.S_ISLNK(mode) else kind_of(mode)) from None
         try:
             mode = os.fstat(fd).st_mode
             if not stat.S_ISDIR(mode):
-                raise UnsafeFile(_kind(mode))
+                raise UnsafeFile(kind_of(mode))
         except BaseException:
             os.close(fd)
             raise
@@ -137,7 +140,7 @@ def open_regular(
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
-                raise UnsafeFile(_kind(info.st_mode))
+                raise UnsafeFile(kind_of(info.st_mode))
         except BaseException:
             os.close(fd)
             raise

@@ -3,7 +3,8 @@
 Everything the operator can tune lives here so that the rest of the package
 receives one frozen value instead of reading the environment itself. A value
 that is not understood keeps the default, and :func:`parse` says so in one line
-per variable, which ``register()`` logs as a WARNING.
+per variable, which ``register()`` logs as a WARNING; so is a ``TQ_WARMUP*`` variable
+the plugin does not read at all (``KNOWN``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import NamedTuple
 __all__ = [
     "CACHE_LAYERS_ENV",
     "DEFAULT_THREADS",
+    "KNOWN",
+    "MANAGERS",
     "Settings",
     "cache_layers",
     "cpu_count",
@@ -195,7 +198,55 @@ def parse(env: Mapping[str, str] | None = None) -> tuple[Settings, list[str]]:
         vllm_kernels=_flag(env, "TQ_WARMUP_VLLM_KERNELS", True, problems),
         ahead=_flag(env, "TQ_WARMUP_AHEAD", True, problems),
     )
+    if env.get("TQ_WARMUP_CACHE_PIN"):  # read where it is used; a bad item said here
+        from .shipped import pins
+
+        problems.extend(pins.parse(env["TQ_WARMUP_CACHE_PIN"])[1])
+    manager = env.get("TRITON_CACHE_MANAGER")
+    if env.get(CACHE_LAYERS_ENV, "").strip() and manager not in MANAGERS:
+        problems.append(
+            f"tq-warmup: {CACHE_LAYERS_ENV} is set but TRITON_CACHE_MANAGER is "
+            f"{'unset' if manager is None else repr(manager)}, not {MANAGERS[0]}: "
+            "Triton reads no layer"
+        )
+    problems.extend(_unknown(env))
     return settings, problems
+
+
+MANAGERS = (
+    "tq_warmup_plugin.layered_cache:LayeredCacheManager",
+    "tq_warmup_plugin.shipped.layered_cache:LayeredCacheManager",
+)
+"""``TRITON_CACHE_MANAGER`` values that read ``TQ_WARMUP_CACHE_LAYERS``: what operators
+write, and the module's own name (``shipped.layered_cache.MANAGER_NAMES``, which imports
+Triton; ``tests/test_settings.py`` checks that the two agree)."""
+
+
+KNOWN = frozenset(
+    {"TQ_WARMUP", "TQ_WARMUP_STRICT", "TQ_WARMUP_REPORT", "TQ_WARMUP_THREADS",
+     "TQ_WARMUP_LAUNCH", "TQ_WARMUP_SPEC_GUARD", "TQ_WARMUP_PREFIX_GUARD",
+     "TQ_WARMUP_CACHE_UNVERIFIED", "TQ_WARMUP_DRIVER_CACHE", "TQ_WARMUP_DRIVER_CACHE_COPY_TO",
+     "TQ_WARMUP_DRIVER_CACHE_OVERRIDE", "TQ_WARMUP_VLLM_KERNELS", "TQ_WARMUP_AHEAD",
+     "TQ_WARMUP_CACHE_LAYERS", "TQ_WARMUP_CACHE_PIN"}
+)  # fmt: skip
+"""Every variable the plugin reads: ``Settings``', the layers (``cache_layers``) and
+their pin (``shipped.pins``)."""
+
+
+def _unknown(env: Mapping[str, str]) -> list[str]:
+    """One line per ``TQ_WARMUP*`` variable the plugin does not read (a typo, or one of
+    another release), with the nearest name it does read."""
+    odd = sorted(name for name in env if name.startswith("TQ_WARMUP") and name not in KNOWN)
+    if not odd:
+        return []
+    import difflib  # only here: register() imports this module in every vLLM process
+
+    lines = []
+    for name in odd:
+        near = difflib.get_close_matches(name, sorted(KNOWN), n=1, cutoff=0.85)
+        hint = f"did you mean {near[0]}?" if near else f"known: {', '.join(sorted(KNOWN))}"
+        lines.append(f"tq-warmup: {name} is not a setting of this plugin: ignored ({hint})")
+    return lines
 
 
 def load(env: Mapping[str, str] | None = None) -> Settings:

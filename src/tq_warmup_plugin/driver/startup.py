@@ -31,8 +31,8 @@ hit from a read-only cache (the same launch over a read-only bind mount was no h
 110 s on the H200), so a copy is needed anyway. ``CUDA_CACHE_MAXSIZE`` is raised to 4 GiB
 unless set (the default 256 MiB may evict). A ``CUDA_CACHE_PATH`` already set is kept (one
 WARNING) unless ``TQ_WARMUP_DRIVER_CACHE_OVERRIDE`` is on; one that equals the choice was
-set by this process's parent and is silently kept. A mismatch is one WARNING and the
-driver JITs as before. Nothing here raises."""
+set by this process's parent and is silently kept. A mismatch, or a setting that names
+no entry at all, is one WARNING and the driver JITs as before. Nothing here raises."""
 
 from __future__ import annotations
 
@@ -75,8 +75,8 @@ READ_BUDGET_S = 2.0
 
 class Decision(NamedTuple):
     """What ``apply`` does: ``use`` (set ``CUDA_CACHE_PATH=path``), ``copy`` (copy the
-    entry's cache to ``path`` first), ``keep`` (nothing, silently), ``info`` (nothing
-    shipped: one INFO line) or ``warn`` (one WARNING: a mismatch, or a variable in the way)."""
+    entry's cache to ``path`` first), ``keep`` (nothing, silently) or ``warn`` (one
+    WARNING: a mismatch, no entry at all, or a variable in the way)."""
 
     action: str
     line: str = ""
@@ -100,6 +100,20 @@ def _describe(node: driver_cache.Node) -> str:
 PRIVATE_PREFIX = "tq-warmup-driver-"
 
 
+def _no_entry(root: str) -> str:
+    """The WARNING for a ``TQ_WARMUP_DRIVER_CACHE`` that names no entry: no directory
+    there, or one that holds none (an image built without the GPU step, or the layer
+    named where its ``driver-cache`` directory was meant)."""
+    where = os.path.join(root, driver_cache.DRIVER_DIR)
+    if not os.path.isdir(root):
+        why = "names no directory"
+    elif os.path.isdir(where):
+        why = f"holds no entry (the entries are in {where}: name that)"
+    else:
+        why = "holds no entry (tq-warmup driver-cache builds them)"
+    return f"tq-warmup: TQ_WARMUP_DRIVER_CACHE={root} {why}: {TAIL}"
+
+
 def decide(
     settings: Settings,
     env: MutableMapping[str, str],
@@ -118,8 +132,8 @@ def decide(
     head, tail = _head(root), TAIL
     if env.get("CUDA_CACHE_DISABLE", "0").strip() not in ("", "0"):
         return Decision("warn", f"{head}: not used, CUDA_CACHE_DISABLE is set: {tail}")
-    if not found:  # nothing shipped (an image built without a GPU step): not a mismatch
-        return Decision("info", f"{head}: no entry (built by tq-warmup driver-cache): {tail}")
+    if not found:  # a setting that names no entry says so, as any setting not understood
+        return Decision("warn", _no_entry(root))
     reasons = []
     for entry, shipped in found:
         problems = [shipped] if isinstance(shipped, str) else driver_cache.match(shipped, node)
@@ -157,9 +171,10 @@ def decide(
 
 def private_dir(base: str, uid: int | None = None) -> Path | str:
     """``base/tq-warmup-driver-<uid>``, made 0700 if absent: the directory the copies go
-    into, or why it cannot be (one line). ``base`` must be a directory others cannot
-    write, or one with the sticky bit (``/tmp``); the private one must be a real
-    directory, this user's, closed to others; nothing is followed through a link."""
+    into, or why it cannot be (one line). ``base`` must be root's or this user's, and a
+    directory others cannot write, or one with the sticky bit (``/tmp``); the private one
+    must be a real directory, this user's, closed to others; nothing is followed through
+    a link."""
     uid = os.getuid() if uid is None else uid
     where = os.path.abspath(base)
     try:
@@ -170,6 +185,11 @@ def private_dir(base: str, uid: int | None = None) -> Path | str:
         return f"{where}: {exc.strerror or exc}"
     if not stat.S_ISDIR(info.st_mode):
         return f"{where} is not a directory"
+    if info.st_uid not in (0, uid):
+        return (
+            f"{where} belongs to another user (uid {info.st_uid}), who could rename the "
+            "copy away and put another in its place"
+        )
     if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
         if info.st_uid != uid:
             return (
@@ -264,6 +284,10 @@ def _apply(
 ) -> Decision:
     if settings.driver_cache is None:
         return Decision("keep")
+    if os.path.isdir(os.path.join(settings.driver_cache, driver_cache.DRIVER_DIR)):
+        line = _no_entry(settings.driver_cache)  # the layer, not its entries: no entry
+        logger.warning(line)
+        return Decision("warn", line)
     found: list[tuple[Path, driver_cache.DriverManifest | str]] = []
     pinned = pins.current()  # TQ_WARMUP_CACHE_PIN: only the entries it names
     node = driver_cache.read_node(proc, fa2 if fa2 is not None else driver_cache.fa2_library())
@@ -290,9 +314,6 @@ def _apply(
     if decision.action == "keep":
         if decision.entry is not None and decision.manifest is not None:
             compiled.remember(decision.entry, decision.manifest)
-        return decision
-    if decision.action == "info":
-        logger.info(decision.line)
         return decision
     if decision.action == "warn":
         logger.warning(decision.line)

@@ -318,10 +318,11 @@ def load_key_dir(
 ) -> tuple[dict[str, bytes], list[Problem]]:
     """The bytes of each listed file of one key directory, and each problem: a file
     missing, not a regular file in the directory, of another size or sha256; or the
-    directory itself not one inside ``root`` (a symlink out of the layer). ``expected``
+    directory itself not one inside ``root`` (a symlink out of the layer; ``root``
+    itself may be a link, to a whole layer). ``expected``
     None: every regular file, unchecked (a layer served unverified)."""
-    try:
-        root_fd = safe_io.open_dir(str(root))
+    try:  # the root as its operator named it (a "current" link); nothing below it
+        root_fd = safe_io.open_dir(str(root), follow=True)
     except safe_io.UnsafeFile as exc:
         return {}, [Problem(str(root), "a directory", str(exc))]
     try:

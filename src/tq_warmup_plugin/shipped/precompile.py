@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import compat, safe_io
-from ..atomic import replace_dir
+from ..atomic import UnsafeWrite, replace_dir, write_file
 from . import manifest
 
 __all__ = [
@@ -384,7 +384,8 @@ def install(
     target: manifest.Stack,
 ) -> Path:
     """Move this plan's key directories from ``stage`` into ``cache_dir`` and write its
-    manifest (a temporary file, then ``os.replace``), listing the installed files.
+    manifest (``atomic.write_file``: a temporary file, then a rename), listing the
+    installed files.
 
     A key directory already there is kept when its files equal ours, or equal what
     a manifest of the directory lists for it (Triton's compile is deterministic: two
@@ -401,7 +402,6 @@ def install(
     served (``shipped.trust``)."""
     with _locked(cache_dir):
         moved: list[tuple[str, Path | None]] = []  # (key, what it replaced, in the stage)
-        tmp: Path | None = None
         try:
             vouched: dict[str, list[dict[str, manifest.Listed]]] = {}
             for path in manifest.manifest_files(cache_dir):
@@ -422,26 +422,21 @@ def install(
             installed = {key: manifest.key_dir_hashes(cache_dir / key) for key in key_dirs}
             data = manifest.build(target, plan, {k: v for k, v in installed.items() if v})
             file = cache_dir / manifest.file_name(data)
-            tmp = file.with_name(f".{file.name}.{uuid.uuid4().hex}")
-            tmp.write_text(json.dumps(data, indent=2))
-            os.replace(tmp, file)
+            write_file(file, json.dumps(data, indent=2).encode())
             return file
         except BaseException as exc:  # an interrupt (SIGINT, SIGTERM: cli) rolls back too
-            _roll_back(cache_dir, stage, moved, tmp)
-            if not isinstance(exc, OSError):
+            _roll_back(cache_dir, stage, moved)
+            if not isinstance(exc, (OSError, UnsafeWrite)):
                 raise
+            why = (exc.strerror if isinstance(exc, OSError) else None) or exc
             raise InstallError(
-                f"cannot install into {cache_dir}: {exc.strerror or exc}; rolled back, "
+                f"cannot install into {cache_dir}: {why}; rolled back, "
                 "nothing of this build was installed"
             ) from None
 
 
-def _roll_back(
-    cache_dir: Path, stage: Path, moved: list[tuple[str, Path | None]], tmp: Path | None
-) -> None:
+def _roll_back(cache_dir: Path, stage: Path, moved: list[tuple[str, Path | None]]) -> None:
     """Undo ``install``'s renames, newest first (a rename needs no free space)."""
-    if tmp is not None:
-        tmp.unlink(missing_ok=True)
     for key, replaced in reversed(moved):
         with contextlib.suppress(OSError):
             os.rename(cache_dir / key, stage / f"rolled-back-{uuid.uuid4().hex}")

@@ -12,13 +12,15 @@ as hostile (a hostile image builder, a shared volume, a full disk: issue 20).
   read once (bounded, ``O_NOFOLLOW``), hashed, and written to a private directory of
   this process (``mkdtemp`` in ``/dev/shm``, else, where it is mounted ``noexec`` or
   once a write there fails, ``TMPDIR``: mode 0700, removed at exit, and what a killed
-  process of this user left there is removed by the next one); Triton is handed paths
-  there, never into the layer. Chosen over refusing layer files that others can write:
-  Triton opens the returned path later, by name, so a check of the layer's modes or owner
-  at hash time cannot bind the bytes Triton reads then (a file, or a whole key directory,
-  swapped after the first lookup was served; issue 20), and the owner (root, in an image)
-  can still write; a copy binds them by construction. It costs one write of the kernel's
-  files (0.02-0.5 MiB) per key and process (``python -m benchmarks.tqbench layer-check-cost``).
+  process of this user left there is removed by the next one; never in a directory
+  another user owns or may write without the sticky bit, which one of this user's gets);
+  Triton is handed paths there, never into the layer. Chosen over refusing layer files
+  that others can write: Triton opens the returned path later, by name, so a check of
+  the layer's modes or owner at hash time cannot bind the bytes Triton reads then (a
+  file, or a whole key directory, swapped after the first lookup was served; issue 20),
+  and the owner (root, in an image) can still write; a copy binds them by construction.
+  It costs one write of the kernel's files (0.02-0.5 MiB) per key and process
+  (``python -m benchmarks.tqbench layer-check-cost``).
 * Files a manifest does not list are never served: only the listed ones are copied.
 * **Any failure reading a manifest costs only that manifest**: one WARNING naming the
   layer and the manifest, remembered for the process; nothing raises into Triton.
@@ -40,6 +42,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..atomic import UnsafeWrite, claim_directory
 from ..settings import load as load_settings
 from . import manifest, pins
 
@@ -133,8 +136,21 @@ def sweep(parent: str) -> list[str]:
 
 def _new_root(base: str | None) -> str:
     """A fresh private directory (``mkdtemp``: 0700) in ``base`` (None: ``TMPDIR``),
-    marked with its owner; OSError when ``base`` cannot hold it (a full ``/dev/shm``)."""
-    made = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=base)
+    marked with its owner; OSError when ``base`` cannot hold it (a full ``/dev/shm``) or
+    another user could swap it there (``atomic.claim_directory``: another user's, or one
+    others may write without the sticky bit that is not this user's, whose owner or
+    writers could rename the 0700 directory away and put one of theirs at its name,
+    whose files Triton then loads). One of this user's that others may write (the
+    emptyDirs ``deploy/kubernetes.yaml`` mounts at ``/dev/shm`` and ``/tmp``) gets the
+    sticky bit, one INFO line."""
+    parent = tempfile.gettempdir() if base is None else base
+    try:
+        claimed = claim_directory(parent)
+    except UnsafeWrite as exc:
+        raise PermissionError(f"{exc}: another user could swap the copies") from None
+    if claimed:
+        logger.info(claimed)
+    made = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent)
     try:
         fd = os.open(os.path.join(made, OWNER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as fh:
