@@ -21,7 +21,6 @@ from types import ModuleType
 from typing import Any
 
 from . import ahead, compat, guards, patching
-from .safe_io import printable
 from .settings import Settings
 
 # A child of vLLM's "vllm" logger inherits its handlers and format.
@@ -34,6 +33,7 @@ def _emit(report: Any, settings: Settings, worker: Any) -> None:
     may swap it in: one of this user's that others may write gets the sticky bit, one
     INFO line); a refusal or a failure is one WARNING and startup goes on."""
     from .atomic import UnsafeWrite, write_file
+    from .safe_io import printable
 
     logger.log(logging.WARNING if report.is_problem else logging.INFO, report.line())
     if settings.report_path:
