@@ -4,6 +4,7 @@ routing, the Guard protocol, the setting, strict mode. The real builder and impl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import types
 from collections.abc import Iterator
@@ -55,26 +56,40 @@ class Tensor(list[int]):
 
 @dataclass
 class Meta:
-    """The fields of ``TurboQuantMetadata`` the guard and vLLM's fast-path test read."""
+    """``TurboQuantMetadata`` (0.21+) as the guard reads it: every field (``FIELDS``),
+    each tensor a host list; ``block_table`` has one entry per request (its row)."""
 
+    seq_lens: Tensor
+    slot_mapping: Tensor
+    block_table: Tensor
     query_start_loc: Tensor
-    max_query_len: int
-    max_seq_len: int
-    query_start_loc_cpu: Tensor | None
-    seq_lens_cpu: Tensor | None
+    num_actual_tokens: int = 0
+    max_query_len: int = 0
+    max_seq_len: int = 0
+    is_prefill: bool = True
+    num_decodes: int = 0
+    num_decode_tokens: int = 0
+    query_start_loc_cpu: Tensor | None = None
+    seq_lens_cpu: Tensor | None = None
 
 
 def meta(requests: list[tuple[int, int]], host: bool = True) -> Meta:
+    """A prefill batch of ``(query_len, cached_len)``: request ``i``'s block-table row is
+    ``100 + i``, token ``t``'s slot ``1000 + t``."""
     qsl = [0]
     for q, _ in requests:
         qsl.append(qsl[-1] + q)
     seqs = [q + c for q, c in requests]
     return Meta(
-        Tensor(qsl),
-        max(q for q, _ in requests),
-        max(seqs),
-        Tensor(qsl) if host else None,
-        Tensor(seqs) if host else None,
+        seq_lens=Tensor(seqs),
+        slot_mapping=Tensor(range(1000, 1000 + qsl[-1])),
+        block_table=Tensor(range(100, 100 + len(requests))),
+        query_start_loc=Tensor(qsl),
+        num_actual_tokens=qsl[-1],
+        max_query_len=max(q for q, _ in requests),
+        max_seq_len=max(seqs),
+        query_start_loc_cpu=Tensor(qsl) if host else None,
+        seq_lens_cpu=Tensor(seqs) if host else None,
     )
 
 
@@ -113,33 +128,52 @@ def test_a_local_layer_keeps_vllms_choice_where_its_host_lengths_are_the_real_on
 
 
 def fake_backend() -> tuple[types.ModuleType, list[Any]]:
-    """A module shaped like ``turboquant_attn``: the impl's ``_prefill_attention`` records
-    the metadata it is given and whether vLLM's test would take the fast path."""
+    """A module shaped like ``turboquant_attn`` (FlashAttention present): the impl's
+    ``_prefill_attention`` records the metadata it is given and answers, per query row,
+    which path vLLM's test takes and the row's token."""
     seen: list[Any] = []
 
     class TurboQuantAttentionImpl:
         def _prefill_attention(
             self, query: Any, key: Any, value: Any, kv_cache: Any, attn_metadata: Any,
             Pi: Any, centroids: Any, PiT: Any = None, layer: Any = None,
-        ) -> str:  # fmt: skip
+        ) -> list[tuple[str, int]]:  # fmt: skip
             seen.append(attn_metadata)
-            return "fast" if attn_metadata.max_query_len == attn_metadata.max_seq_len else "loop"
+            fast = attn_metadata.max_query_len == attn_metadata.max_seq_len
+            assert len(query) == len(key) == len(value) == attn_metadata.num_actual_tokens
+            return [("fast" if fast else "loop", t) for t in query]
 
     module = types.ModuleType(compat.BACKEND_MODULE)
     module.TurboQuantAttentionImpl = TurboQuantAttentionImpl  # type: ignore[attr-defined]
+    module._HAS_FLASH_ATTN = True  # type: ignore[attr-defined]
     return module, seen
 
 
 @pytest.fixture
-def backend(release: Any) -> Iterator[tuple[types.ModuleType, list[Any]]]:
+def host_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split's two torch calls, on host lists."""
+    monkeypatch.setattr(guard, "_cat", lambda parts: Tensor(x for p in parts for x in p))
+    monkeypatch.setattr(guard, "_tensor_like", lambda values, like: Tensor(values))
+
+
+@pytest.fixture
+def backend(release: Any, host_tensors: None) -> Iterator[tuple[types.ModuleType, list[Any]]]:
     module, seen = fake_backend()
     yield module, seen
     guard.remove(module)
 
 
 def call(module: types.ModuleType, m: Meta) -> str:
+    """The path every row took: ``fast``, ``loop``, or ``split`` where the rows differ."""
+    paths = {path for path, _ in rows(module, m)}
+    return paths.pop() if len(paths) == 1 else "split"
+
+
+def rows(module: types.ModuleType, m: Meta) -> list[tuple[str, int]]:
+    tokens = list(range(m.query_start_loc[-1]))
     impl = module.TurboQuantAttentionImpl()
-    return str(impl._prefill_attention(None, None, None, None, m, None, None, None, layer=None))
+    out = impl._prefill_attention(tokens, tokens, tokens, None, m, None, None, None, layer=None)
+    return list(out)
 
 
 def test_routing(backend: tuple[types.ModuleType, list[Any]], log: Log) -> None:
@@ -155,6 +189,103 @@ def test_routing(backend: tuple[types.ModuleType, list[Any]], log: Log) -> None:
     mixed = meta([(50, 640), (100, 0)])  # maxima differ: vLLM's loop already
     assert call(module, mixed) == "loop" and seen[-1] is mixed
     assert [m for _, m in log()].count(next(m for _, m in log() if "guard on" in m)) == 1
+
+
+@pytest.mark.parametrize(
+    ("requests", "fresh", "hits"),
+    [
+        ([(300, 0), (700, 0)], [0, 1], []),
+        ([(700, 0), (50, 640), (300, 0)], [0, 2], [1]),
+        ([(50, 640), (6, 94)], [], [0, 1]),  # a hit and a last chunk
+        ([(700, 0), (0, 0), (0, 5), (20, 0)], [0, 3], []),  # padding: in neither
+    ],
+)
+def test_split_batch(requests: list[tuple[int, int]], fresh: list[int], hits: list[int]) -> None:
+    m = meta(requests)
+    assert guard.split_batch(m.query_start_loc_cpu, m.seq_lens_cpu) == (fresh, hits)
+
+
+# Hits 0, 1 and 3 (two runs), first chunks 2, 4 and 5.
+RUNS = [(50, 640), (60, 640), (200, 0), (12, 640), (700, 0), (20, 0)]
+
+
+def test_pack_keeps_runs_of_hits_whole() -> None:
+    m = meta(RUNS)
+    sub = guard.pack(m.query_start_loc_cpu, m.seq_lens_cpu, [0, 1, 3])
+    assert sub.runs == [(0, 2), (3, 4)]
+    assert sub.rows == [(0, 110), (310, 322)]  # the runs' token rows in the batch
+    assert sub.query_start_loc == [0, 50, 110, 122]
+    assert sub.seq_lens == [690, 700, 652]
+
+
+def test_the_hits_metadata(host_tensors: None) -> None:
+    m = meta(RUNS)
+    before = dict(vars(m))
+    sub = guard.sub_metadata(m, guard.pack(m.query_start_loc_cpu, m.seq_lens_cpu, [0, 1, 3]))
+    assert {f.name for f in dataclasses.fields(Meta)} == guard.FIELDS
+    assert sub.seq_lens == sub.seq_lens_cpu == [690, 700, 652]
+    assert sub.block_table == [100, 101, 103]
+    assert sub.slot_mapping == [*range(1000, 1110), *range(1310, 1322)]
+    assert sub.query_start_loc == sub.query_start_loc_cpu == [0, 50, 110, 122]
+    assert (sub.num_actual_tokens, sub.max_query_len, sub.max_seq_len) == (122, 60, 700)
+    assert (sub.is_prefill, sub.num_decodes, sub.num_decode_tokens) == (True, 0, 0)
+    assert vars(m) == before  # the batch's own metadata untouched
+
+
+def test_a_mixed_batch_is_split(backend: tuple[types.ModuleType, list[Any]]) -> None:
+    """Two calls of vLLM's method: the whole batch as it is (its fast path: the first
+    chunks' rows), then the hits packed (its loop: their rows, in their places)."""
+    module, seen = backend
+    assert guard.install(module)
+    m = meta(RUNS)
+    out = rows(module, m)
+    assert [x is m for x in seen] == [True, False]
+    assert seen[1].max_seq_len > seen[1].max_query_len  # vLLM's loop
+    hit_rows = {*range(0, 110), *range(310, 322)}
+    assert out == [("loop" if t in hit_rows else "fast", t) for t in range(m.num_actual_tokens)]
+
+
+@pytest.mark.parametrize(
+    ("requests", "path"),
+    [
+        ([(300, 0), (700, 0)], "fast"),  # first chunks only: vLLM's fast path
+        ([(700, 0), (50, 640)], "loop"),  # one first chunk: the loop gives it its one call
+        ([(700, 0), (0, 0), (50, 640)], "loop"),  # padding is no first chunk
+        ([(700, 0), (50, 640), (300, 0)], "split"),
+    ],
+)
+def test_one_call_unless_split(
+    backend: tuple[types.ModuleType, list[Any]], requests: list[tuple[int, int]], path: str
+) -> None:
+    module, seen = backend
+    assert guard.install(module)
+    assert call(module, meta(requests)) == path
+    assert len(seen) == (2 if path == "split" else 1)
+
+
+def test_no_split_without_flash_attention_host_lengths_or_a_known_metadata(
+    backend: tuple[types.ModuleType, list[Any]], release: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's loop, as before the split: a release without FlashAttention (its fast path
+    is the loop as well), without host copies (0.20), or a metadata class with a field
+    the split does not know."""
+    module, seen = backend
+    assert guard.install(module)
+    mixed = [(700, 0), (50, 640), (300, 0)]
+    monkeypatch.setattr(module, "_HAS_FLASH_ATTN", False)
+    assert call(module, meta(mixed)) == "loop" and len(seen) == 1
+    monkeypatch.setattr(module, "_HAS_FLASH_ATTN", True)
+    release("0.20.0")
+    assert call(module, meta(mixed, host=False)) == "loop" and len(seen) == 2
+    release("0.26.0")
+
+    @dataclass
+    class Newer(Meta):
+        new_field: int = 0
+
+    newer = Newer(**vars(meta(mixed)))
+    assert call(module, newer) == "loop" and len(seen) == 3
+    assert call(module, meta(mixed)) == "split" and len(seen) == 5
 
 
 def test_the_guard_keeps_its_protocol(backend: tuple[types.ModuleType, list[Any]], log: Log
@@ -179,6 +310,7 @@ def test_under_capture_vllms_choice_stands(
     assert guard.install(module)
     monkeypatch.setattr(guard, "_capturing", lambda: True)
     assert call(module, meta([(700, 0), (50, 640)])) == "fast"
+    assert call(module, meta([(700, 0), (50, 640), (300, 0)])) == "fast"
 
 
 def test_an_unsupported_release_installs_nothing(

@@ -13,18 +13,36 @@ the *prefill part's* ``max_seq_len`` (0.22:486-505, 0.26:531-550, 0.33:626-645),
 decode beside them changes nothing. Prefix caching is vLLM's default and a shared system
 prompt makes such steps common: upstream #46460 measured 47-75 of 52 C-Eval subjects
 hallucinated (Qwen3-8B, turboquant_4bit_nc, 512 sequences), gone with prefix caching
-off; PR #46461 (open) adds a host-side check. The same test is in every release
-all releases (``compat.Features.prefix_fast_path_unsafe``).
+off; PR #46461 (open) adds a host-side check. The same test is in every release through
+0.34 (``compat.Features.prefix_fast_path_unsafe``).
 
 What: ``_prefill_attention`` keeps vLLM's fast path only for a batch whose every request is a
 first chunk (``seq_len == query_len``), decided on the host from the metadata's CPU copies
 (``query_start_loc_cpu``, ``seq_lens_cpu``: ``Features.prefill_host_copies``; no sync, no
-``.tolist()`` of a device tensor). Any other batch reaches vLLM's own per-request loop,
-unchanged: the same call with ``max_seq_len`` one above ``max_query_len`` (still an upper bound
-of every sequence, which is all the loop reads it for: the size of its cached arange), where a
-fresh request still takes FlashAttention over its own K/V and a hit takes the continuation
-kernels over its cached prefix. Those kernels are in the warmup plan already (``continuation``,
-``dequant``): a routed request compiles nothing.
+``.tolist()`` of a device tensor). A batch that meets vLLM's test with a cache hit (or a later
+chunk) in it is split where it holds ``MIN_FRESH`` (two) first chunks or more: vLLM's own
+method runs twice, unchanged. First on the whole batch as it is: its fast path, one
+FlashAttention call, right for every first chunk (its keys are its own tokens). Then on the
+hits packed into a batch of their own (``sub_metadata``: each field of ``TurboQuantMetadata``
+gathered or kept, ``FIELDS``; the lengths from the host copies; one asynchronous
+host-to-device copy of the packed offsets): vLLM's loop, each hit's continuation over its
+cached prefix. The second call's rows replace the hits' rows of the first, which are wasted
+work (a hit's new tokens over themselves alone, small beside its continuation). Runs of
+consecutive hits stay whole, so the gather is one ``torch.cat`` per tensor (none for one run)
+and the scatter one copy per run. Why split: sent whole to the loop, every first chunk costs
+its own FlashAttention call, and each request a pass of the loop's host work. Any other
+denied batch reaches vLLM's loop whole, as before the split: the same call with
+``max_seq_len`` one above ``max_query_len`` (still an upper bound of every sequence, which is
+all the loop reads it for: the size of its cached arange). There a first chunk (at most one)
+takes FlashAttention over its own K/V and a hit the continuation kernels over its cached
+prefix. Nothing here launches a kernel of its own beyond torch's copies: both calls take
+launch shapes of vLLM's own paths, whose kernels are in the warmup plan already
+(``continuation``, ``dequant``), so a guarded batch compiles nothing.
+
+The split is not made, and the batch goes to the loop whole, where vLLM has no FlashAttention
+(``_HAS_FLASH_ATTN`` false, as on a CPU: its fast path is then the loop as well), where the
+metadata has no host copies (0.20), and where its class has a field outside ``FIELDS`` (a
+release newer than this module knows: the field is not judged).
 
 Where the decision cannot be made exactly it is made conservatively, said in the INFO
 line: 0.20's metadata has no host copies, so there only a batch of one request (whose
@@ -43,9 +61,12 @@ same path. ``TQ_WARMUP_PREFIX_GUARD=0`` turns the guard off (for the proof).
 from __future__ import annotations
 
 import copy
+import dataclasses
+import itertools
 import logging
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -53,14 +74,20 @@ from .. import compat, patching
 from .gate import install_where_needed
 
 __all__ = [
+    "FIELDS",
+    "MIN_FRESH",
     "MODULE",
     "RISK",
+    "SubBatch",
     "first_chunks_only",
     "install",
     "installed",
     "keeps_fast_path",
     "missing",
+    "pack",
     "remove",
+    "split_batch",
+    "sub_metadata",
 ]
 
 logger = logging.getLogger("vllm.tq_warmup_plugin")
@@ -95,11 +122,8 @@ def _first_chunks(meta: Any) -> bool | None:
     """``first_chunks_only`` of the metadata's host copies; None where it has none.
     Two host tensors of ``num_reqs (+1)`` entries: microseconds, no device sync (vLLM's
     own loop reads the same copies with ``tolist``)."""
-    qsl = getattr(meta, "query_start_loc_cpu", None)
-    seqs = getattr(meta, "seq_lens_cpu", None)
-    if qsl is None or seqs is None:
-        return None
-    return first_chunks_only(_host_list(qsl), _host_list(seqs))
+    lengths = _host_lengths(meta)
+    return None if lengths is None else first_chunks_only(*lengths)
 
 
 def keeps_fast_path(meta: Any, layer: Any = None) -> bool:
@@ -159,14 +183,184 @@ def _announce() -> None:
         )
     logger.info(
         "tq-warmup: prefix-cache guard on: TurboQuant's first-chunk fast path serves only "
-        "batches whose every request is a first chunk (%s); a batch with a prefix-cache "
-        "hit takes the cache-reading path (upstream #46460); TQ_WARMUP_PREFIX_GUARD=0 "
-        "turns it off",
+        "first chunks (%s); a prefix-cache hit takes the cache-reading path (upstream "
+        "#46460), and the first chunks beside it keep one FlashAttention call where there "
+        "are two or more; TQ_WARMUP_PREFIX_GUARD=0 turns it off",
         how,
     )
 
 
-def _guard(original: Callable[..., Any]) -> Callable[..., Any]:
+def split_batch(query_start_loc: Any, seq_lens: Any) -> tuple[list[int], list[int]]:
+    """A prefill batch's requests that have tokens, parted on the host: ``(first chunks,
+    the rest)``, the rest being cache hits and later chunks (``seq_len > query_len``).
+    Host tensors or lists; padding requests (0 tokens) are in neither."""
+    qsl, seqs = _host_list(query_start_loc), _host_list(seq_lens)
+    fresh: list[int] = []
+    hits: list[int] = []
+    for i in range(len(qsl) - 1):
+        q = qsl[i + 1] - qsl[i]
+        if q > 0:
+            (fresh if i < len(seqs) and seqs[i] == q else hits).append(i)
+    return fresh, hits
+
+
+@dataclass(frozen=True)
+class SubBatch:
+    """The cache hits of a mixed prefill batch packed into a batch of their own, all on
+    the host: their runs of consecutive requests ``[a, b)``, each run's token rows in
+    the batch, and the packed batch's lengths."""
+
+    runs: list[tuple[int, int]]
+    rows: list[tuple[int, int]]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+
+
+def pack(query_start_loc: Any, seq_lens: Any, hits: list[int]) -> SubBatch:
+    """``hits`` (ascending request indices) of a batch packed in order: runs of
+    consecutive requests are kept whole, so each run is one slice of every tensor."""
+    qsl, seqs = _host_list(query_start_loc), _host_list(seq_lens)
+    runs: list[tuple[int, int]] = []
+    for i in hits:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    sub_qsl = [0]
+    for i in hits:
+        sub_qsl.append(sub_qsl[-1] + qsl[i + 1] - qsl[i])
+    return SubBatch(
+        runs=runs,
+        rows=[(qsl[a], qsl[b]) for a, b in runs],
+        query_start_loc=sub_qsl,
+        seq_lens=[seqs[i] for i in hits],
+    )
+
+
+MIN_FRESH = 2
+"""First chunks a denied batch needs for the split: with one, vLLM's loop serves it with
+one FlashAttention call already, and the split would add only the gather and scatter."""
+
+FIELDS = frozenset(
+    {
+        "seq_lens",  # per request: gathered
+        "block_table",  # per request: gathered
+        "seq_lens_cpu",  # per request: the packed host lengths
+        "slot_mapping",  # per token: gathered
+        "query_start_loc",  # the packed offsets, one asynchronous host-to-device copy
+        "query_start_loc_cpu",  # the packed offsets
+        "num_actual_tokens",  # the hits' tokens
+        "max_query_len",  # the hits' longest query
+        "max_seq_len",  # the hits' longest sequence
+        "is_prefill",  # kept (a prefill batch)
+        "num_decodes",  # kept (0: decodes never reach this function)
+        "num_decode_tokens",  # kept (0)
+    }
+)
+"""Every field of ``TurboQuantMetadata`` (0.21-0.34) and what the hits' packed batch gets
+for it. A metadata class with any other field is not split (``_splittable``)."""
+
+_field_sets: dict[type, bool] = {}
+
+
+def _splittable(meta: Any) -> bool:
+    """Whether the metadata's class has exactly ``FIELDS`` (cached per class)."""
+    cls = type(meta)
+    known = _field_sets.get(cls)
+    if known is None:
+        names = [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
+        known = _field_sets[cls] = frozenset(names) == FIELDS
+    return known
+
+
+def _host_lengths(meta: Any) -> tuple[list[int], list[int]] | None:
+    """The metadata's host copies as lists; None where it has none."""
+    qsl = getattr(meta, "query_start_loc_cpu", None)
+    seqs = getattr(meta, "seq_lens_cpu", None)
+    if qsl is None or seqs is None:
+        return None
+    return _host_list(qsl), _host_list(seqs)
+
+
+def _split(meta: Any, backend: ModuleType) -> SubBatch | None:
+    """The hits' packed batch where a denied batch is split: the release has
+    FlashAttention (else vLLM's fast path is its loop too), the host lengths, a known
+    metadata class, ``MIN_FRESH`` first chunks and at least one hit."""
+    lengths = _host_lengths(meta)
+    if lengths is None or not getattr(backend, "_HAS_FLASH_ATTN", False) or not _splittable(meta):
+        return None
+    fresh, hits = split_batch(*lengths)
+    if len(fresh) < MIN_FRESH or not hits:
+        return None
+    return pack(*lengths, hits)
+
+
+def _cat(parts: list[Any]) -> Any:
+    """``parts`` as one tensor: the part itself where there is one (a view, no launch)."""
+    if len(parts) == 1:
+        return parts[0]
+    import torch
+
+    return torch.cat(parts)
+
+
+def _tensor_like(values: list[int], like: Any) -> Any:
+    """``values`` as a tensor of ``like``'s dtype on its device: built on the host, then
+    one asynchronous copy where ``like`` is on the GPU (no sync)."""
+    import torch
+
+    return torch.tensor(values, dtype=like.dtype).to(like.device, non_blocking=True)
+
+
+def sub_metadata(meta: Any, sub: SubBatch) -> Any:
+    """The metadata of the hits' packed batch (``FIELDS``); ``meta`` is left as it is."""
+    out = copy.copy(meta)
+    out.seq_lens = _cat([meta.seq_lens[a:b] for a, b in sub.runs])
+    out.block_table = _cat([meta.block_table[a:b] for a, b in sub.runs])
+    out.slot_mapping = _cat([meta.slot_mapping[a:b] for a, b in sub.rows])
+    out.seq_lens_cpu = _tensor_like(sub.seq_lens, meta.seq_lens_cpu)
+    out.query_start_loc_cpu = _tensor_like(sub.query_start_loc, meta.query_start_loc_cpu)
+    out.query_start_loc = _tensor_like(sub.query_start_loc, meta.query_start_loc)
+    out.num_actual_tokens = sub.query_start_loc[-1]
+    out.max_query_len = max(b - a for a, b in itertools.pairwise(sub.query_start_loc))
+    # A hit's sequence is longer than its query, so this is the hits' longest sequence;
+    # the bound keeps the second call vLLM's loop by construction.
+    out.max_seq_len = max(*sub.seq_lens, out.max_query_len + 1)
+    return out
+
+
+def _serve_split(
+    original: Callable[..., Any],
+    sub: SubBatch,
+    self: Any,
+    tensors: tuple[Any, Any, Any, Any],
+    meta: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """vLLM's fast path over the whole batch (one FlashAttention call: right for every
+    first chunk, whose keys are its own tokens), then vLLM's loop over the hits packed
+    (their continuation over the cached prefix), their rows written over the first."""
+    query, key, value, kv_cache = tensors
+    out = original(self, query, key, value, kv_cache, meta, *args, **kwargs)
+    hit_out = original(
+        self,
+        _cat([query[a:b] for a, b in sub.rows]),
+        _cat([key[a:b] for a, b in sub.rows]),
+        _cat([value[a:b] for a, b in sub.rows]),
+        kv_cache,
+        sub_metadata(meta, sub),
+        *args,
+        **kwargs,
+    )
+    at = 0
+    for a, b in sub.rows:
+        out[a:b] = hit_out[at : at + b - a]
+        at += b - a
+    return out
+
+
+def _guard(original: Callable[..., Any], backend: ModuleType) -> Callable[..., Any]:
     @patching.wraps(original)
     def _prefill_attention(
         self: Any,
@@ -183,6 +377,10 @@ def _guard(original: Callable[..., Any]) -> Callable[..., Any]:
         if meta.max_query_len == meta.max_seq_len and not _capturing():
             layer = kwargs.get("layer", args[3] if len(args) > 3 else None)
             if not keeps_fast_path(meta, layer):
+                sub = _split(meta, backend)
+                if sub is not None:
+                    tensors = (query, key, value, kv_cache)
+                    return _serve_split(original, sub, self, tensors, meta, args, kwargs)
                 meta = copy.copy(meta)
                 meta.max_seq_len = meta.max_query_len + 1
         return original(self, query, key, value, kv_cache, meta, *args, **kwargs)
@@ -216,7 +414,7 @@ def install(backend: ModuleType) -> bool:
 def _apply(backend: ModuleType) -> bool:
     impl: type = getattr(backend, compat.IMPL_CLASS)
     if not installed(backend):
-        patching.replace(impl, _METHOD, _guard(impl.__dict__[_METHOD]))
+        patching.replace(impl, _METHOD, _guard(impl.__dict__[_METHOD], backend))
     return True
 
 
