@@ -35,7 +35,7 @@ from typing import Any
 
 from benchmarks.tqbench.children import Children, child_pythonpath
 from benchmarks.tqbench.cli import add_options, new_parser
-from benchmarks.tqbench.engine import REPO_ROOT, gpu_name, installed_vllm_version
+from benchmarks.tqbench.engine import REPO_ROOT, installed_vllm_version, nvidia_smi_name
 
 __all__ = ["MODES", "add_parser", "child", "parse_log", "ratios", "table"]
 
@@ -194,21 +194,28 @@ def cmd_kv_reserve(args: argparse.Namespace) -> int:
             row["served"] = '"served_tokens": 8' in text
             rows.append(row)
             print(table(rows[-1:]).splitlines()[-1], flush=True)
+            _write(args, rows)  # after every engine: a run cut short keeps what it measured
+    summary = _write(args, rows)
+    print(table(rows))
+    print(json.dumps(summary["kv_blocks_ratio"], indent=1))
+    return 0 if all(r["rc"] == 0 and r["served"] for r in rows) else 1
+
+
+def _write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary of the rows so far, written to ``--out``/summary.json."""
     summary = {
         "vllm": installed_vllm_version(),
-        "gpu": gpu_name(),
+        "gpu": nvidia_smi_name(),
         "preset": args.preset,
         "model": "Llama-3-8B attention, 16 layers, dummy weights",
         "command": "python -m benchmarks.tqbench " + " ".join(sys.argv[1:]),
         "rows": rows,
         "kv_blocks_ratio": ratios(rows),
     }
-    print(table(rows))
-    print(json.dumps(summary["kv_blocks_ratio"], indent=1))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    return 0 if all(r["rc"] == 0 and r["served"] for r in rows) else 1
+    return summary
 
 
 def add_parser(sub: Any) -> None:
