@@ -45,7 +45,7 @@ _BLOCKS = re.compile(
     r"(\d+) KV cache blocks \(([\d.]+) GiB\) fit"
 )
 _TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
-_PLUGIN = re.compile(r"tq-warmup: .*")
+_PLUGIN = re.compile(r"tq-warmup: \d+ TurboQuant layers.*")  # the report line
 
 # A Llama-3-8B-shaped attention (32 query heads, 8 KV heads, head size 128) on 16 layers:
 # TurboQuant compresses 12 of them (the first and last two stay full precision).
