@@ -11,10 +11,10 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeVar
 
 import pluggy
 
@@ -26,6 +26,8 @@ from tq_warmup_plugin.hookspecs import hookimpl
 from tq_warmup_plugin.keys import KernelKey
 from tq_warmup_plugin.shipped import manifest
 from tq_warmup_plugin.warmup import plugin_manager
+
+_T = TypeVar("_T")
 
 PRESET = "turboquant_4bit_nc"
 FAILING = "_tq_full_dequant_kv"
@@ -334,3 +336,23 @@ class ThreadDevices:
 
     def set_current_device(self, device: int) -> None:
         self.current.device = device
+
+
+def within(seconds: float, call: Callable[[], _T]) -> _T:
+    """``call()`` in a thread; a failure if it has not returned in ``seconds``."""
+    out: list[_T] = []
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            out.append(call())
+        except BaseException as exc:  # reported below, in the test's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"blocked for more than {seconds} s"
+    if errors:
+        raise errors[0]
+    return out[0]

@@ -12,7 +12,6 @@ import fcntl
 import io
 import logging
 import os
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,26 +29,6 @@ T = TypeVar("T")
 OTHER = "cd" * 32
 
 
-def within(seconds: float, call: Callable[[], T]) -> T:
-    """``call()`` in a thread; a failure if it has not returned in ``seconds``."""
-    out: list[T] = []
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            out.append(call())
-        except BaseException as exc:  # reported below, in the test's thread
-            errors.append(exc)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"blocked for more than {seconds} s"
-    if errors:
-        raise errors[0]
-    return out[0]
-
-
 def layer(root: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
     """Two kernels built by Triton, each listed by its own manifest: the key
     directories by key."""
@@ -62,7 +41,7 @@ def layer(root: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
 
 
 def served(key: str = KEY) -> dict[str, str] | None:
-    group: dict[str, str] | None = within(20, lambda: _manager(key).get_group("k.json"))
+    group: dict[str, str] | None = fakes.within(20, lambda: _manager(key).get_group("k.json"))
     return group
 
 
@@ -239,7 +218,7 @@ def test_safe_io_refuses_what_is_not_a_bounded_regular_file(tmp_path: Path) -> N
     }
     for name, why in cases.items():
         with pytest.raises(safe_io.UnsafeFile, match=why):
-            within(10, lambda n=name: safe_io.read_json(str(tmp_path / n)))  # type: ignore[misc]
+            fakes.within(10, lambda n=name: safe_io.read_json(str(tmp_path / n)))  # type: ignore[misc]
     with pytest.raises(safe_io.UnsafeFile, match="a character device"):
         safe_io.read_json(str(tmp_path / "zero"), follow=True)
     (tmp_path / "ok.json").write_text('{"a": [1]}')
@@ -257,7 +236,7 @@ def verify(root: Path) -> tuple[int, list[str]]:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             return cli.main(["verify", "--cache-dir", str(root)])
 
-    rc = within(20, run)
+    rc = fakes.within(20, run)
     return rc, out.getvalue().splitlines()
 
 

@@ -15,8 +15,7 @@ import stat
 import subprocess
 import sys
 import tempfile
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,25 +27,6 @@ from tq_warmup_plugin import atomic, install, warmup
 from tq_warmup_plugin.report import Report
 from tq_warmup_plugin.settings import Settings
 
-
-def within(seconds: float, call: Callable[[], object]) -> None:
-    """``call()`` in a thread; a failure if it has not returned in ``seconds``."""
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            call()
-        except BaseException as exc:  # reported below, in the test's thread
-            errors.append(exc)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"blocked for more than {seconds} s"
-    if errors:
-        raise errors[0]
-
-
 REPORT = Report(vllm_version="0.26.0", layers=2, distinct=5, compiled=5)
 NOBODY = 65534
 
@@ -57,7 +37,7 @@ def warm(path: Path | str, monkeypatch: pytest.MonkeyPatch, strict: bool = False
     monkeypatch.setattr(warmup, "run", lambda w, s: REPORT)
     settings = Settings(report_path=str(path), strict=strict)
     try:
-        within(5, lambda: install.warm_worker(SimpleNamespace(rank=0), settings))
+        fakes.within(5, lambda: install.warm_worker(SimpleNamespace(rank=0), settings))
     except AssertionError:
         if stat.S_ISFIFO(os.stat(path).st_mode):  # free the blocked writer for the next test
             os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
@@ -184,39 +164,24 @@ def as_nobody(*argv: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True, timeout=10)
 
 
-def test_a_link_another_user_planted_in_an_emptydir_is_not_followed(
-    world: Path, monkeypatch: pytest.MonkeyPatch, log: Log
+@pytest.mark.parametrize("mode", [0o777, 0o1777], ids=["emptydir", "sticky"])
+def test_a_link_another_user_planted_is_not_followed(
+    world: Path, monkeypatch: pytest.MonkeyPatch, log: Log, mode: int
 ) -> None:
-    """The issue's case: the report's directory is root's and 0777 (an emptyDir), and a
-    real process of uid 65534 plants the report's name as a link to a root file. Before:
-    the root worker overwrote the file."""
+    """The issue's case: a real process of uid 65534 plants the report's name as a link to
+    a root file in a shared directory, root's and 0777 (an emptyDir) or sticky. Before:
+    the root worker wrote through it (where ``fs.protected_symlinks`` is 0, as on this
+    machine and many containers). Now: one WARNING; an emptyDir gets the sticky bit."""
     victim = world / "victim"
     victim.write_text("precious")
     shared = world / "shared"
     shared.mkdir()
-    shared.chmod(0o777)
-    as_nobody("ln", "-s", str(victim), str(shared / "r-0.json"))
-    warm(shared / "r-{rank}.json", monkeypatch)
-    assert "r-0.json is a symlink, not a regular file" in log()[-1][1]
-    assert victim.read_text() == "precious" and shared.stat().st_mode & stat.S_ISVTX
-
-
-def test_a_link_another_user_planted_in_a_sticky_directory_is_not_followed(
-    world: Path, monkeypatch: pytest.MonkeyPatch, log: Log
-) -> None:
-    """Another user (a real process of uid 65534) plants the report's name as a link to
-    a root file in a shared sticky directory. Before: the root worker wrote through it
-    (where ``fs.protected_symlinks`` is 0, as on this machine and many containers)."""
-    victim = world / "victim"
-    victim.write_text("precious")
-    shared = world / "shared"
-    shared.mkdir()
-    shared.chmod(0o1777)
+    shared.chmod(mode)
     as_nobody("ln", "-s", str(victim), str(shared / "r-0.json"))
     assert (shared / "r-0.json").lstat().st_uid == NOBODY
     warm(shared / "r-{rank}.json", monkeypatch)
-    assert "r-0.json is a symlink, not a regular file" in refused(log)
-    assert victim.read_text() == "precious"
+    assert "r-0.json is a symlink, not a regular file" in log()[-1][1]
+    assert victim.read_text() == "precious" and shared.stat().st_mode & stat.S_ISVTX
 
 
 def test_a_full_file_system_keeps_the_old_report_whole(tmp_path: Path) -> None:
