@@ -19,13 +19,15 @@ from typing import Any
 import pluggy
 
 import tq_warmup_plugin
-from tq_warmup_plugin import compat, engine_warmup, planning
-from tq_warmup_plugin.engine import Declined, Engine, Job
+from tq_warmup_plugin import compat
 from tq_warmup_plugin.geometry import PRESETS, Geometry, preset
 from tq_warmup_plugin.hookspecs import hookimpl
 from tq_warmup_plugin.keys import KernelKey
+from tq_warmup_plugin.plan import model as planning
 from tq_warmup_plugin.shipped import manifest
-from tq_warmup_plugin.warmup import plugin_manager
+from tq_warmup_plugin.vllm_kernels import run as engine_warmup
+from tq_warmup_plugin.vllm_kernels.jobs import Declined, Engine, Job
+from tq_warmup_plugin.worker.warmup import plugin_manager
 
 PRESET = "turboquant_4bit_nc"
 FAILING = "_tq_full_dequant_kv"

@@ -25,10 +25,13 @@ NAME = tq_warmup_plugin.__name__
 # issue 13 also ``multinode`` (TQ_WARMUP* forwarded to Ray workers, stdlib only); since
 # issue 11 the chunked-local boundary guard (stdlib only); since issue 23 the batched
 # verify guard and its rows (stdlib only: torch is imported when a builder builds);
-# since issue 21 ``compat`` is a package of four modules (the same names, by concern).
+# since issue 21 ``compat`` is a package of four modules (the same names, by concern);
+# since issue 54 the compile-ahead fork and the verify rows live in ``vllm_kernels`` and
+# ``worker``, whose ``__init__`` modules import nothing.
 REGISTER_MODULES = {
     NAME,
-    f"{NAME}.ahead",
+    f"{NAME}.vllm_kernels",
+    f"{NAME}.vllm_kernels.ahead",
     f"{NAME}.compat",
     f"{NAME}.compat.live",
     f"{NAME}.compat.releases",
@@ -41,7 +44,8 @@ REGISTER_MODULES = {
     f"{NAME}.guards.local_boundary",
     f"{NAME}.guards.prefix_fast_path",
     f"{NAME}.guards.batched_verify",
-    f"{NAME}.verify_rows",
+    f"{NAME}.worker",
+    f"{NAME}.worker.verify_rows",
     f"{NAME}.guards.spec_graphs",
     f"{NAME}.guards.v1_cache_dtype",
     f"{NAME}.install",
@@ -170,8 +174,9 @@ def test_no_import_cycle_among_the_package_modules() -> None:
     hookspecs); the host owns the manager now (``plugins``, apart from ``warmup`` since the
     compile-ahead child is a fork: ahead -> ahead_child -> warmup -> ahead was a cycle)."""
     graph = import_graph(PACKAGE)
-    assert graph[f"{NAME}.plugins"] >= {f"{NAME}.hookspecs", f"{NAME}.warmers.turboquant"}
-    assert f"{NAME}.plugins" in graph[f"{NAME}.warmup"]
+    plugins = f"{NAME}.worker.plugins"
+    assert graph[plugins] >= {f"{NAME}.hookspecs", f"{NAME}.warmers.turboquant"}
+    assert plugins in graph[f"{NAME}.worker.warmup"]
     assert first_cycle(graph) is None
     assert first_cycle({"a": {"b"}, "b": {"c"}, "c": {"b"}}) == ["b", "c", "b"]
 

@@ -14,7 +14,10 @@ from typing import Any
 import fakes
 import pytest
 
-from tq_warmup_plugin import cli, cli_flags, cli_inputs, compat
+from tq_warmup_plugin import compat
+from tq_warmup_plugin.cli import commands as cli
+from tq_warmup_plugin.cli import flags as cli_flags
+from tq_warmup_plugin.cli import inputs as cli_inputs
 from tq_warmup_plugin.geometry import Geometry
 
 DATA = Path(__file__).parent / "data"
@@ -185,7 +188,7 @@ def test_a_report_may_lack_any_field_with_a_default_and_only_those() -> None:
 @pytest.fixture
 def gpu(monkeypatch: pytest.MonkeyPatch) -> Any:
     """doctor's GPU list, as the driver would give it."""
-    from tq_warmup_plugin import doctor
+    from tq_warmup_plugin.cli import doctor
 
     def use(*names: str) -> None:
         monkeypatch.setattr(doctor, "_gpus", lambda: names)
@@ -328,7 +331,8 @@ def test_doctor_prints_the_settings_problems(
 
 
 def test_effective_block_size_rule() -> None:
-    from tq_warmup_plugin import compat, planning
+    from tq_warmup_plugin import compat
+    from tq_warmup_plugin.plan import model as planning
 
     new, old = compat.features((0, 26)), compat.features((0, 24))
     assert [planning.effective_block_size(new, b, 2) for b in (16, 32, 64, 128)] == [
@@ -432,8 +436,9 @@ def test_inspect_lists_the_first_launches(capsys: pytest.CaptureFixture[str]) ->
 def stubbed_precompile(monkeypatch: pytest.MonkeyPatch) -> fakes.RecordingWarmer:
     """precompile without vLLM or Triton: vLLM 0.26.0 and Triton 3.6.0 'installed', the
     fake warmer compiling."""
-    from tq_warmup_plugin import compat, keyplan, warmup
+    from tq_warmup_plugin import compat
     from tq_warmup_plugin.shipped import manifest, precompile
+    from tq_warmup_plugin.worker import keyplan, warmup
 
     warmer = fakes.RecordingWarmer()
     for var in ("TRITON_CACHE_DIR", "CUDA_VISIBLE_DEVICES"):  # precompile sets both
@@ -453,7 +458,7 @@ def test_precompile_reports_failures_with_the_workers_error_lines(
     tmp_path: Path, stubbed_precompile: fakes.RecordingWarmer, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """precompile compiles through the worker's path: a failure is the worker's line."""
-    from tq_warmup_plugin import warmup
+    from tq_warmup_plugin.worker import warmup
 
     assert cli.main(["precompile", *H200_FLAGS[:-2], "--cache-dir", str(tmp_path)]) == 1
     out, err = capsys.readouterr()

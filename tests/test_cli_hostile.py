@@ -15,7 +15,7 @@ import fakes
 import pytest
 from test_cli import H200_FLAGS, stubbed_precompile
 
-from tq_warmup_plugin import cli
+from tq_warmup_plugin.cli import commands as cli
 from tq_warmup_plugin.shipped import manifest
 
 __all__ = ["stubbed_precompile"]  # the fixture, shared with test_cli

@@ -16,7 +16,9 @@ from typing import Any
 
 import pytest
 
-from tq_warmup_plugin import cli, compat, planning
+from tq_warmup_plugin import compat
+from tq_warmup_plugin.cli import commands as cli
+from tq_warmup_plugin.plan import model as planning
 
 MODELS = Path(__file__).parent / "data" / "models"
 

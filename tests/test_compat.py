@@ -17,7 +17,8 @@ from typing import Any
 import fakes
 import pytest
 
-from tq_warmup_plugin import compat, planning
+from tq_warmup_plugin import compat
+from tq_warmup_plugin.plan import model as planning
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import fakes
 import pytest
 
-from tq_warmup_plugin import compat, planning
-from tq_warmup_plugin.discovery import discover
+from tq_warmup_plugin import compat
+from tq_warmup_plugin.plan import model as planning
+from tq_warmup_plugin.worker.discovery import discover
 
 torch = pytest.importorskip("torch")
 

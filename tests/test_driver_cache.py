@@ -13,10 +13,11 @@ from typing import Any
 import fakes
 import pytest
 
-from tq_warmup_plugin import cli, launches
+from tq_warmup_plugin.cli import commands as cli
 from tq_warmup_plugin.driver import entry as dc
 from tq_warmup_plugin.driver import verify as driver_verify
 from tq_warmup_plugin.driver.entry import DriverManifest, EntryError, Node
+from tq_warmup_plugin.worker import launches
 
 NVRM = (
     "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.86.15  Release Build  "
@@ -412,7 +413,7 @@ def test_engine_args_reach_the_engine_and_cannot_override_the_build(
 ) -> None:
     """A hybrid fleet serves with ``--gdn-prefill-backend triton`` (no FlashInfer in the
     image): the build's engine must too, or it loads other kernels than the fleet's."""
-    from tq_warmup_plugin import cli
+    from tq_warmup_plugin.cli import commands as cli
     from tq_warmup_plugin.driver import build as driver_build
 
     got: list[Any] = []

@@ -18,9 +18,10 @@ import pytest
 from conftest import Log
 
 import tq_warmup_plugin
-from tq_warmup_plugin import compat, install, settings, warmup
-from tq_warmup_plugin.report import Report
+from tq_warmup_plugin import compat, install, settings
 from tq_warmup_plugin.settings import Settings
+from tq_warmup_plugin.worker import warmup
+from tq_warmup_plugin.worker.report import Report
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tq_warmup_plugin import cli
+from tq_warmup_plugin.cli import commands as cli
 from tq_warmup_plugin.shipped import manifest, precompile
 
 

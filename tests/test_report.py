@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tq_warmup_plugin.report import CompileCounter, Report
+from tq_warmup_plugin.worker.report import CompileCounter, Report
 
 
 def test_ok_line_has_every_count() -> None:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tq_warmup_plugin import planning
+from tq_warmup_plugin.plan import model as planning
 
 MODELS = Path(__file__).parent / "data" / "models"
 PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"

@@ -1,11 +1,11 @@
 """The ``ahead-cost`` command: what the compile-ahead child costs, by phase, in one run.
 
-The child's work (``tq_warmup_plugin.ahead_child.run_child``) builds a worker's offline
+The child's work (``tq_warmup_plugin.vllm_kernels.ahead_child.run_child``) builds a worker's offline
 engine jobs (``engine_plan``) and, since session 24, its TurboQuant keys (the layers planned
 from the worker's config, ``planning.worker_plan``) for sm90 in forked processes. A worker
 forks its child with vLLM imported (``ahead.spawn``, since session 23), so the import below
-is what the child no longer pays; ``python -m tq_warmup_plugin.ahead_child`` runs the engine
-jobs alone in a fresh interpreter. This times, on this machine (a CPU is enough: the
+is what the child no longer pays; ``python -m tq_warmup_plugin.vllm_kernels.ahead_child``
+runs the engine jobs alone in a fresh interpreter. This times, on this machine (a CPU is enough: the
 compiles are Triton's, for the target):
 - the import alone (what a fresh interpreter imports before its first compile);
 - the whole fresh-interpreter child for a V1 ngram and a V2 engine (Llama 3's vocabulary,
@@ -42,7 +42,7 @@ __all__ = ["ENGINES", "add_parser", "child_seconds", "cmd_ahead_cost", "engine_r
 _IMPORT_PROBE = """
 import json, time
 t0 = time.perf_counter()
-import tq_warmup_plugin.engine_plan, tq_warmup_plugin.warmup
+import tq_warmup_plugin.vllm_kernels.offline, tq_warmup_plugin.worker.warmup
 import importlib, importlib.util
 v1 = ("vllm.v1.sample.sampler", "vllm.v1.sample.rejection_sampler", "vllm.v1.worker.block_table")
 for name in v1:  # the V1 runner's, which the child imports where it exists (0.20-0.33)
@@ -63,7 +63,7 @@ def engine_request(engine: dict[str, Any], version: str | None = None) -> dict[s
     vLLM), built by ``EngineRequest`` itself, so a field it gains has its default here (a
     hand-written dict went stale when the MoE fields came: every child refused it)."""
     from tq_warmup_plugin import compat
-    from tq_warmup_plugin.engine_plan import EngineRequest
+    from tq_warmup_plugin.vllm_kernels.offline import EngineRequest
 
     feats = compat.release_features(version or compat.installed_vllm_version() or "")
     return EngineRequest(features=feats, vocab_size=128256, model_dtype="bfloat16",
@@ -77,7 +77,7 @@ def child_seconds(engine: dict[str, Any], processes: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_CACHE_DIR": cache}
         out = subprocess.run(
-            [sys.executable, "-m", "tq_warmup_plugin.ahead_child", argument],
+            [sys.executable, "-m", "tq_warmup_plugin.vllm_kernels.ahead_child", argument],
             env=env, capture_output=True, text=True, timeout=1200,
         )  # fmt: skip
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])

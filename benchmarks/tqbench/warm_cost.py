@@ -42,8 +42,8 @@ _PLAN = """
 import json, sys, threading, time
 from collections import defaultdict
 from tq_warmup_plugin import planning
-from tq_warmup_plugin.engine_plan import build, cpu_engine, jobs, planned_request
-from tq_warmup_plugin.plugins import plugin_manager
+from tq_warmup_plugin.vllm_kernels.offline import build, cpu_engine, jobs, planned_request
+from tq_warmup_plugin.worker.plugins import plugin_manager
 from tq_warmup_plugin.shipped.precompile import use_compile_only_target
 use_compile_only_target(90)
 spec = {"method": "mtp", "num_speculative_tokens": 2}

@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
-from tq_warmup_plugin import compat, launches
+from tq_warmup_plugin import compat
 from tq_warmup_plugin.driver import entry as driver_cache
-from tq_warmup_plugin.launches import Launch
+from tq_warmup_plugin.worker import launches
+from tq_warmup_plugin.worker.launches import Launch
 
 pytestmark = pytest.mark.real_vllm
 

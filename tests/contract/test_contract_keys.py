@@ -21,12 +21,13 @@ from realvllm import (
     run_backend,
 )
 
-from tq_warmup_plugin import compat, keys, planning
+from tq_warmup_plugin import compat, keys
 from tq_warmup_plugin.geometry import PRESETS as ALL_PRESETS
 from tq_warmup_plugin.geometry import Geometry
+from tq_warmup_plugin.plan import model as planning
 from tq_warmup_plugin.warmers.triton_jit import compile_key
 from tq_warmup_plugin.warmers.turboquant import turboquant_contributions
-from tq_warmup_plugin.warmup import Plan
+from tq_warmup_plugin.worker.warmup import Plan
 
 pytestmark = pytest.mark.real_vllm
 

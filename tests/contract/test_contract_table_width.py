@@ -23,7 +23,8 @@ import pytest
 from test_contract_hybrid_block import vllm_kernel_block
 from test_contract_vllm_kernels import feats
 
-from tq_warmup_plugin import compat, planning
+from tq_warmup_plugin import compat
+from tq_warmup_plugin.plan import model as planning
 
 pytestmark = pytest.mark.real_vllm
 

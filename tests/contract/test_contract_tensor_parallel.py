@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 from realvllm import MAX_NUM_SEQS, layer_kv_cache, make_impl, recorded_keys, run_backend
 
-from tq_warmup_plugin import compat, planning, workspace
+from tq_warmup_plugin import compat
 from tq_warmup_plugin.geometry import Geometry
+from tq_warmup_plugin.plan import model as planning
+from tq_warmup_plugin.worker import workspace
 
 pytestmark = pytest.mark.real_vllm
 

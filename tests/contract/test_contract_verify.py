@@ -26,12 +26,13 @@ from realvllm import (
     recorded_keys,
 )
 
-from tq_warmup_plugin import compat, verify_rows
+from tq_warmup_plugin import compat
 from tq_warmup_plugin.guards import batched_verify, spec_graphs
-from tq_warmup_plugin.verify_rows import loop_rows
 from tq_warmup_plugin.warmers.triton_jit import compile_key
 from tq_warmup_plugin.warmers.turboquant import turboquant_contributions
-from tq_warmup_plugin.warmup import Plan
+from tq_warmup_plugin.worker import verify_rows
+from tq_warmup_plugin.worker.verify_rows import loop_rows
+from tq_warmup_plugin.worker.warmup import Plan
 
 pytestmark = pytest.mark.real_vllm
 

@@ -29,10 +29,13 @@ from test_contract_hybrid_block import vllm_kernel_block
 from test_contract_vllm_kernels import _driver as _driver  # autouse: sm90, the SM count
 from test_contract_vllm_kernels import feats
 
-from tq_warmup_plugin import ahead, ahead_child, compat, discovery, keyplan, planning
+from tq_warmup_plugin import compat
 from tq_warmup_plugin.geometry import Geometry
-from tq_warmup_plugin.report import CompileCounter, Report
-from tq_warmup_plugin.warmup import plugin_manager
+from tq_warmup_plugin.plan import model as planning
+from tq_warmup_plugin.vllm_kernels import ahead, ahead_child
+from tq_warmup_plugin.worker import discovery, keyplan
+from tq_warmup_plugin.worker.report import CompileCounter, Report
+from tq_warmup_plugin.worker.warmup import plugin_manager
 
 pytestmark = pytest.mark.real_vllm
 

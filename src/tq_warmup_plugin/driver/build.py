@@ -37,8 +37,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..launches import Launch
 from ..shipped import pins
+from ..worker.launches import Launch
 from . import compiled
 from . import entry as driver_cache
 from .startup import MAXSIZE
@@ -346,7 +346,8 @@ def run_launches(todo: list[Launch], scale: float) -> dict[str, Any]:
     on a fresh driver cache, JIT), and the GPU's facts."""
     import torch
 
-    from .. import compat, launches
+    from .. import compat
+    from ..worker import launches
 
     device = torch.device("cuda", 0)
     impls = {"driver-cache": compat.fa2_stand_in(scale)}

@@ -38,7 +38,7 @@ from types import ModuleType
 from typing import Any
 
 from .. import compat, patching
-from ..verify_rows import ROWS_ATTR, VerifyRows, rows_of
+from ..worker.verify_rows import ROWS_ATTR, VerifyRows, rows_of
 from . import spec_graphs
 from .gate import install_where_needed
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .compat import Features, KvZeroing, MoeExperts
+from ..compat import Features, KvZeroing, MoeExperts
 
 __all__ = ["Declined", "Engine", "Job"]
 

@@ -25,10 +25,11 @@ from typing import Any
 
 import pluggy
 
-from . import compat, engine_warmup
-from .compat import V2_SPEC_METHODS, Features, runs_v2  # compat re-exports them
-from .engine import Declined, Engine, Job
-from .warmers.vllm_eagle import eagle_style
+from .. import compat
+from ..compat import V2_SPEC_METHODS, Features, runs_v2  # compat re-exports them
+from ..warmers.vllm_eagle import eagle_style
+from . import run as engine_warmup
+from .jobs import Declined, Engine, Job
 
 __all__ = [
     "H100_SMS",

@@ -17,14 +17,17 @@ from typing import Any
 
 import pluggy
 
-from . import ahead, compat, engine_warmup, launches, spec_problem, workspace
+from .. import compat
+from ..geometry import Geometry
+from ..guards import draft_seq_lens, prefix_fast_path
+from ..settings import Settings
+from ..vllm_kernels import ahead
+from ..vllm_kernels import run as engine_warmup
+from . import launches, spec_problem, workspace
 from .discovery import discover
-from .geometry import Geometry
-from .guards import draft_seq_lens, prefix_fast_path
 from .keyplan import Plan, compile_all, compile_into, compile_one, describe, plan_keys
 from .plugins import plugin_manager
 from .report import Report
-from .settings import Settings
 
 # A child of vLLM's "vllm" logger inherits its handlers and format.
 logger = logging.getLogger("vllm.tq_warmup_plugin")
@@ -161,7 +164,7 @@ def _warm(
 def _load_compiled(report: Report) -> None:
     """The shipped driver-cache entry's ``torch.compile`` artifacts (``driver.compiled``):
     the warmers' graphs, and a first request's, then load instead of compiling."""
-    from .driver import compiled
+    from ..driver import compiled
 
     loaded = compiled.load()
     if loaded is None:

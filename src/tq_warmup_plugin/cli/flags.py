@@ -13,9 +13,9 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from . import compat, safe_io
-from .geometry import PRESETS
-from .planning import PlanRequest
+from .. import compat, safe_io
+from ..geometry import PRESETS
+from ..plan.model import PlanRequest
 
 __all__ = [
     "DEFAULT_GPU_NAME",

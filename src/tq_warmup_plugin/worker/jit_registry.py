@@ -26,7 +26,7 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
-from . import compat
+from .. import compat
 
 __all__ = ["KEY", "Registration", "register"]
 

@@ -8,7 +8,7 @@ built here.
 
 from __future__ import annotations
 
-from .compat import Features
+from ..compat import Features
 
 __all__ = ["spec_decode_problem"]
 

@@ -8,7 +8,7 @@ A hybrid's KV-block zeroing keys come from the same plan (``Planned.zeroing``, w
 worker's real drafter), built with the engine jobs.
 
 The worker forks it (``ahead.start``), so it has vLLM imported already; ``python -m
-tq_warmup_plugin.ahead_child JSON`` runs the same work in a fresh interpreter, vLLM's
+tq_warmup_plugin.vllm_kernels.ahead_child JSON`` runs the same work in a fresh interpreter, vLLM's
 import included (``benchmarks/tqbench/ahead_cost.py`` times that). Its own module, so that
 nothing the worker imports loads it before the fork.
 """
@@ -24,14 +24,14 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .report import error_line
+from ..worker.report import error_line
 
 if TYPE_CHECKING:
     import pluggy
 
-    from .compat import Features
-    from .engine import Job
-    from .planning import Planned
+    from ..compat import Features
+    from ..plan.model import Planned
+    from .jobs import Job
 
 __all__ = [
     "ERRORS_KEPT",
@@ -68,7 +68,7 @@ def worker_plan(config: Any, given: Mapping[str, Any], feats: Features) -> Plann
     """What a worker of ``config`` will discover (``planning.worker_plan``, the batched
     verify path's rows where ``given["verify"]``): its TurboQuant layers and a hybrid's
     KV-block zeroing; a plan that fails raises its one line."""
-    from . import planning
+    from ..plan import model as planning
 
     v2, verify = bool(given["request"]["runner_v2"]), bool(given.get("verify"))
     return planning.worker_plan(config, feats, int(given["arch"]), v2, verify)
@@ -79,15 +79,16 @@ def key_jobs(pm: pluggy.PluginManager, planned: Planned) -> list[Job]:
     them (``keyplan.plan_keys``)."""
     from functools import partial
 
-    from . import keyplan, planning
-    from .engine import Job
+    from ..plan import model as planning
+    from ..worker import keyplan
+    from .jobs import Job
 
     keys = keyplan.plan_keys(pm, planning.named_geometries(planned)).keys
     return [Job(FAMILY, keyplan.describe(key), partial(_compile, pm, key)) for key in keys]
 
 
 def _compile(pm: pluggy.PluginManager, key: Any) -> None:
-    from .keyplan import compile_one
+    from ..worker.keyplan import compile_one
 
     line = compile_one(pm, key)
     if line is not None:
@@ -106,9 +107,9 @@ def run_child(given: Mapping[str, Any], out: int, config: Any = None) -> int:
     die_with_parent()
     keys = 0
     try:
-        from .engine_plan import EngineRequest, build, cpu_engine, jobs
-        from .plugins import plugin_manager
-        from .shipped.precompile import use_compile_only_target
+        from ..shipped.precompile import use_compile_only_target
+        from ..worker.plugins import plugin_manager
+        from .offline import EngineRequest, build, cpu_engine, jobs
 
         use_compile_only_target(int(given["arch"]))
         request = EngineRequest.from_dict(given["request"])

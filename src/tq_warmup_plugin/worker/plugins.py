@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pluggy
 
-from . import hookspecs
-from .warmers import (
+from .. import hookspecs
+from ..warmers import (
     triton_jit,
     turboquant,
     vllm_async_spec,

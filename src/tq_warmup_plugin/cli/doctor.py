@@ -18,8 +18,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import compat
-from .settings import Settings
+from .. import compat
+from ..settings import Settings
 
 __all__ = ["CPU_RECIPE", "Diagnosis", "Facts", "diagnose", "facts", "install_step"]
 
@@ -97,7 +97,7 @@ def diagnose(f: Facts) -> Diagnosis:
         ("GPU", ", ".join(dict.fromkeys(f.gpus)) or "none found"),
     ]
     if compat.beyond_newest(compat.parse_version(f.vllm)):  # what the guards' WARNINGs say
-        from .guards import prefix_fast_path, spec_graphs
+        from ..guards import prefix_fast_path, spec_graphs
 
         rows.append(("unguarded", f"{prefix_fast_path.RISK}; {spec_graphs.RISK}"))
     checks = [
@@ -131,7 +131,7 @@ def diagnose(f: Facts) -> Diagnosis:
 
 
 def _gpus(proc: str = "/proc", dev: str = "/dev") -> tuple[str, ...]:
-    from .driver.entry import read_node  # /proc/driver/nvidia only: no CUDA context
+    from ..driver.entry import read_node  # /proc/driver/nvidia only: no CUDA context
 
     found = read_node(proc).gpus
     if not found and os.path.exists(os.path.join(dev, "kfd")):

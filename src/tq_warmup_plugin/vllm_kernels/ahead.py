@@ -39,10 +39,10 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from . import compat, patching
+from .. import compat, patching
 
 if TYPE_CHECKING:  # register() imports this module: the rest comes when a worker starts
-    from .engine_plan import EngineRequest
+    from .offline import EngineRequest
 
 __all__ = [
     "LATE",
@@ -84,7 +84,7 @@ def request_of(worker: Any, feats: compat.Features) -> EngineRequest | None:
     engine warmers would warm nothing (no TurboQuant KV cache, a pooling model). The block
     size is final here: vLLM aligns TurboQuant's in the engine's config (0.25+
     ``Platform._align_heterogeneous_kv_block_size``, before the workers start)."""
-    from .engine_plan import EngineRequest
+    from .offline import EngineRequest
 
     config = worker.vllm_config
     cache = config.cache_config
@@ -145,7 +145,7 @@ def start(worker: Any) -> None:
     global _child
     if _child is not None:
         return
-    from .report import error_line
+    from ..worker.report import error_line
 
     started = time.perf_counter()
     try:
@@ -166,7 +166,7 @@ def start(worker: Any) -> None:
 def _verify_rows() -> bool:
     """Whether this process's settings serve verify batches as decode rows (the batched
     verify guard, ``guards.active``): the geometry the worker discovers then has them."""
-    from .settings import load
+    from ..settings import load
 
     chosen = load()
     return chosen.spec_guard and not chosen.spec_piecewise
@@ -189,8 +189,8 @@ def spawn(given: dict[str, Any], config: Any = None) -> None:
     is the worker's); the exit is ``os._exit``, so none of the worker's exit handlers run."""
     import warnings
 
+    from ..worker.report import error_line
     from . import ahead_child  # imported here, not in the fork: no import lock to inherit
-    from .report import error_line
 
     global _child
     started = time.perf_counter()

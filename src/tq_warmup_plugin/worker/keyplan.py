@@ -15,8 +15,8 @@ from typing import Generic, TypeVar
 
 import pluggy
 
-from . import compat
-from .geometry import Geometry
+from .. import compat
+from ..geometry import Geometry
 from .report import CompileCounter, Report, error_line
 
 __all__ = ["Plan", "compile_all", "compile_into", "compile_one", "describe", "plan_keys"]

@@ -20,9 +20,9 @@ from typing import Any, cast
 
 import pluggy
 
-from . import compat
-from .engine import Declined, Engine, Job
-from .report import CompileCounter, error_line
+from .. import compat
+from ..worker.report import CompileCounter, error_line
+from .jobs import Declined, Engine, Job
 
 __all__ = ["EngineResult", "engine_or_reason", "plan", "run", "run_job"]
 

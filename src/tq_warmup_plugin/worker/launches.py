@@ -27,9 +27,9 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-from . import compat
-from .compat import CONTINUATION_DECODE_THRESHOLD
-from .geometry import Geometry
+from .. import compat
+from ..compat import CONTINUATION_DECODE_THRESHOLD
+from ..geometry import Geometry
 from .report import error_line
 
 __all__ = [

@@ -15,9 +15,9 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from . import compat
-from .compat import Features
-from .geometry import DTYPE_BYTES, Geometry, preset
+from .. import compat
+from ..compat import Features
+from ..geometry import DTYPE_BYTES, Geometry, preset
 
 __all__ = [
     "STATELESS_LAYER_TYPES",

@@ -17,9 +17,10 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from . import planning, safe_io
-from .geometry import Geometry, Reported, read_report
-from .planning import Planned
+from .. import safe_io
+from ..geometry import Geometry, Reported, read_report
+from ..plan import model as planning
+from ..plan.model import Planned
 
 __all__ = [
     "CliError",

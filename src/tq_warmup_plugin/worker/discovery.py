@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import compat, verify_rows
-from .compat import Features
-from .geometry import Geometry
+from .. import compat
+from ..compat import Features
+from ..geometry import Geometry
+from . import verify_rows
 
 __all__ = ["PREFILL_ONLY_PATHS", "Discovery", "discover", "layer_geometry"]
 

@@ -15,9 +15,9 @@ import contextlib
 from collections.abc import Iterable
 from typing import Any
 
-from . import compat
-from .compat import Features
-from .geometry import Geometry, Request, request_bytes, runtime_requests
+from .. import compat
+from ..compat import Features
+from ..geometry import Geometry, Request, request_bytes, runtime_requests
 
 __all__ = [
     "ReservationError",

@@ -188,7 +188,7 @@ class CompileCounter:
     def __enter__(self) -> CompileCounter:
         from triton import knobs
 
-        from .shipped.layered_cache import served_by_layer
+        from ..shipped.layered_cache import served_by_layer
 
         self._in_layer = served_by_layer
         self._previous = knobs.compilation.listener

@@ -25,24 +25,18 @@ from pathlib import Path
 
 import pluggy
 
-from . import compat, launches, planning, safe_io, warmup
-from .atomic import directory_problem
-from .cli_flags import (
-    Parser,
-    arch,
-    command,
-    engine_args,
-    geometry_flags,
-    report_conflicts,
-    whole,
-)
-from .cli_inputs import CliError, geometries, geometries_from_report
-from .engine import Engine, Job
-from .geometry import Geometry
-from .planning import Planned
-from .report import CompileCounter, Report
-from .settings import load, parse
-from .shipped import manifest, pins
+from .. import compat, safe_io
+from ..atomic import directory_problem
+from ..geometry import Geometry
+from ..plan import model as planning
+from ..plan.model import Planned
+from ..settings import load, parse
+from ..shipped import manifest, pins
+from ..vllm_kernels.jobs import Engine, Job
+from ..worker import launches, warmup
+from ..worker.report import CompileCounter, Report
+from .flags import Parser, arch, command, engine_args, geometry_flags, report_conflicts, whole
+from .inputs import CliError, geometries, geometries_from_report
 
 __all__ = ["CliError", "build_parser", "geometries_from_report", "main"]
 
@@ -95,7 +89,7 @@ def _boundary(planned: Planned) -> dict[str, tuple[int, int, int]]:
 
 def _engine(args: argparse.Namespace, planned: Planned) -> tuple[Engine | None, str]:
     """The engine the plan's worker would read (``engine_plan``), or None and why not."""
-    from .engine_plan import cpu_engine, planned_request
+    from ..vllm_kernels.offline import cpu_engine, planned_request
 
     if not planned.vocab_size:
         return None, "need --model or --vocab-size for their keys"
@@ -121,7 +115,7 @@ def _engine_jobs(
 ) -> tuple[Engine | None, str, list[Job], list[str], list[str]]:
     """The engine, its description, its offline jobs, the lines of what is not planned and
     one error line per warmer that raised while planning."""
-    from .engine_plan import jobs
+    from ..vllm_kernels.offline import jobs
 
     engine, what = _engine(args, planned)
     if engine is None:
@@ -245,7 +239,7 @@ def _made(cache_dir: Path) -> Path:
 
 def _wheel_tags(path: str) -> tuple[str, str]:
     """``precompile.wheel_tags`` of ``--image-triton-wheel``, refused in one line."""
-    from .shipped.precompile import WheelError, wheel_tags
+    from ..shipped.precompile import WheelError, wheel_tags
 
     try:
         return wheel_tags(path)
@@ -259,7 +253,7 @@ def _image_stack(
     """The image's Triton build key (None without ``--image-triton-wheel``) and the
     stack it runs: this host's, with that wheel's build and Python. The wheel, which the
     caller has checked (``_wheel_tags``), is unpacked into a directory ``stack`` removes."""
-    from .shipped.precompile import target_stack, triton_key_of_wheel
+    from ..shipped.precompile import target_stack, triton_key_of_wheel
 
     if wheel is None:
         return None, target_stack(arch, None, None)
@@ -269,7 +263,7 @@ def _image_stack(
 
 def precompile(args: argparse.Namespace) -> int:
     """Compile the plan for the target architecture into ``--cache-dir``."""
-    from .shipped.precompile import refusal
+    from ..shipped.precompile import refusal
 
     start = time.perf_counter()
     installed = {
@@ -296,14 +290,14 @@ def precompile(args: argparse.Namespace) -> int:
     pm = warmup.plugin_manager()
     the_plan, named, planned = _plan(args, pm)
 
-    from .engine_plan import build
-    from .shipped.precompile import (
+    from ..shipped.precompile import (
         InstallError,
         cache_keys_for,
         install,
         staging,
         use_compile_only_target,
     )
+    from ..vllm_kernels.offline import build
 
     use_compile_only_target(args.arch)
     report = Report(vllm_version=installed["vllm"], distinct=len(the_plan.keys))
@@ -364,8 +358,8 @@ def driver_cache(args: argparse.Namespace) -> int:
     if args.model is not None:
         _stage(f"importing vLLM and reading {args.model} with its ModelConfig")
     named, planned = geometries(args)
-    from .driver.build import BuildError, build, engine_spec
-    from .driver.entry import DRIVER_DIR
+    from ..driver.build import BuildError, build, engine_spec
+    from ..driver.entry import DRIVER_DIR
 
     todo = launches.driver_plan(named, _boundary(planned))
     engine = None
@@ -398,7 +392,7 @@ def driver_cache(args: argparse.Namespace) -> int:
 def _manifest_digests(root: Path, triton: list[Path]) -> list[str]:
     """The sha256 of every manifest file ``verify`` read: the Triton layer's, and each
     driver-cache entry's ``manifest.json`` (``TQ_WARMUP_CACHE_PIN``'s items)."""
-    from .driver import entry as dc
+    from ..driver import entry as dc
 
     files = [*triton, *(e / dc.MANIFEST for e in dc.entries(root / dc.DRIVER_DIR))]
     return [pins.digest(safe_io.read_bytes(str(p), safe_io.MAX_JSON_BYTES)) for p in files]
@@ -418,8 +412,8 @@ def verify(args: argparse.Namespace) -> int:
         raise CliError(f"--cache-dir {args.cache_dir}: not a directory")
     if args.image_triton_wheel is not None:
         _wheel_tags(args.image_triton_wheel)  # a bad wheel is one line, before any work
-    from .driver import verify as driver_verify
-    from .shipped.precompile import stale_stages
+    from ..driver import verify as driver_verify
+    from ..shipped.precompile import stale_stages
 
     stale = stale_stages(root)
     for stage in stale:
