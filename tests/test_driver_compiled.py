@@ -15,9 +15,9 @@ import pytest
 from test_driver_cache import FA2, make_entry
 from test_driver_startup import layer  # noqa: F401
 
-from tq_warmup_plugin import driver_startup
 from tq_warmup_plugin.driver import build, compiled
 from tq_warmup_plugin.driver import entry as dc
+from tq_warmup_plugin.driver import startup as driver_startup
 from tq_warmup_plugin.driver.entry import EntryError
 from tq_warmup_plugin.settings import Settings
 from tq_warmup_plugin.worker.report import Report

@@ -37,3 +37,8 @@ def test_the_tests_map_names_every_test_file_and_only_test_files() -> None:
     files = {p.relative_to(TESTS).as_posix() for p in TESTS.rglob("*.py")}
     assert files - named == set(), "test files tests/README.md does not name"
     assert named - files == set(), "tests/README.md names files that are not there"
+
+
+def test_at_most_twelve_modules_sit_at_the_top_level() -> None:
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 12, top
