@@ -26,12 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks.tqbench.children import Children
 from benchmarks.tqbench.cli import new_parser
 from benchmarks.tqbench.matrix import DEFAULT_RESULTS_DIR
 from benchmarks.tqbench.register_cost import sample, write_summary
@@ -76,10 +76,9 @@ def child_seconds(engine: dict[str, Any], processes: int) -> dict[str, Any]:
     argument = json.dumps({"request": engine_request(engine), "arch": 90, "processes": processes})
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_CACHE_DIR": cache}
-        out = subprocess.run(
-            [sys.executable, "-m", "tq_warmup_plugin.vllm_kernels.ahead_child", argument],
-            env=env, capture_output=True, text=True, timeout=1200,
-        )  # fmt: skip
+        out = Children().capture(
+            [sys.executable, "-m", "tq_warmup_plugin.vllm_kernels.ahead_child", argument], env, 1200
+        )
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
@@ -132,11 +131,10 @@ def worker_config(directory: str, request: dict[str, Any]) -> Any:
 def fork_seconds(engine: dict[str, Any], processes: int, with_keys: bool) -> dict[str, Any]:
     """The forked child's work, vLLM imported first, over an empty Triton cache: its line."""
     given = {"request": engine_request(engine), "arch": 90, "processes": processes, "verify": True}
-    out = subprocess.run(
+    out = Children().capture(
         [sys.executable, "-c", _FORK_PROBE, json.dumps(given), "1" if with_keys else "0"],
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True,
-        timeout=1200, check=True,
-    )  # fmt: skip
+        {**os.environ, "CUDA_VISIBLE_DEVICES": ""}, 1200,
+    ).check()  # fmt: skip
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 

@@ -41,7 +41,6 @@ import json
 import os
 import random
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -108,6 +107,10 @@ class Row:
     operator would, and the server reads it through the layered cache, pinned, over an
     empty Triton cache (:func:`build_layer`)."""
 
+
+CHILDREN = Children()
+"""This run's children, every one in its own process group and killed on SIGTERM: the
+servers, the in-process engines, ``precompile``, ``driver-cache`` and ``verify``."""
 
 HYBRID_GDN = "triton"
 """The hybrid's ``--gdn-prefill-backend``: the staged vLLM has no FlashInfer."""
@@ -314,13 +317,8 @@ def in_process_row(args: argparse.Namespace, p: Prepared, log: Path,
     env = {**p.env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TQ_WARMUP_REPORT": str(report)}
     argv = [sys.executable, "-m", "benchmarks.tqbench.inproc_mix", str(given)]
     result["engine"] = "in-process"
-    with log.open("wb") as sink:
-        try:
-            limit = args.startup_timeout + args.request_timeout * 10
-            rc = subprocess.run(argv, env=env, cwd=REPO_ROOT, stdout=sink,
-                                stderr=subprocess.STDOUT, timeout=limit).returncode  # fmt: skip
-        except subprocess.TimeoutExpired:
-            rc = -9
+    ended = CHILDREN.run(argv, log, env, args.startup_timeout + args.request_timeout * 10)
+    rc = -9 if ended.timed_out else ended.rc
     try:
         result.update(json.loads(written.read_text()))
     except (OSError, ValueError):
@@ -361,15 +359,15 @@ def build_layer(args: argparse.Namespace, model_dir: Path, spec: dict[str, Any] 
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": child_pythonpath([str(REPO_ROOT / "src")], os.environ)}  # fmt: skip
     started = time.perf_counter()
-    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
+    out = CHILDREN.capture(argv, env, 900)
     seconds = round(time.perf_counter() - started, 1)
     lines = (out.stdout + out.stderr).strip().splitlines()
     # its one summary line (keys, vLLM's jobs, host launchers), not torch's last warning
     said = [x for x in out.stdout.splitlines() if x.startswith("tq-warmup: ") and " keys " in x]
     line = (said or lines or [""])[-1][:400]
-    pin, verify = pin_of(str(layer)) if out.returncode == 0 else ("", "")
-    print(f"serve-jit: precompile {out.returncode} in {seconds} s: {line}", flush=True)
-    return {"seconds": seconds, "rc": out.returncode, "last_line": line, "pin": pin,
+    pin, verify = pin_of(str(layer)) if out.rc == 0 else ("", "")
+    print(f"serve-jit: precompile {out.rc} in {seconds} s: {line}", flush=True)
+    return {"seconds": seconds, "rc": out.rc, "last_line": line, "pin": pin,
             "verify": verify}  # fmt: skip
 
 
@@ -377,11 +375,12 @@ def gpu_name() -> str:
     """This machine's first GPU as vLLM names it (``torch.cuda.get_device_name``, which
     ``nvidia-smi`` prints the same), or "" without one."""
     try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30)  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
+        done = CHILDREN.capture(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], os.environ, 30
+        )
+    except OSError:
         return ""
-    return (done.stdout.strip().splitlines() or [""])[0].strip() if done.returncode == 0 else ""
+    return (done.stdout.strip().splitlines() or [""])[0].strip() if done.rc == 0 else ""
 
 
 def build_driver_cache(args: argparse.Namespace, names: list[str], work: Path) -> Path:
@@ -404,11 +403,10 @@ def build_driver_cache(args: argparse.Namespace, names: list[str], work: Path) -
         env = {**p.env, "TORCHINDUCTOR_CACHE_DIR": str(work / "fleet-models" / name / "ind")}
         env.pop("TQ_WARMUP_DRIVER_CACHE", None)
         started = time.perf_counter()
-        done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO_ROOT,
-                              timeout=args.startup_timeout + 300)  # fmt: skip
+        done = CHILDREN.capture(argv, env, args.startup_timeout + 300)
         said = [x for x in done.stdout.splitlines() if x.startswith("tq-warmup: driver cache")]
         tail = (said or (done.stderr or done.stdout).strip().splitlines() or [""])[-1][:600]
-        print(f"serve-jit: driver-cache {name} rc {done.returncode} in "
+        print(f"serve-jit: driver-cache {name} rc {done.rc} in "
               f"{time.perf_counter() - started:.1f} s: {tail}", flush=True)  # fmt: skip
     return root
 
@@ -522,7 +520,7 @@ def pin_of(root: str) -> tuple[str, str]:
     argv = [sys.executable, "-m", "tq_warmup_plugin.cli", "verify", "--cache-dir", root,
             "--print-pin"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src")}
-    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    out = CHILDREN.capture(argv, env, 120)
     lines = out.stdout.splitlines()
     pin = next((ln.split("=", 1)[1] for ln in lines if ln.startswith("TQ_WARMUP_CACHE_PIN=")), "")
     summary = next((ln for ln in lines if " problem" in ln), out.stderr.strip()[-300:])
@@ -571,7 +569,7 @@ def cmd_serve_jit(args: argparse.Namespace) -> int:
         print("serve-jit: a row named twice starts again after the first: not side by side",
               file=sys.stderr)  # fmt: skip
         return 2
-    children = Children()
+    children = CHILDREN
     children.stop_on_sigterm()
     # Written once, before any server reads it (rows side by side would rewrite it).
     args.stub = str(entry_point.write_stub(work / "entry-point", plugin=not entry_point.found(),

@@ -85,7 +85,7 @@ def make_builder(backend: Any, config: Any) -> Any:
     builder = cls.__new__(cls)
     builder.vllm_config, builder.device = config, "cpu"
     builder.reorder_batch_threshold = 1  # what vLLM's own __init__ sets
-    batched_verify._serve(builder)
+    batched_verify.serve_rows(builder)
     return builder
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import pluggy
 
-from .. import compat
+from .. import compat, patching
 from ..compat import V2_SPEC_METHODS, Features, runs_v2  # compat re-exports them
 from ..warmers.vllm_eagle import eagle_style
 from . import run as engine_warmup
@@ -315,7 +315,7 @@ def _sm_count(count: int) -> Iterator[None]:
     if getattr(module, "num_compute_units", None) is None:
         yield
         return
-    with compat.swapped(module, {"num_compute_units": lambda index=None: count}):
+    with patching.swapped(module, {"num_compute_units": lambda index=None: count}):
         yield
 
 
