@@ -332,17 +332,17 @@ def test_doctor_prints_the_settings_problems(
 
 def test_effective_block_size_rule() -> None:
     from tq_warmup_plugin import compat
-    from tq_warmup_plugin.plan import model as planning
+    from tq_warmup_plugin.plan import rules as plan_rules
 
     new, old = compat.features((0, 26)), compat.features((0, 24))
-    assert [planning.effective_block_size(new, b, 2) for b in (16, 32, 64, 128)] == [
+    assert [plan_rules.effective_block_size(new, b, 2) for b in (16, 32, 64, 128)] == [
         32,
         32,
         64,
         128,
     ]
-    assert planning.effective_block_size(new, 16, 4) == 64
-    assert planning.effective_block_size(old, 16, 2) == 16
+    assert plan_rules.effective_block_size(new, 16, 4) == 64
+    assert plan_rules.effective_block_size(old, 16, 2) == 16
 
 
 @pytest.mark.real_vllm

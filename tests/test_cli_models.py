@@ -18,7 +18,7 @@ import pytest
 
 from tq_warmup_plugin import compat
 from tq_warmup_plugin.cli import commands as cli
-from tq_warmup_plugin.plan import model as planning
+from tq_warmup_plugin.plan import rules as plan_rules
 
 MODELS = Path(__file__).parent / "data" / "models"
 
@@ -173,11 +173,11 @@ def test_a_config_file_of_another_name_and_bad_tp(
 
 def test_boundary_rule_per_release() -> None:
     old, new = compat.features((0, 20)), compat.features((0, 26))
-    assert planning.boundary_layers(new, 32, hybrid=False) == (0, 1, 30, 31)
-    assert planning.boundary_layers(new, 3, hybrid=False) == (0, 2)
-    assert planning.boundary_layers(new, 48, hybrid=True) == ()
-    with pytest.raises(planning.UnsupportedModel, match=r"0\.20 refuses"):
-        planning.boundary_layers(old, 48, hybrid=True)
+    assert plan_rules.boundary_layers(new, 32, hybrid=False) == (0, 1, 30, 31)
+    assert plan_rules.boundary_layers(new, 3, hybrid=False) == (0, 2)
+    assert plan_rules.boundary_layers(new, 48, hybrid=True) == ()
+    with pytest.raises(plan_rules.UnsupportedModel, match=r"0\.20 refuses"):
+        plan_rules.boundary_layers(old, 48, hybrid=True)
 
 
 _SIZE_QWEN3_NEXT = """

@@ -177,13 +177,14 @@ def test_a_plan_slices_microbatches_as_the_runner_vllm_picks(
     model, ngram and draft_model on V1 where V2 is the default (``compat.runs_v2``). Before
     session 29 ``precompile --enable-dbo`` planned V2 for those (the release's default
     alone) while their workers ran V1: another decode key, compiled in each worker."""
-    from tq_warmup_plugin.plan import model as planning
+    from tq_warmup_plugin.plan import model as plan_model
+    from tq_warmup_plugin.plan import request as plan_request
 
-    shape = planning.ModelShape("M", 128, 16, 8, 16, 8, 8, tuple(range(8)), False, "bfloat16",
+    shape = plan_model.ModelShape("M", 128, 16, 8, 16, 8, 8, tuple(range(8)), False, "bfloat16",
                                 None, 4096, None, vocab_size=32000, moe=moe)  # fmt: skip
     spec = {"method": method, "num_speculative_tokens": 2} if method else None
-    request = planning.PlanRequest(kv_cache_dtype="turboquant_4bit_nc", vllm_version="0.30.0",
+    request = plan_request.PlanRequest(kv_cache_dtype="turboquant_4bit_nc", vllm_version="0.30.0",
                                    enable_dbo=True, speculative_config=spec)  # fmt: skip
-    sliced = planning.plan_shape(request, shape).geometry.ubatch_sliced
+    sliced = plan_request.plan_shape(request, shape).geometry.ubatch_sliced
     assert sliced == compat.ubatch_sliced(compat.features((0, 30)), True, runner_v2)
     assert ("seq_lens" in sliced) is not runner_v2

@@ -3,7 +3,12 @@
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import importlib
+import importlib.util
 import re
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,3 +48,41 @@ def test_the_tests_map_names_every_test_file_and_only_test_files() -> None:
 def test_at_most_twelve_modules_sit_at_the_top_level() -> None:
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= 12, top
+
+
+PROBE_IMPORT = re.compile(
+    r"from (tq_warmup_plugin[\w.]*) import ([\w, ]+)|import (tq_warmup_plugin[\w.]*)"
+)
+
+
+def test_every_plugin_import_in_a_probe_string_resolves() -> None:
+    """The code benchmarks and tests run in a fresh interpreter (``python -c`` probes)
+    imports the plugin by today's module paths: a moved module fails here, not on a GPU."""
+    missing = []
+    for path in sorted([*(ROOT / "benchmarks").rglob("*.py"), *TESTS.rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+                continue
+            for found in PROBE_IMPORT.finditer(node.value):
+                base, names, module = found.groups()
+                wanted = (
+                    [module] if module else [f"{base}.{n.split()[0]}" for n in names.split(",")]
+                )
+                missing += [
+                    f"{path.name}:{node.lineno}: {name}" for name in wanted if not _resolves(name)
+                ]
+    assert missing == []
+
+
+def _resolves(name: str) -> bool:
+    """A module, or a name a module defines."""
+    with warnings.catch_warnings():  # the old engine path warns
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with contextlib.suppress(ImportError):
+            if importlib.util.find_spec(name) is not None:
+                return True
+        parent, _, attribute = name.rpartition(".")
+        try:
+            return hasattr(importlib.import_module(parent), attribute)
+        except ImportError:
+            return False

@@ -2,7 +2,7 @@
 
 The child's work (``tq_warmup_plugin.vllm_kernels.ahead_child.run_child``) builds a worker's offline
 engine jobs (``engine_plan``) and, since session 24, its TurboQuant keys (the layers planned
-from the worker's config, ``planning.worker_plan``) for sm90 in forked processes. A worker
+from the worker's config, ``plan.request.worker_plan``) for sm90 in forked processes. A worker
 forks its child with vLLM imported (``ahead.spawn``, since session 23), so the import below
 is what the child no longer pays; ``python -m tq_warmup_plugin.vllm_kernels.ahead_child``
 runs the engine jobs alone in a fresh interpreter. This times, on this machine (a CPU is enough: the
@@ -89,7 +89,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 given, with_keys = json.loads(sys.argv[1]), sys.argv[2] == "1"
 import vllm.config  # a worker has vLLM imported: the fork inherits it
 from benchmarks.tqbench.ahead_cost import worker_config
-from tq_warmup_plugin import ahead_child
+from tq_warmup_plugin.vllm_kernels import ahead_child
 with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as model:
     os.environ["TRITON_CACHE_DIR"] = cache
     config = worker_config(model, given["request"]) if with_keys else None

@@ -28,8 +28,8 @@ import pluggy
 from .. import compat, safe_io
 from ..atomic import directory_problem
 from ..geometry import Geometry
-from ..plan import model as planning
-from ..plan.model import Planned
+from ..plan import request as plan_request
+from ..plan.request import Planned
 from ..settings import load, parse
 from ..shipped import manifest, pins
 from ..vllm_kernels.jobs import Engine, Job
@@ -587,7 +587,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rc = handler(args)
             sys.stdout.flush()  # inside the try: a reader that went away is one case below
             return rc
-        except (CliError, planning.PlanError) as exc:
+        except (CliError, plan_request.PlanError) as exc:
             _error(str(exc))
             return 2
         except BrokenPipeError:  # `tq-warmup inspect | head`: the reader has gone

@@ -1,8 +1,8 @@
 """The ``tq-warmup`` command's flags: their types, the geometry flags every planning
 subcommand shares, the parser whose usage errors are one line, and the help format.
 
-Parsing only: what a flag's value means is decided where it is used (``planning``,
-``precompile``, ``doctor``).
+Parsing only: what a flag's value means is decided where it is used (``plan``,
+``shipped.precompile``, ``cli.doctor``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 
 from .. import compat, safe_io
 from ..geometry import PRESETS
-from ..plan.model import PlanRequest
+from ..plan.request import PlanRequest
 
 __all__ = [
     "DEFAULT_GPU_NAME",

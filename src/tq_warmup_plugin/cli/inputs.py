@@ -19,8 +19,8 @@ from pathlib import Path
 
 from .. import safe_io
 from ..geometry import Geometry, Reported, read_report
-from ..plan import model as planning
-from ..plan.model import Planned
+from ..plan import request as planning
+from ..plan.request import Planned
 
 __all__ = [
     "CliError",

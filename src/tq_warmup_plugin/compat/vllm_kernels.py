@@ -632,7 +632,7 @@ def kv_block_zeroer(runner: Any) -> Any | None:
 @dataclasses.dataclass(frozen=True)
 class KvZeroing:
     """What ``_zero_kv_blocks_kernel``'s key is made of in a hybrid's worker, planned without
-    it (``planning.kv_zeroing``): vLLM builds the kernel's constants from the allocated
+    it (``plan.request.kv_zeroing``): vLLM builds the kernel's constants from the allocated
     KV cache (``KVBlockZeroer``, ``v1/worker/utils.py``), which only a worker has."""
 
     segments: int

@@ -7,7 +7,7 @@ seconds of startup, over the 5 s a worker may add. Triton holds the GIL for most
 those keys depend only on engine arguments a worker knows before it loads its model
 (``engine_plan.EngineRequest``), and the worker then spends seconds to minutes on weights,
 ``torch.compile``, profiling and the KV cache; and so do TurboQuant's own keys, whose layers
-the child plans from the worker's config (``planning.worker_plan``) as ``precompile`` plans
+the child plans from the worker's config (``plan.request.worker_plan``) as ``precompile`` plans
 them from a model's. So ``Worker.load_model`` (a hybrid model's
 ``determine_available_memory``, where its block is final: ``LATE``) forks one child
 (``spawn``, ``ahead_child.run_child``): vLLM already imported, CPU only (Triton's

@@ -1,5 +1,5 @@
 """The compile-ahead child's work (``ahead``): build one worker's TurboQuant keys, planned
-from its config (``planning.worker_plan``), and its offline engine jobs (``engine_plan``)
+from its config (``plan_request.worker_plan``), and its offline engine jobs (``engine_plan``)
 for its GPU architecture into the Triton cache its environment names, host launchers
 included where Triton builds them (``compat.build_host_launcher``), and write one JSON line:
 the jobs built, the error lines, the seconds, and of them those of the plan.
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import pluggy
 
     from ..compat import Features
-    from ..plan.model import Planned
+    from ..plan.request import Planned
     from .jobs import Job
 
 __all__ = [
@@ -65,13 +65,13 @@ def die_with_parent() -> None:
 
 
 def worker_plan(config: Any, given: Mapping[str, Any], feats: Features) -> Planned:
-    """What a worker of ``config`` will discover (``planning.worker_plan``, the batched
+    """What a worker of ``config`` will discover (``plan_request.worker_plan``, the batched
     verify path's rows where ``given["verify"]``): its TurboQuant layers and a hybrid's
     KV-block zeroing; a plan that fails raises its one line."""
-    from ..plan import model as planning
+    from ..plan import request as plan_request
 
     v2, verify = bool(given["request"]["runner_v2"]), bool(given.get("verify"))
-    return planning.worker_plan(config, feats, int(given["arch"]), v2, verify)
+    return plan_request.worker_plan(config, feats, int(given["arch"]), v2, verify)
 
 
 def key_jobs(pm: pluggy.PluginManager, planned: Planned) -> list[Job]:
@@ -79,11 +79,11 @@ def key_jobs(pm: pluggy.PluginManager, planned: Planned) -> list[Job]:
     them (``keyplan.plan_keys``)."""
     from functools import partial
 
-    from ..plan import model as planning
+    from ..plan import request as plan_request
     from ..worker import keyplan
     from .jobs import Job
 
-    keys = keyplan.plan_keys(pm, planning.named_geometries(planned)).keys
+    keys = keyplan.plan_keys(pm, plan_request.named_geometries(planned)).keys
     return [Job(FAMILY, keyplan.describe(key), partial(_compile, pm, key)) for key in keys]
 
 

@@ -68,7 +68,7 @@ class Engine:
     model's config (``compat.moe_experts_of_config``): their keys build offline. Empty in
     a worker, whose MoE warmer reads its built model's."""
     kv_zeroing: KvZeroing | None = None
-    """A planned hybrid's KV-block zeroing (``planning.kv_zeroing``), whose keys then build
+    """A planned hybrid's KV-block zeroing (``plan.request.kv_zeroing``), whose keys then build
     offline; None in a worker, whose warmer calls its runner's own zeroer."""
     planned: bool = False
     """Built without a worker (``engine_plan.cpu_engine``: ``precompile``, ``inspect``, the

@@ -77,7 +77,7 @@ class EngineRequest:
     gpu_name: str = ""
     """vLLM's name of the target GPU (``compat.device_name``), for the MoE config lookup."""
     zeroing: compat.KvZeroing | None = None
-    """A hybrid's KV-block zeroing (``planning.kv_zeroing``); None: none planned."""
+    """A hybrid's KV-block zeroing (``plan.request.kv_zeroing``); None: none planned."""
 
     def to_dict(self) -> dict[str, Any]:
         fields = dataclasses.asdict(self)
@@ -205,7 +205,7 @@ def offline_drafter(request: EngineRequest, device: Any) -> SimpleNamespace | No
     parallel-drafting token. Its ``block_size`` is the kernel block of the drafting layers'
     KV group (``initialize_attn_backend`` reads it from the metadata builder, which takes
     the group's kernel block), the group taken as the target's: vLLM gives every group one
-    page size (0.25+, ``planning.effective_block_size``), and the kernel block is vLLM's
+    page size (0.25+, ``plan.rules.effective_block_size``), and the kernel block is vLLM's
     own choice for it (``compat.kernel_block_size``: 16 for a hybrid's 2160). A guess
     that misses costs the worker a compile, never a wrong result. None without such a
     drafter (ngram, suffix, the V2 runner's)."""
