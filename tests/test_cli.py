@@ -18,6 +18,7 @@ from tq_warmup_plugin import compat
 from tq_warmup_plugin.cli import commands as cli
 from tq_warmup_plugin.cli import flags as cli_flags
 from tq_warmup_plugin.cli import inputs as cli_inputs
+from tq_warmup_plugin.cli import plans
 from tq_warmup_plugin.geometry import Geometry
 
 DATA = Path(__file__).parent / "data"
@@ -569,7 +570,7 @@ def test_a_refused_plan_creates_no_cache_dir(
     def refused(args: object) -> None:
         raise cli.CliError("--model nowhere: no config.json")
 
-    monkeypatch.setattr(cli, "geometries", refused)
+    monkeypatch.setattr(plans, "geometries", refused)
     cache = tmp_path / "new" / "cache"
     assert cli.main(["precompile", *H200_FLAGS[:-2], "--cache-dir", str(cache)]) == 2
     assert "no config.json" in capsys.readouterr().err
