@@ -280,11 +280,11 @@ def test_strict_mode_fails_startup_on_a_failed_engine_job(
     worker = one_layer_worker
     report = warmup.run(worker, Settings(launch=False))
     assert report.status == "ok" and report.errors == ["mine (broken): ValueError: no such buffer"]
-    assert report.vllm_jobs == {"mine": 1} and "vLLM kernels: mine 1" in report.line()
+    assert report.vllm.jobs == {"mine": 1} and "vLLM kernels: mine 1" in report.line()
     with pytest.raises(RuntimeError, match="strict mode"):
         install.warm_worker(worker, Settings(launch=False, strict=True))
     off = warmup.run(worker, Settings(launch=False, vllm_kernels=False))
-    assert off.errors == [] and off.vllm_jobs == {}
+    assert off.errors == [] and off.vllm.jobs == {}
 
 
 class _Raises:

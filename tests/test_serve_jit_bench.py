@@ -118,9 +118,11 @@ def test_the_plugins_cost_counts_the_warmup_forwards_once() -> None:
 def test_the_job_times_come_from_the_plugins_report(tmp_path: Path) -> None:
     """The in-process row reads every family's job time from ``TQ_WARMUP_REPORT``; a
     report that is missing or not the plugin's costs only those figures."""
+    from tq_warmup_plugin.vllm_kernels.jobs import EngineResult
     from tq_warmup_plugin.worker.report import Report
 
-    report = Report(vllm_family_s={"EAGLE helpers": 0.7194}, vllm_lookup_s=0.12, vllm_load_s=0.3)
+    done = EngineResult(family_seconds={"EAGLE helpers": 0.7194}, triton_seconds=(0.12, 0.3))
+    report = Report(vllm=done)
     path = tmp_path / "report.json"
     path.write_text(report.to_json())
     assert serve_jit.job_times(path) == {"family_job_ms": {"EAGLE helpers": 719}}

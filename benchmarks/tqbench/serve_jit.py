@@ -335,7 +335,8 @@ def job_times(report: Path) -> dict[str, Any]:
     where it is missing. Triton's part of them the line gives (``row_facts``)."""
     try:
         data = json.loads(report.read_text())
-        families = {k: round(float(v) * 1000) for k, v in data["vllm_family_s"].items()}
+        seconds = data["vllm"]["family_seconds"]
+        families = {k: round(float(v) * 1000) for k, v in seconds.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
     return {"family_job_ms": families}

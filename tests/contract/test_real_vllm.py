@@ -149,8 +149,8 @@ def test_engine_warmers_build_sm90_cubins(
     impls = {"layers.0.attn": make_impl("turboquant_4bit_nc", 128, 8, 2, 32, 1024)}
     report = run(fake_worker(impls, vllm_env, 64), Settings(threads=2, launch=False))
     assert report.errors == [] and report.failed == 0, report.line()
-    assert report.vllm_jobs["logprobs"] == 7
-    assert any(d.startswith("slot mapping: ") for d in report.declined)  # V2
+    assert report.vllm.jobs["logprobs"] == 7
+    assert any(d.startswith("slot mapping: ") for d in report.vllm.declined)  # V2
     cubins = {p.stem for p in tmp_path.rglob("*.cubin")}
     assert {"_topk_log_softmax_kernel", "_ranks_kernel"} <= cubins
     assert topk_topp is None or "_topk_topp_kernel" in cubins

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..compat import Features, KvZeroing, MoeExperts
 
-__all__ = ["Declined", "Engine", "Job"]
+__all__ = ["Declined", "Engine", "EngineResult", "Job"]
 
 
 @dataclass(frozen=True)
@@ -122,3 +122,30 @@ class Declined:
     warn: bool = False
     """Logged as a WARNING: what is not warmed will compile while serving, and the
     engine's JIT monitor stops it there (``Engine.jit_monitor_error``)."""
+
+
+@dataclass
+class EngineResult:
+    """What the engine warmers did in one worker."""
+
+    jobs: dict[str, int] = field(default_factory=dict)
+    """Jobs run per family (``slot mapping 1``, ``rejection sampler 3``)."""
+    kernels: int = 0
+    """Triton launches met, each compiled, found in memory or loaded from disk."""
+    compiled: int = 0
+    """Of them, the Triton compiles (the rest were in memory or on disk: a shipped layer,
+    the compile-ahead child's keys, an earlier start)."""
+    compiled_names: dict[str, int] = field(default_factory=dict)
+    """Those compiles per kernel name."""
+    declined: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    forwards: tuple[int, int, float] = (0, 0, 0.0)
+    """The real jobs (``Job.real``): how many, the Triton compiles they made, their
+    seconds."""
+    family_seconds: dict[str, float] = field(default_factory=dict)
+    """Each family's jobs' seconds, summed (jobs of a family may overlap on threads): where
+    a warm start's time goes (``benchmarks/results/serve-jit/SUMMARY.md`` has a hybrid's)."""
+    triton_seconds: tuple[float, float] = (0.0, 0.0)
+    """Of the jobs' time, what Triton took (``compat.Launches``): its launches' lookups
+    (a compile or a disk load among them) and ``_init_handles`` (launcher, module load)."""

@@ -15,45 +15,17 @@ import logging
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import pluggy
 
 from .. import compat
 from ..worker.report import CompileCounter, error_line
-from .jobs import Declined, Engine, Job
+from .jobs import Declined, Engine, EngineResult, Job
 
-__all__ = ["EngineResult", "engine_or_reason", "plan", "run", "run_job"]
+__all__ = ["engine_or_reason", "plan", "run", "run_job"]
 
 logger = logging.getLogger("vllm.tq_warmup_plugin")
-
-
-@dataclass
-class EngineResult:
-    """What the engine warmers did in one worker."""
-
-    jobs: dict[str, int] = field(default_factory=dict)
-    """Jobs run per family (``slot mapping 1``, ``rejection sampler 3``)."""
-    kernels: int = 0
-    """Triton launches met, each compiled, found in memory or loaded from disk."""
-    compiled: int = 0
-    """Of them, the Triton compiles (the rest were in memory or on disk: a shipped layer,
-    the compile-ahead child's keys, an earlier start)."""
-    compiled_names: dict[str, int] = field(default_factory=dict)
-    """Those compiles per kernel name."""
-    declined: list[str] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    forwards: tuple[int, int, float] = (0, 0, 0.0)
-    """The real jobs (``Job.real``): how many, the Triton compiles they made, their
-    seconds."""
-    family_seconds: dict[str, float] = field(default_factory=dict)
-    """Each family's jobs' seconds, summed (jobs of a family may overlap on threads): where
-    a warm start's time goes (``benchmarks/results/serve-jit/SUMMARY.md`` has a hybrid's)."""
-    triton_seconds: tuple[float, float] = (0.0, 0.0)
-    """Of the jobs' time, what Triton took (``compat.Launches``): its launches' lookups
-    (a compile or a disk load among them) and ``_init_handles`` (launcher, module load)."""
 
 
 def run_job(job: Job) -> str | None:

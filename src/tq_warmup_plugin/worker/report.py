@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..vllm_kernels.jobs import EngineResult
+
 __all__ = ["CompileCounter", "Report", "error_line"]
 
 
@@ -45,30 +47,11 @@ class Report:
     launch_s: float = 0.0
     """Their time, apart from ``warmup_s``: a cost moved from the first requests, paid
     in every process (CUDA's module loading is per process; no disk cache helps)."""
-    vllm_jobs: dict[str, int] = field(default_factory=dict)
-    """Jobs of the engine warmers that warmed vLLM's own kernels, per family
-    (``engine_warmup``): slot mapping, rejection sampler, logprobs."""
-    vllm_launches: int = 0
-    """Triton launches those jobs turned into compiles and loads."""
-    vllm_s: float = 0.0
-    vllm_compiles: int = 0
-    """Of ``vllm_launches``, those Triton compiled here (the rest came from disk)."""
-    vllm_compiled: dict[str, int] = field(default_factory=dict)
-    """Those compiles per kernel name: what neither a shipped layer nor the compile-ahead
-    child had built."""
-    vllm_family_s: dict[str, float] = field(default_factory=dict)
-    """Those jobs' summed seconds per family (``EngineResult.family_seconds``); the line
-    names the family with the most: job time, which threads can make more than the wall's."""
-    vllm_lookup_s: float = 0.0
-    """Of that job time, Triton's launches: bind, key, cache (``compat.Launches``)."""
-    vllm_load_s: float = 0.0
-    """And Triton's ``_init_handles``: the C launcher and the module's load on the GPU."""
-    vllm_forwards: int = 0
-    """Of those jobs, the model forwards (``engine_warmup.EngineResult.forwards``)."""
-    vllm_forward_compiles: int = 0
-    vllm_forward_s: float = 0.0
-    declined: list[str] = field(default_factory=list)
-    """Engine warmers with nothing to do here, and why."""
+    vllm: EngineResult = field(default_factory=EngineResult)
+    """What the engine warmers did (``vllm_kernels.run``): their jobs per family, the
+    Triton launches those jobs turned into compiles and loads, what still compiled here
+    per kernel name, each family's job seconds, Triton's share of them, the model
+    forwards, the warmers that declined and why."""
     errors: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     """What was left out or declined on purpose, and why (not problems)."""
@@ -97,18 +80,20 @@ class Report:
         )
         if self.launches:
             text += f"; {self.launches} first launches {self.launch_s * 1000:.0f} ms"
-        if self.vllm_jobs:
-            jobs = ", ".join(f"{family} {n}" for family, n in self.vllm_jobs.items())
+        vllm = self.vllm
+        if vllm.jobs:
+            jobs = ", ".join(f"{family} {n}" for family, n in vllm.jobs.items())
             text += (
-                f"; vLLM kernels: {jobs} ({self.vllm_launches} launches, "
-                f"{self.vllm_compiles} compiled{_names(self.vllm_compiled)}, "
-                f"{self.vllm_s * 1000:.0f} ms{_most_time(self.vllm_family_s)}"
-                f"{_in_triton(self.vllm_lookup_s, self.vllm_load_s)})"
+                f"; vLLM kernels: {jobs} ({vllm.kernels} launches, "
+                f"{vllm.compiled} compiled{_names(vllm.compiled_names)}, "
+                f"{vllm.seconds * 1000:.0f} ms{_most_time(vllm.family_seconds)}"
+                f"{_in_triton(*vllm.triton_seconds)})"
             )
-            if self.vllm_forwards:
+            forwards, compiles, seconds = vllm.forwards
+            if forwards:
                 text += (
-                    f"; {self.vllm_forwards} warmup forwards {self.vllm_forward_s * 1000:.0f} ms, "
-                    f"{self.vllm_forward_compiles} compiles in them"
+                    f"; {forwards} warmup forwards {seconds * 1000:.0f} ms, "
+                    f"{compiles} compiles in them"
                 )
         for note in self.notes:
             text += f"; {note}"
@@ -118,6 +103,17 @@ class Report:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Report:
+        """The report ``to_json`` wrote (the engine warmers' result nested, its pairs as
+        tuples again)."""
+        data = json.loads(text)
+        vllm = dict(data.pop("vllm", {}))
+        for pair in ("forwards", "triton_seconds"):
+            if pair in vllm:
+                vllm[pair] = tuple(vllm[pair])
+        return cls(**data, vllm=EngineResult(**vllm))
 
 
 def _most_time(seconds: dict[str, float]) -> str:

@@ -193,12 +193,6 @@ def _warm_vllm_kernels(
         report.errors.append(why)
         return
     done = engine_warmup.run(pm, engine, getattr(device, "type", None) == "cuda", threads)
-    report.vllm_jobs = done.jobs
-    report.vllm_launches = done.kernels
-    report.vllm_compiles, report.vllm_compiled = done.compiled, done.compiled_names
-    report.vllm_s, report.vllm_family_s = done.seconds, done.family_seconds
-    report.vllm_lookup_s, report.vllm_load_s = done.triton_seconds
-    report.vllm_forwards, report.vllm_forward_compiles, report.vllm_forward_s = done.forwards
-    report.declined = done.declined
+    report.vllm = done
     report.errors.extend(done.errors)
     report.failed += len(done.errors)
