@@ -131,7 +131,7 @@ def diagnose(f: Facts) -> Diagnosis:
 
 
 def _gpus(proc: str = "/proc", dev: str = "/dev") -> tuple[str, ...]:
-    from ..driver.entry import read_node  # /proc/driver/nvidia only: no CUDA context
+    from ..driver.host import read_node  # /proc/driver/nvidia only: no CUDA context
 
     found = read_node(proc).gpus
     if not found and os.path.exists(os.path.join(dev, "kfd")):
