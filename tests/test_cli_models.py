@@ -183,7 +183,7 @@ def test_boundary_rule_per_release() -> None:
 _SIZE_QWEN3_NEXT = """
 import json, sys
 from vllm.config import ModelConfig
-from benchmarks.tqbench.serve_jit import qwen3_next_config
+from benchmarks.tqbench.serve_jit_workload import qwen3_next_config
 from tq_warmup_plugin import compat
 open(sys.argv[1] + "/config.json", "w").write(json.dumps(qwen3_next_config(4096)))
 try:  # vLLM inspects the model class when it reads the config, or when it sizes it

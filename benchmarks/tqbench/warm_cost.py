@@ -157,7 +157,7 @@ def table(cold: dict[str, float], warm: dict[str, float]) -> str:
 
 def cmd_warm_cost(args: argparse.Namespace) -> int:
     """Run each probe cold once and warm ``--samples`` times, print the table, write JSON."""
-    from benchmarks.tqbench.serve_jit import qwen3_next_config
+    from benchmarks.tqbench.serve_jit_workload import qwen3_next_config
 
     with tempfile.TemporaryDirectory() as work:
         model = Path(work) / "model"
