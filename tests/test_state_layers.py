@@ -1,6 +1,6 @@
-"""A hybrid's state layers (``plan_rules.state_layer_count``): the layers that keep a Mamba
+"""A hybrid's state layers (``plan.rules.state_layer_count``): the layers that keep a Mamba
 state and so share vLLM's KV cache groups with the attention layers, which the KV-block
-zeroing key counts (``plan_rules.attention_kv_tensors``). An MLP-only layer keeps none."""
+zeroing key counts (``plan.rules.attention_kv_tensors``). An MLP-only layer keeps none."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """The ``ahead-cost`` command: what the compile-ahead child costs, by phase, in one run.
 
-The child's work (``tq_warmup_plugin.vllm_kernels.ahead_child.run_child``) builds a worker's offline
-engine jobs (``engine_plan``) and, since session 24, its TurboQuant keys (the layers planned
-from the worker's config, ``plan.request.worker_plan``) for sm90 in forked processes. A worker
+The child's work (``tq_warmup_plugin.vllm_kernels.ahead_child.run_child``) builds a
+worker's offline engine jobs (``vllm_kernels.offline``) and, since session 24, its
+TurboQuant keys (the layers planned from the worker's config,
+``plan.request.worker_plan``) for sm90 in forked processes. A worker
 forks its child with vLLM imported (``ahead.spawn``, since session 23), so the import below
 is what the child no longer pays; ``python -m tq_warmup_plugin.vllm_kernels.ahead_child``
 runs the engine jobs alone in a fresh interpreter. This times, on this machine (a CPU is enough: the

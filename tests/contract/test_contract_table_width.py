@@ -1,4 +1,4 @@
-"""Contract: the planned block-table row (``plan_rules.block_table_width``) is the row vLLM's
+"""Contract: the planned block-table row (``plan.rules.block_table_width``) is the row vLLM's
 own code gives a V2 worker, and on 0.32+ the kernel table of any runner's attention group.
 
 V1's ``MultiGroupBlockTable`` is held in ``test_contract_worker_plan``. The V2 runner sizes

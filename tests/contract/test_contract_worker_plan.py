@@ -1,5 +1,5 @@
 """Contract: the compile-ahead child plans a starting worker's TurboQuant layers from its
-config (``plan_request.worker_plan``) as discovery later reads them, and the keys it builds are
+config (``plan.request.worker_plan``) as discovery later reads them, and the keys it builds are
 the ones the worker's warmup then finds on disk.
 
 The worker's side here is discovery's own ``layer_geometry`` over vLLM's real

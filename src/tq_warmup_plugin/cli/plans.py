@@ -45,7 +45,7 @@ def boundary(planned: Planned) -> dict[str, tuple[int, int, int]]:
 
 
 def engine_of(args: argparse.Namespace, planned: Planned) -> tuple[Engine | None, str]:
-    """The engine the plan's worker would read (``engine_plan``), or None and why not."""
+    """The engine the plan's worker would read (``vllm_kernels.offline``), or None and why not."""
     from ..vllm_kernels.offline import cpu_engine, planned_request
 
     if not planned.vocab_size:

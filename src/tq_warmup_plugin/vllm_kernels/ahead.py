@@ -5,7 +5,7 @@ Why: from a cold Triton cache the engine warmers' compiles cost a TurboQuant wor
 seconds of startup, over the 5 s a worker may add. Triton holds the GIL for most of a compile
 (its AST walk and MLIR passes), so the worker's threads help little, and processes do. But
 those keys depend only on engine arguments a worker knows before it loads its model
-(``engine_plan.EngineRequest``), and the worker then spends seconds to minutes on weights,
+(``vllm_kernels.offline.EngineRequest``), and the worker then spends seconds to minutes on weights,
 ``torch.compile``, profiling and the KV cache; and so do TurboQuant's own keys, whose layers
 the child plans from the worker's config (``plan.request.worker_plan``) as ``precompile`` plans
 them from a model's. So ``Worker.load_model`` (a hybrid model's

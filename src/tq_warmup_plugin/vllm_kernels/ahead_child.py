@@ -1,8 +1,9 @@
 """The compile-ahead child's work (``ahead``): build one worker's TurboQuant keys, planned
-from its config (``plan_request.worker_plan``), and its offline engine jobs (``engine_plan``)
-for its GPU architecture into the Triton cache its environment names, host launchers
-included where Triton builds them (``compat.build_host_launcher``), and write one JSON line:
-the jobs built, the error lines, the seconds, and of them those of the plan.
+from its config (``plan.request.worker_plan``), and its offline engine jobs
+(``vllm_kernels.offline``) for its GPU architecture into the Triton cache its environment
+names, host launchers included where Triton builds them (``compat.build_host_launcher``),
+and write one JSON line: the jobs built, the error lines, the seconds, and of them those
+of the plan.
 
 A hybrid's KV-block zeroing keys come from the same plan (``Planned.zeroing``, with the
 worker's real drafter), built with the engine jobs.
@@ -65,7 +66,7 @@ def die_with_parent() -> None:
 
 
 def worker_plan(config: Any, given: Mapping[str, Any], feats: Features) -> Planned:
-    """What a worker of ``config`` will discover (``plan_request.worker_plan``, the batched
+    """What a worker of ``config`` will discover (``plan.request.worker_plan``, the batched
     verify path's rows where ``given["verify"]``): its TurboQuant layers and a hybrid's
     KV-block zeroing; a plan that fails raises its one line."""
     from ..plan import request as plan_request

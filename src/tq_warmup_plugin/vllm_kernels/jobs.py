@@ -11,7 +11,7 @@ TurboQuant's bf16 block size there is 32, a ``KV_CACHE_BLOCK_SIZE`` constexpr.
 An ``Engine`` is read once from the live worker (``compat.engine_of``). Warmers turn
 it into ``Job``s (a callable that runs vLLM's own launcher on a few bytes, under
 ``compat.compile_only_launches``: every launch compiles and loads, none runs) or
-into one-line ``Declined`` reasons. The host (``engine_warmup``) runs them.
+into one-line ``Declined`` reasons. The host (``vllm_kernels.run``) runs them.
 """
 
 from __future__ import annotations
@@ -64,14 +64,14 @@ class Engine:
     """``compat.ubatching``: ``--enable-dbo`` or ``--ubatch-size`` over 1 splits a step into
     microbatches, so a layer runs at their sizes, not the step's."""
     planned_experts: tuple[MoeExperts, ...] = ()
-    """The experts of an engine planned without a worker (``engine_plan``), read from the
+    """The experts of an engine planned without a worker (``vllm_kernels.offline``), read from the
     model's config (``compat.moe_experts_of_config``): their keys build offline. Empty in
     a worker, whose MoE warmer reads its built model's."""
     kv_zeroing: KvZeroing | None = None
     """A planned hybrid's KV-block zeroing (``plan.request.kv_zeroing``), whose keys then build
     offline; None in a worker, whose warmer calls its runner's own zeroer."""
     planned: bool = False
-    """Built without a worker (``engine_plan.cpu_engine``: ``precompile``, ``inspect``, the
+    """Built without a worker (``vllm_kernels.offline.cpu_engine``: ``precompile``, ``inspect``, the
     compile-ahead child): what only the worker's own objects say (its scheduling, its KV
     cache) is not known here, and a warmer that needs it says so."""
     gpu_name: str = ""
@@ -91,7 +91,7 @@ class Job:
     ``logprobs``."""
     what: str
     """The configuration it covers, for error lines; with ``family`` it names the job,
-    so equal jobs of two warmers run once (``engine_warmup.plan``)."""
+    so equal jobs of two warmers run once (``vllm_kernels.run.plan``)."""
     run: Callable[[], object] = field(compare=False)
     real: bool = False
     """``run`` executes vLLM's code for real, on the caller's thread, before the others and
@@ -101,14 +101,14 @@ class Job:
     graphs: bool = False
     """``run`` calls a ``torch.compile``d function (the V1 sampler's rank count, the async
     spec-decode correction). Such jobs run one at a time, after the others (Dynamo's
-    traces beside them slowed their Triton lookups, ``engine_warmup.run``): Dynamo and AOT
+    traces beside them slowed their Triton lookups, ``vllm_kernels.run.run``): Dynamo and AOT
     autograd keep process-global state (``torch.fx``'s tracing flag), and 3 of 4
     correction graphs compiled on threads beside each other and the rank count failed
     with "Detected that you are using FX to symbolically trace a dynamo-optimized
     function" (H100, vLLM 0.26.0, torch 2.11, the serve-jit hybrid with MTP,
     ``benchmarks/results/serve-jit/SUMMARY.md``); their graphs then compiled while serving."""
     offline: bool = True
-    """Its keys can be built without the worker, on vLLM's CPU objects (``engine_plan``:
+    """Its keys can be built without the worker, on vLLM's CPU objects (``vllm_kernels.offline``:
     ``precompile``, the compile-ahead child): a launch of Triton kernels on a few bytes.
     Not a real job, nor one whose kernels ``torch.compile`` generates for the device."""
 

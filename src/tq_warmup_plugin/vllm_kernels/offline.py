@@ -1,6 +1,6 @@
 """vLLM's own kernels without a worker: the engine warmers' jobs on vLLM's CPU objects.
 
-A worker's engine warmers (``engine_warmup``) compile the keys vLLM's own kernels launch
+A worker's engine warmers (``vllm_kernels.run``) compile the keys vLLM's own kernels launch
 with (slot mapping, the rejection sampler, top-k/top-p, logprobs). ``inspect`` and
 ``precompile --speculative-config`` list and build the same keys offline, so that a shipped
 layer serves them, and the compile-ahead child (``ahead``) builds them beside a worker that
