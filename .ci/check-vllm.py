@@ -1,6 +1,6 @@
 """Smoke check of a CI venv: the vLLM TurboQuant modules import on CPU and Triton
 compiles one real vLLM kernel for sm90 (a compile-only driver: nothing launches).
-The driver is the package's own (``tq_warmup_plugin.precompile``, installed in the venv
+The driver is the package's own (``tq_warmup_plugin.shipped.precompile``, installed in the venv
 before this runs), so the check also covers the one ``tq-warmup precompile`` uses.
 Run: CUDA_VISIBLE_DEVICES= TRITON_CACHE_DIR=$(mktemp -d) VENV/bin/python .ci/check-vllm.py
 """
@@ -15,7 +15,7 @@ import torch
 import triton
 from triton.runtime.jit import JITFunction
 
-from tq_warmup_plugin.precompile import use_compile_only_target
+from tq_warmup_plugin.shipped.precompile import use_compile_only_target
 
 MODULES = [
     "vllm.v1.attention.backends.turboquant_attn",

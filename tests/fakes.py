@@ -19,13 +19,15 @@ from typing import Any, TypeVar
 import pluggy
 
 import tq_warmup_plugin
-from tq_warmup_plugin import compat, engine_warmup, planning
-from tq_warmup_plugin.engine import Declined, Engine, Job
+from tq_warmup_plugin import compat
 from tq_warmup_plugin.geometry import PRESETS, Geometry, preset
 from tq_warmup_plugin.hookspecs import hookimpl
 from tq_warmup_plugin.keys import KernelKey
+from tq_warmup_plugin.plan import rules as plan_rules
 from tq_warmup_plugin.shipped import manifest
-from tq_warmup_plugin.warmup import plugin_manager
+from tq_warmup_plugin.vllm_kernels import run as engine_warmup
+from tq_warmup_plugin.vllm_kernels.jobs import Declined, Engine, Job
+from tq_warmup_plugin.worker.warmup import plugin_manager
 
 _T = TypeVar("_T")
 
@@ -65,7 +67,7 @@ def geometry(
         num_kv_heads=num_kv_heads,
         block_size=block_size,
         scale=head_size**-0.5 if scale is None else scale,
-        kv_strides=planning.kv_view_strides(feats, block_size, num_kv_heads, slot),
+        kv_strides=plan_rules.kv_view_strides(feats, block_size, num_kv_heads, slot),
         model_dtype=model_dtype,
         block_table_width=width,
         max_num_seqs=max_num_seqs,

@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
-from tq_warmup_plugin import ahead, ahead_child, compat, patching, settings
-from tq_warmup_plugin.engine_plan import EngineRequest
+from tq_warmup_plugin import compat, patching, settings
+from tq_warmup_plugin.vllm_kernels import ahead, ahead_child
+from tq_warmup_plugin.vllm_kernels.offline import EngineRequest
 
 
 def vllm_config(cache_dtype: str = "turboquant_4bit_nc", spec: Any = None) -> Any:
@@ -419,9 +420,9 @@ def test_a_turboquant_plan_that_fails_costs_its_line_not_the_engine_jobs(
     """The child's own work (not forked here): the worker's config that ``planning`` cannot
     read is one error line among the results, and the engine jobs are built all the same,
     the TurboQuant keys first where the plan works."""
-    from tq_warmup_plugin import engine_plan
-    from tq_warmup_plugin.engine import Job
     from tq_warmup_plugin.shipped import precompile
+    from tq_warmup_plugin.vllm_kernels import offline as engine_plan
+    from tq_warmup_plugin.vllm_kernels.jobs import Job
 
     built: list[list[str]] = []
     engine_job = Job("slot mapping", "block 32", lambda: None)

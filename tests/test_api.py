@@ -7,6 +7,7 @@ import importlib
 import json
 import pkgutil
 import sys
+import warnings
 from importlib import metadata
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 
 import tq_warmup_plugin
 from tq_warmup_plugin import geometry, hookspecs, keys, settings
+from tq_warmup_plugin.vllm_kernels import jobs
 
 PACKAGE = Path(tq_warmup_plugin.__file__).parent
 NAME = tq_warmup_plugin.__name__
@@ -25,10 +27,13 @@ NAME = tq_warmup_plugin.__name__
 # issue 13 also ``multinode`` (TQ_WARMUP* forwarded to Ray workers, stdlib only); since
 # issue 11 the chunked-local boundary guard (stdlib only); since issue 23 the batched
 # verify guard and its rows (stdlib only: torch is imported when a builder builds);
-# since issue 21 ``compat`` is a package of four modules (the same names, by concern).
+# since issue 21 ``compat`` is a package of four modules (the same names, by concern);
+# since issue 54 the compile-ahead fork and the verify rows live in ``vllm_kernels`` and
+# ``worker``, whose ``__init__`` modules import nothing.
 REGISTER_MODULES = {
     NAME,
-    f"{NAME}.ahead",
+    f"{NAME}.vllm_kernels",
+    f"{NAME}.vllm_kernels.ahead",
     f"{NAME}.compat",
     f"{NAME}.compat.live",
     f"{NAME}.compat.releases",
@@ -41,7 +46,8 @@ REGISTER_MODULES = {
     f"{NAME}.guards.local_boundary",
     f"{NAME}.guards.prefix_fast_path",
     f"{NAME}.guards.batched_verify",
-    f"{NAME}.verify_rows",
+    f"{NAME}.worker",
+    f"{NAME}.worker.verify_rows",
     f"{NAME}.guards.spec_graphs",
     f"{NAME}.guards.v1_cache_dtype",
     f"{NAME}.install",
@@ -68,6 +74,8 @@ def test_public_names_exist_and_are_the_package_objects() -> None:
     assert tq_warmup_plugin.Geometry is geometry.Geometry
     assert tq_warmup_plugin.KernelKey is keys.KernelKey
     assert tq_warmup_plugin.Settings is settings.Settings
+    assert tq_warmup_plugin.Job is jobs.Job and tq_warmup_plugin.Engine is jobs.Engine
+    assert tq_warmup_plugin.Declined is jobs.Declined
     try:
         installed = metadata.version("tq-warmup-plugin")
     except metadata.PackageNotFoundError:
@@ -79,7 +87,9 @@ def test_every_module_declares_an_all_of_its_own_objects() -> None:
     declared = 0
     for info in pkgutil.walk_packages([str(PACKAGE)], prefix=f"{NAME}."):
         try:
-            module = importlib.import_module(info.name)
+            with warnings.catch_warnings():  # the old engine path warns, tested below
+                warnings.simplefilter("ignore", DeprecationWarning)
+                module = importlib.import_module(info.name)
         except ModuleNotFoundError as exc:  # layered_cache subclasses Triton's manager
             assert exc.name in OPTIONAL, exc
             continue
@@ -170,51 +180,83 @@ def test_no_import_cycle_among_the_package_modules() -> None:
     hookspecs); the host owns the manager now (``plugins``, apart from ``warmup`` since the
     compile-ahead child is a fork: ahead -> ahead_child -> warmup -> ahead was a cycle)."""
     graph = import_graph(PACKAGE)
-    assert graph[f"{NAME}.plugins"] >= {f"{NAME}.hookspecs", f"{NAME}.warmers.turboquant"}
-    assert f"{NAME}.plugins" in graph[f"{NAME}.warmup"]
+    plugins = f"{NAME}.worker.plugins"
+    assert graph[plugins] >= {f"{NAME}.hookspecs", f"{NAME}.warmers.turboquant"}
+    assert plugins in graph[f"{NAME}.worker.warmup"]
     assert first_cycle(graph) is None
     assert first_cycle({"a": {"b"}, "b": {"c"}, "c": {"b"}}) == ["b", "c", "b"]
 
 
-MOVED = {
-    "manifest": "shipped.manifest",
-    "pins": "shipped.pins",
-    "layer_trust": "shipped.trust",
-    "layered_cache": "shipped.layered_cache",
-    "precompile": "shipped.precompile",
-    "driver_cache": "driver.entry",
-    "driver_startup": "driver.startup",
-    "driver_build": "driver.build",
-    "driver_verify": "driver.verify",
-}
-"""Old module -> where it moved when the package was grouped by concern (issue 31)."""
+ROOT = PACKAGE.parents[1]
+CACHE_MANAGER = "tq_warmup_plugin.layered_cache:LayeredCacheManager"
+"""What operators write in ``TRITON_CACHE_MANAGER`` (README, ``deploy/``)."""
 
 
-def test_a_moved_module_is_its_new_module_under_the_old_name() -> None:
-    """``tq_warmup_plugin.X`` of before still imports, as the very module it moved to,
-    and ``TRITON_CACHE_MANAGER``'s documented path still resolves to the class; each
-    in a fresh interpreter, so neither name was imported first by another test."""
+def _pyproject() -> str:
+    return (ROOT / "pyproject.toml").read_text()
+
+
+def test_the_operator_surface_is_what_operators_wrote_down() -> None:
+    """The names outside Python that operators write: the entry point vLLM loads, the
+    ``tq-warmup`` script, the cache manager's path (in ``deploy/`` and the README) and
+    the settings; the package's module paths are not among them."""
+    assert 'tq_warmup = "tq_warmup_plugin:register"' in _pyproject()
+    assert 'tq-warmup = "tq_warmup_plugin.cli:main"' in _pyproject()
+    from tq_warmup_plugin import cli
+
+    assert callable(cli.main) and callable(tq_warmup_plugin.register)
+    for deployed in (ROOT / "deploy/kubernetes.yaml", ROOT / "deploy/Containerfile"):
+        assert CACHE_MANAGER in deployed.read_text(), deployed
+    assert CACHE_MANAGER in (ROOT / "README.md").read_text()
+    assert settings.MANAGERS[0] == CACHE_MANAGER
+    assert all(name.startswith("TQ_WARMUP") for name in settings.KNOWN)
+    done = fakes.fresh_python(
+        "import contextlib, io, runpy, sys\n"
+        "sys.argv = ['tq-warmup', '--help']\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):\n"
+        "    runpy.run_module('tq_warmup_plugin.cli', run_name='__main__')\n"
+        "print('usage' in out.getvalue())\n"
+    )
+    assert done.splitlines()[-1] == "True"  # python -m tq_warmup_plugin.cli
+
+
+def test_the_cache_managers_path_is_the_one_alias() -> None:
+    """``tq_warmup_plugin.layered_cache`` *is* ``shipped.layered_cache`` (in a fresh
+    interpreter, so no other test imported either first); no other module is an alias."""
     code = (
         "import importlib, json\n"
-        "def same(old, new):\n"
-        "    try:\n"
-        "        a = importlib.import_module(f'tq_warmup_plugin.{old}')\n"
-        "    except ModuleNotFoundError as exc:  # layered_cache subclasses Triton's manager\n"
-        "        return exc.name\n"
-        "    return a is importlib.import_module(f'tq_warmup_plugin.{new}')\n"
-        f"print(json.dumps({{old: same(old, new) for old, new in {MOVED!r}.items()}}))\n"
+        "try:\n"
+        "    a = importlib.import_module('tq_warmup_plugin.layered_cache')\n"
+        "    same = a is importlib.import_module('tq_warmup_plugin.shipped.layered_cache')\n"
+        "except ModuleNotFoundError as exc:  # it subclasses Triton's manager\n"
+        "    same = exc.name\n"
+        "print(json.dumps(same))\n"
     )
     same = json.loads(fakes.fresh_python(code).splitlines()[-1])
-    missing = {old for old, found in same.items() if found in OPTIONAL}
-    assert missing <= {"layered_cache"}, same
-    assert {old: found for old, found in same.items() if old not in missing} == dict.fromkeys(
-        set(MOVED) - missing, True
+    assert same is True or same in OPTIONAL, same
+    aliases = {
+        p.relative_to(PACKAGE).as_posix()
+        for p in PACKAGE.rglob("*.py")
+        if "sys.modules[__name__] =" in p.read_text()
+    }
+    assert aliases == {"layered_cache.py"}
+
+
+def test_the_old_engine_path_warns_and_holds_the_same_types() -> None:
+    """docs/writing-a-warmer.md named ``tq_warmup_plugin.engine``: for one release it
+    re-exports the types, with a DeprecationWarning; the package exports them."""
+    code = (
+        "import json, warnings\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    warnings.simplefilter('always')\n"
+        "    from tq_warmup_plugin.engine import Declined, Engine, Job\n"
+        "import tq_warmup_plugin as p\n"
+        "print(json.dumps([[w.category.__name__ for w in seen],\n"
+        "                  (Declined, Engine, Job) == (p.Declined, p.Engine, p.Job)]))\n"
     )
-    shims = {p.stem for p in PACKAGE.glob("*.py")} & set(MOVED)
-    assert shims == set(MOVED)  # and no moved module left behind beside its alias
-    for old, new in MOVED.items():
-        assert (PACKAGE / f"{new.replace('.', '/')}.py").is_file(), new
-        assert len((PACKAGE / f"{old}.py").read_text().splitlines()) < 20, old
+    categories, same = json.loads(fakes.fresh_python(code).splitlines()[-1])
+    assert categories == ["DeprecationWarning"] and same
 
 
 def test_the_documented_cache_manager_path_resolves_to_the_class() -> None:
@@ -224,4 +266,4 @@ def test_the_documented_cache_manager_path_resolves_to_the_class() -> None:
     for name in layered_cache.MANAGER_NAMES:  # as Triton resolves TRITON_CACHE_MANAGER
         module, _, cls = name.partition(":")
         assert getattr(importlib.import_module(module), cls) is layered_cache.LayeredCacheManager
-    assert layered_cache.MANAGER == "tq_warmup_plugin.layered_cache:LayeredCacheManager"
+    assert layered_cache.MANAGER == CACHE_MANAGER

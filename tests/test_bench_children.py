@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -65,3 +67,72 @@ def test_a_command_module_that_does_not_import_is_an_error_naming_it() -> None:
     assert [m.__name__.rsplit(".", 1)[1] for m in cli.command_modules()] == list(
         cli.COMMAND_MODULES
     )
+
+
+def test_capture_keeps_stdout_and_stderr_apart_and_checks_the_exit() -> None:
+    code = "import sys; print('answer'); print('noise', file=sys.stderr); sys.exit(3)"
+    got = Children().capture([sys.executable, "-c", code], os.environ, 30)
+    assert (got.rc, got.stdout, got.stderr) == (3, "answer\n", "noise\n")
+    assert not got.exit.timed_out
+    with pytest.raises(subprocess.CalledProcessError):
+        got.check()
+
+
+SYSTEM_TOOLS = {"mount", "umount", "chmod", "du", "nvidia-smi"}
+"""Commands a benchmark may run directly: the machine's tools, not a benchmark child."""
+
+
+def test_every_benchmark_child_starts_in_children() -> None:
+    """No module of ``benchmarks/tqbench`` but ``children`` starts a process (``subprocess``
+    or ``os.fork``/``multiprocessing``), but for a machine tool named by a literal command:
+    so every child of a benchmark is in its own group, time-limited, and killed on SIGTERM."""
+    starts = {"run", "Popen", "call", "check_call", "check_output", "fork", "Process"}
+    found = []
+    for path in sorted((REPO_ROOT / "benchmarks" / "tqbench").glob("*.py")):
+        if path.name == "children.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            owner = node.func.value
+            if not (isinstance(owner, ast.Name) and owner.id in {"subprocess", "os", "mp"}):
+                continue
+            if node.func.attr not in starts:
+                continue
+            first = node.args[0] if node.args else None
+            tool = (
+                first.elts[0].value
+                if isinstance(first, ast.List)
+                and first.elts
+                and isinstance(first.elts[0], ast.Constant)
+                else None
+            )
+            if tool in SYSTEM_TOOLS or (isinstance(first, ast.Name) and first.id == "du"):
+                continue
+            found.append(f"{path.name}:{node.lineno}")
+    assert found == []
+
+
+def test_no_benchmark_reaches_a_private_name_of_the_plugin() -> None:
+    """A benchmark calls the plugin through public names (``batched_verify.serve_rows``,
+    where it once called the guard's private ``_serve``)."""
+    found = []
+    for path in sorted((REPO_ROOT / "benchmarks" / "tqbench").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        plugin = {
+            alias.asname or alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tq_warmup")
+            for alias in node.names
+        }
+        found += [
+            f"{path.name}:{node.lineno}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in plugin
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ]
+        found += [f"{path.name}:{name}" for name in plugin if name.startswith("_")]
+    assert found == []

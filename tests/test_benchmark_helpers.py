@@ -555,7 +555,7 @@ def test_warm_cost_takes_each_familys_median_and_keeps_setup_apart() -> None:
 def test_ahead_cost_asks_the_child_what_it_takes(version: str) -> None:
     """Each engine's request is one the child accepts (``EngineRequest.from_dict``)."""
     from benchmarks.tqbench.ahead_cost import ENGINES, engine_request
-    from tq_warmup_plugin.engine_plan import EngineRequest
+    from tq_warmup_plugin.vllm_kernels.offline import EngineRequest
 
     for args in ENGINES.values():
         request = EngineRequest.from_dict(json.loads(json.dumps(engine_request(args, version))))

@@ -14,7 +14,11 @@ from typing import Any
 import fakes
 import pytest
 
-from tq_warmup_plugin import cli, cli_flags, cli_inputs, compat
+from tq_warmup_plugin import compat
+from tq_warmup_plugin.cli import commands as cli
+from tq_warmup_plugin.cli import flags as cli_flags
+from tq_warmup_plugin.cli import inputs as cli_inputs
+from tq_warmup_plugin.cli import plans
 from tq_warmup_plugin.geometry import Geometry
 
 DATA = Path(__file__).parent / "data"
@@ -185,7 +189,7 @@ def test_a_report_may_lack_any_field_with_a_default_and_only_those() -> None:
 @pytest.fixture
 def gpu(monkeypatch: pytest.MonkeyPatch) -> Any:
     """doctor's GPU list, as the driver would give it."""
-    from tq_warmup_plugin import doctor
+    from tq_warmup_plugin.cli import doctor
 
     def use(*names: str) -> None:
         monkeypatch.setattr(doctor, "_gpus", lambda: names)
@@ -328,17 +332,18 @@ def test_doctor_prints_the_settings_problems(
 
 
 def test_effective_block_size_rule() -> None:
-    from tq_warmup_plugin import compat, planning
+    from tq_warmup_plugin import compat
+    from tq_warmup_plugin.plan import rules as plan_rules
 
     new, old = compat.features((0, 26)), compat.features((0, 24))
-    assert [planning.effective_block_size(new, b, 2) for b in (16, 32, 64, 128)] == [
+    assert [plan_rules.effective_block_size(new, b, 2) for b in (16, 32, 64, 128)] == [
         32,
         32,
         64,
         128,
     ]
-    assert planning.effective_block_size(new, 16, 4) == 64
-    assert planning.effective_block_size(old, 16, 2) == 16
+    assert plan_rules.effective_block_size(new, 16, 4) == 64
+    assert plan_rules.effective_block_size(old, 16, 2) == 16
 
 
 @pytest.mark.real_vllm
@@ -432,8 +437,9 @@ def test_inspect_lists_the_first_launches(capsys: pytest.CaptureFixture[str]) ->
 def stubbed_precompile(monkeypatch: pytest.MonkeyPatch) -> fakes.RecordingWarmer:
     """precompile without vLLM or Triton: vLLM 0.26.0 and Triton 3.6.0 'installed', the
     fake warmer compiling."""
-    from tq_warmup_plugin import compat, keyplan, warmup
+    from tq_warmup_plugin import compat
     from tq_warmup_plugin.shipped import manifest, precompile
+    from tq_warmup_plugin.worker import keyplan, warmup
 
     warmer = fakes.RecordingWarmer()
     for var in ("TRITON_CACHE_DIR", "CUDA_VISIBLE_DEVICES"):  # precompile sets both
@@ -453,7 +459,7 @@ def test_precompile_reports_failures_with_the_workers_error_lines(
     tmp_path: Path, stubbed_precompile: fakes.RecordingWarmer, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """precompile compiles through the worker's path: a failure is the worker's line."""
-    from tq_warmup_plugin import warmup
+    from tq_warmup_plugin.worker import warmup
 
     assert cli.main(["precompile", *H200_FLAGS[:-2], "--cache-dir", str(tmp_path)]) == 1
     out, err = capsys.readouterr()
@@ -564,7 +570,7 @@ def test_a_refused_plan_creates_no_cache_dir(
     def refused(args: object) -> None:
         raise cli.CliError("--model nowhere: no config.json")
 
-    monkeypatch.setattr(cli, "geometries", refused)
+    monkeypatch.setattr(plans, "geometries", refused)
     cache = tmp_path / "new" / "cache"
     assert cli.main(["precompile", *H200_FLAGS[:-2], "--cache-dir", str(cache)]) == 2
     assert "no config.json" in capsys.readouterr().err

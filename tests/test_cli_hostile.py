@@ -15,7 +15,8 @@ import fakes
 import pytest
 from test_cli import H200_FLAGS, stubbed_precompile
 
-from tq_warmup_plugin import cli
+from tq_warmup_plugin.cli import commands as cli
+from tq_warmup_plugin.cli import layers
 from tq_warmup_plugin.shipped import manifest
 
 __all__ = ["stubbed_precompile"]  # the fixture, shared with test_cli
@@ -139,7 +140,7 @@ def test_an_error_nobody_foresaw_is_one_line_exit_2(
     def broken(args: object) -> int:
         raise KeyError("first\nsecond")
 
-    monkeypatch.setattr(cli, "verify", broken)
+    monkeypatch.setattr(layers, "verify", broken)
     assert cli.main(["verify", "--cache-dir", str(tmp_path)]) == 2
     err = one_line(capsys.readouterr().err)
     assert err.startswith("tq-warmup: verify failed: KeyError: 'first\\nsecond' (at ")

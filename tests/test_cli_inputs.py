@@ -74,7 +74,7 @@ def test_a_hybrids_attention_kv_tensors_follow_vllms_grouping() -> None:
     """vLLM's uniform-page grouping, by hand (the contract test runs vLLM's own for every
     mix): groups of the smaller count, or the larger under 1.5 times it, dealt
     round-robin; layer i of every group shares tensor i."""
-    from tq_warmup_plugin.planning import attention_kv_tensors
+    from tq_warmup_plugin.plan.rules import attention_kv_tensors
 
     assert attention_kv_tensors(7, 18) == 7  # serve-jit's Qwen3-Next: 6 + its MTP layer
     assert attention_kv_tensors(6, 4) == 3  # groups of 4: 2 attention groups of 3
@@ -84,7 +84,8 @@ def test_a_hybrids_attention_kv_tensors_follow_vllms_grouping() -> None:
 
 def test_a_hybrids_zeroing_counts_only_the_drafters_it_knows() -> None:
     from tq_warmup_plugin import compat
-    from tq_warmup_plugin.planning import ModelShape, kv_zeroing
+    from tq_warmup_plugin.plan.model import ModelShape
+    from tq_warmup_plugin.plan.request import kv_zeroing
 
     layers = tuple(range(3, 24, 4))
     shape = ModelShape("Qwen3NextForCausalLM", 256, 16, 2, 16, 2, 24, layers, True,

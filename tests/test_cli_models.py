@@ -16,7 +16,9 @@ from typing import Any
 
 import pytest
 
-from tq_warmup_plugin import cli, compat, planning
+from tq_warmup_plugin import compat
+from tq_warmup_plugin.cli import commands as cli
+from tq_warmup_plugin.plan import rules as plan_rules
 
 MODELS = Path(__file__).parent / "data" / "models"
 
@@ -171,17 +173,17 @@ def test_a_config_file_of_another_name_and_bad_tp(
 
 def test_boundary_rule_per_release() -> None:
     old, new = compat.features((0, 20)), compat.features((0, 26))
-    assert planning.boundary_layers(new, 32, hybrid=False) == (0, 1, 30, 31)
-    assert planning.boundary_layers(new, 3, hybrid=False) == (0, 2)
-    assert planning.boundary_layers(new, 48, hybrid=True) == ()
-    with pytest.raises(planning.UnsupportedModel, match=r"0\.20 refuses"):
-        planning.boundary_layers(old, 48, hybrid=True)
+    assert plan_rules.boundary_layers(new, 32, hybrid=False) == (0, 1, 30, 31)
+    assert plan_rules.boundary_layers(new, 3, hybrid=False) == (0, 2)
+    assert plan_rules.boundary_layers(new, 48, hybrid=True) == ()
+    with pytest.raises(plan_rules.UnsupportedModel, match=r"0\.20 refuses"):
+        plan_rules.boundary_layers(old, 48, hybrid=True)
 
 
 _SIZE_QWEN3_NEXT = """
 import json, sys
 from vllm.config import ModelConfig
-from benchmarks.tqbench.serve_jit import qwen3_next_config
+from benchmarks.tqbench.serve_jit_workload import qwen3_next_config
 from tq_warmup_plugin import compat
 open(sys.argv[1] + "/config.json", "w").write(json.dumps(qwen3_next_config(4096)))
 try:  # vLLM inspects the model class when it reads the config, or when it sizes it

@@ -23,7 +23,7 @@ from fakes import BEYOND_RELEASE, STACK
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tq_warmup_plugin import cli
+from tq_warmup_plugin.cli import commands as cli
 from tq_warmup_plugin.shipped import manifest
 
 REPORT = json.loads(

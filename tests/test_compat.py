@@ -17,7 +17,10 @@ from typing import Any
 import fakes
 import pytest
 
-from tq_warmup_plugin import compat, planning
+from tq_warmup_plugin import compat
+from tq_warmup_plugin.plan import model as plan_model
+from tq_warmup_plugin.plan import request as plan_request
+from tq_warmup_plugin.plan import rules as plan_rules
 
 
 @pytest.mark.parametrize(
@@ -203,7 +206,7 @@ def test_feature_gates(version: compat.Version, gates: tuple[bool, ...]) -> None
     ],
 )
 def test_kv_view_strides(version: compat.Version, strides: tuple[int, int, int]) -> None:
-    assert planning.kv_view_strides(compat.features(version), 16, 2, 134) == strides
+    assert plan_rules.kv_view_strides(compat.features(version), 16, 2, 134) == strides
 
 
 @pytest.mark.parametrize(
@@ -321,7 +324,7 @@ def test_every_kernel_module_is_a_known_vllm_module(
 def test_block_table_width_for_1000_tokens(
     version: compat.Version, bs: int, v2: bool, width: int
 ) -> None:
-    assert planning.block_table_width(compat.features(version), 1000, bs, v2) == width
+    assert plan_rules.block_table_width(compat.features(version), 1000, bs, v2) == width
 
 
 def _version_comparisons(source: str) -> list[int]:
@@ -369,7 +372,7 @@ def test_a_plan_request_from_flags_alone_reads_no_environment(
     """Planning is a function of its request: no argparse namespace, no environment
     read or written (the CLI sets ``HF_HUB_OFFLINE`` at its edge)."""
     before = dict(os.environ)
-    request = planning.PlanRequest(
+    request = plan_request.PlanRequest(
         kv_cache_dtype="turboquant_4bit_nc",
         vllm_version=version,
         head_size=128,
@@ -378,7 +381,7 @@ def test_a_plan_request_from_flags_alone_reads_no_environment(
         tensor_parallel_size=2,
         max_model_len=900,
     )
-    planned = planning.plan_geometry(request, None)
+    planned = plan_request.plan_geometry(request, None)
     assert dict(os.environ) == before
     g = planned.geometry
     assert (g.num_heads, g.num_kv_heads, g.block_size) == (16, 4, block)
@@ -398,7 +401,7 @@ def test_the_kernel_block_is_the_block_where_vllm_cannot_say(
 def test_a_hybrid_vllm_cannot_size_is_planned_at_its_block_with_one_line() -> None:
     """Where vLLM cannot size a hybrid's block (here: no vLLM, or a model it cannot read),
     the plan keeps the block it was given and its note says why in one line."""
-    shape = planning.ModelShape(
+    shape = plan_model.ModelShape(
         architecture="HybridForCausalLM", head_size=128, total_heads=16, total_kv_heads=2,
         num_heads=16, num_kv_heads=2, num_layers=8, attention_layers=(3, 7), hybrid=True,
         dtype="bfloat16", config_dtype="bfloat16", max_model_len=4096, scale=None,
@@ -406,8 +409,8 @@ def test_a_hybrid_vllm_cannot_size_is_planned_at_its_block_with_one_line() -> No
     )  # fmt: skip
     with pytest.raises(compat.CompatError, match="could not size the hybrid block"):
         compat.hybrid_block_size(object(), 1, "turboquant_4bit_nc", 16, 0)
-    request = planning.PlanRequest(kv_cache_dtype="turboquant_4bit_nc", vllm_version="0.26.0")
-    planned = planning.plan_shape(request, shape)
+    request = plan_request.PlanRequest(kv_cache_dtype="turboquant_4bit_nc", vllm_version="0.26.0")
+    planned = plan_request.plan_shape(request, shape)
     assert planned.geometry.block_size == 16  # no boundary layers: not TurboQuant's 32
     assert "; hybrid: block 16 (vLLM could not size the hybrid block: " in planned.note
     assert planned.note.endswith("--geometry-json is exact") and "\n" not in planned.note
@@ -446,17 +449,17 @@ def test_the_planned_verify_rows_count_the_draft_models_correction_token(
 ) -> None:
     """0.34's ``max_decode_query_len`` is ``1 + k + max_num_new_slots_for_drafting``: one
     more for draft_model's correction token (k = 3 here)."""
-    assert planning.verify_len(compat.features(version), 3, False, method) == rows
+    assert plan_rules.verify_len(compat.features(version), 3, False, method) == rows
 
 
 def test_a_v1_runner_is_refused_where_the_release_has_none() -> None:
-    request = planning.PlanRequest(
+    request = plan_request.PlanRequest(
         kv_cache_dtype="turboquant_4bit_nc", head_size=128, num_heads=8, num_kv_heads=2,
         vllm_version="0.34.0", runner="v1",
     )  # fmt: skip
-    with pytest.raises(planning.PlanError, match=r"^--runner v1: vLLM 0.34 has no V1 model"):
-        planning.plan_geometry(request, None)
-    assert planning.plan_geometry(dataclasses.replace(request, runner="v2"), None).geometry
+    with pytest.raises(plan_request.PlanError, match=r"^--runner v1: vLLM 0.34 has no V1 model"):
+        plan_request.plan_geometry(request, None)
+    assert plan_request.plan_geometry(dataclasses.replace(request, runner="v2"), None).geometry
 
 
 def test_no_libcuda_is_our_line_not_tritons(monkeypatch: pytest.MonkeyPatch) -> None:

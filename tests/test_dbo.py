@@ -15,11 +15,12 @@ from hypothesis import strategies as st
 from test_cli import H200_FLAGS, inspect_json
 from test_keys import geometries
 
-from tq_warmup_plugin import cli, compat, keys
+from tq_warmup_plugin import compat, keys
+from tq_warmup_plugin.cli import commands as cli
 from tq_warmup_plugin.geometry import Geometry
 from tq_warmup_plugin.keys import KernelKey, Ptr
 from tq_warmup_plugin.warmers.turboquant import turboquant_contributions
-from tq_warmup_plugin.warmup import Plan
+from tq_warmup_plugin.worker.warmup import Plan
 
 V1 = ("block_table", "seq_lens", "slot_mapping")
 V2 = ("block_table", "slot_mapping")
@@ -130,7 +131,7 @@ def test_one_sequence_has_no_later_request_but_a_later_table() -> None:
 def test_discovery_reads_microbatching_and_the_runner(
     monkeypatch: pytest.MonkeyPatch, version: compat.Version, use_v2: bool, views: tuple[str, ...]
 ) -> None:
-    from tq_warmup_plugin.discovery import discover
+    from tq_warmup_plugin.worker.discovery import discover
 
     pytest.importorskip("torch")
     monkeypatch.setattr(compat, "turboquant_impl_class", lambda: fakes.TurboQuantAttentionImpl)
@@ -176,13 +177,14 @@ def test_a_plan_slices_microbatches_as_the_runner_vllm_picks(
     model, ngram and draft_model on V1 where V2 is the default (``compat.runs_v2``). Before
     session 29 ``precompile --enable-dbo`` planned V2 for those (the release's default
     alone) while their workers ran V1: another decode key, compiled in each worker."""
-    from tq_warmup_plugin import planning
+    from tq_warmup_plugin.plan import model as plan_model
+    from tq_warmup_plugin.plan import request as plan_request
 
-    shape = planning.ModelShape("M", 128, 16, 8, 16, 8, 8, tuple(range(8)), False, "bfloat16",
+    shape = plan_model.ModelShape("M", 128, 16, 8, 16, 8, 8, tuple(range(8)), False, "bfloat16",
                                 None, 4096, None, vocab_size=32000, moe=moe)  # fmt: skip
     spec = {"method": method, "num_speculative_tokens": 2} if method else None
-    request = planning.PlanRequest(kv_cache_dtype="turboquant_4bit_nc", vllm_version="0.30.0",
+    request = plan_request.PlanRequest(kv_cache_dtype="turboquant_4bit_nc", vllm_version="0.30.0",
                                    enable_dbo=True, speculative_config=spec)  # fmt: skip
-    sliced = planning.plan_shape(request, shape).geometry.ubatch_sliced
+    sliced = plan_request.plan_shape(request, shape).geometry.ubatch_sliced
     assert sliced == compat.ubatch_sliced(compat.features((0, 30)), True, runner_v2)
     assert ("seq_lens" in sliced) is not runner_v2

@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import fakes
 import pytest
 
-from tq_warmup_plugin import compat, planning
-from tq_warmup_plugin.discovery import discover
+from tq_warmup_plugin import compat
+from tq_warmup_plugin.plan import rules as plan_rules
+from tq_warmup_plugin.worker.discovery import discover
 
 torch = pytest.importorskip("torch")
 
@@ -114,7 +115,7 @@ def test_kv_view_as_the_kernels_get_it(version: compat.Version, strides: tuple) 
     worker = fakes.worker({"tq": fakes.layer(feats)}, [fakes.table(64)])
     g = discover(worker, feats).geometries["tq"]
     assert (g.block_size, g.kv_strides) == (16, strides)
-    assert g.kv_strides == planning.kv_view_strides(feats, 16, 2, 134)
+    assert g.kv_strides == plan_rules.kv_view_strides(feats, 16, 2, 134)
 
 
 def test_config_values_and_alignment_are_read() -> None:

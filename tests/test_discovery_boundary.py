@@ -8,8 +8,8 @@ import fakes
 import pytest
 
 from tq_warmup_plugin import compat
-from tq_warmup_plugin.discovery import discover
 from tq_warmup_plugin.keys import Int
+from tq_warmup_plugin.worker.discovery import discover
 
 torch = pytest.importorskip("torch")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.tqbench import cli as bench_cli
-from tq_warmup_plugin import cli
+from tq_warmup_plugin.cli import commands as cli
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [

@@ -13,10 +13,12 @@ from typing import Any
 import fakes
 import pytest
 
-from tq_warmup_plugin import cli, launches
+from tq_warmup_plugin.cli import commands as cli
 from tq_warmup_plugin.driver import entry as dc
+from tq_warmup_plugin.driver import host
 from tq_warmup_plugin.driver import verify as driver_verify
 from tq_warmup_plugin.driver.entry import DriverManifest, EntryError, Node
+from tq_warmup_plugin.worker import launches
 
 NVRM = (
     "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.86.15  Release Build  "
@@ -135,30 +137,30 @@ def test_file_problems_name_each_file_the_driver_would_load_unvouched(tmp_path: 
 def test_the_node_is_read_from_proc_without_cuda(tmp_path: Path) -> None:
     proc = fake_proc(tmp_path, gpus=("NVIDIA H200", "NVIDIA H200"))
     (tmp_path / "fa2.so").write_bytes(FA2)
-    node = dc.read_node(proc, tmp_path / "fa2.so")
+    node = host.read_node(proc, tmp_path / "fa2.so")
     assert node == Node("570.86.15", ("NVIDIA H200", "NVIDIA H200"), len(FA2), None)
-    hashed = dc.read_node(proc, tmp_path / "fa2.so", hash_fa2=True)
+    hashed = host.read_node(proc, tmp_path / "fa2.so", hash_fa2=True)
     assert hashed.fa2_sha256 == hashlib.sha256(FA2).hexdigest()
     old = (
         "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024\n"
     )
-    assert dc.read_node(fake_proc(tmp_path / "b", old, ())).driver == "550.54.15"
-    assert dc.read_node(tmp_path / "no-proc") == Node()
+    assert host.read_node(fake_proc(tmp_path / "b", old, ())).driver == "550.54.15"
+    assert host.read_node(tmp_path / "no-proc") == Node()
 
 
 def test_match_names_each_difference_and_what_it_cannot_know(tmp_path: Path) -> None:
     shipped = dc.read(make_entry(tmp_path))
     same = Node("570.86.15", ("NVIDIA  h200",), len(FA2))
-    assert dc.match(shipped, same) == []
+    assert host.match(shipped, same) == []
     other = Node("580.95.05", ("NVIDIA H100 80GB HBM3", "NVIDIA H200"), len(FA2) + 1, "0" * 64)
-    assert dc.match(shipped, other) == [
+    assert host.match(shipped, other) == [
         "driver: the manifest says 570.86.15, found 580.95.05",
         "gpu: the manifest says NVIDIA H200, found NVIDIA H100 80GB HBM3, NVIDIA H200",
         f"fa2 library size: the manifest says {len(FA2)}, found {len(FA2) + 1}",
         f"fa2 library sha256: the manifest says {shipped.fa2_sha256[:12]}, found 000000000000",
     ]
-    assert dc.match(shipped, Node(fa2_size=len(FA2)), strict=False) == []
-    assert dc.match(shipped, Node(fa2_size=len(FA2))) == [
+    assert host.match(shipped, Node(fa2_size=len(FA2)), strict=False) == []
+    assert host.match(shipped, Node(fa2_size=len(FA2))) == [
         "driver: the manifest says 570.86.15, not known here",
         "gpu: the manifest says NVIDIA H200, not known here",
     ]
@@ -253,7 +255,7 @@ def test_verify_checks_a_layer_of_driver_cache_entries(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (tmp_path / "fa2.so").write_bytes(FA2)  # this machine's FA2 library: the one built with
-    monkeypatch.setattr(dc, "fa2_library", lambda: tmp_path / "fa2.so")
+    monkeypatch.setattr(host, "fa2_library", lambda: tmp_path / "fa2.so")
     entry = make_entry(tmp_path / dc.DRIVER_DIR)
     assert cli.main(["verify", "--cache-dir", str(tmp_path)]) == 0
     assert capsys.readouterr().out.startswith(f"tq-warmup: {tmp_path / dc.DRIVER_DIR}: 1 driver")
@@ -271,7 +273,7 @@ def test_verify_prints_the_pin_of_a_layer_of_driver_cache_entries_alone(
     from tq_warmup_plugin.shipped import pins
 
     (tmp_path / "fa2.so").write_bytes(FA2)
-    monkeypatch.setattr(dc, "fa2_library", lambda: tmp_path / "fa2.so")
+    monkeypatch.setattr(host, "fa2_library", lambda: tmp_path / "fa2.so")
     entry = make_entry(tmp_path / dc.DRIVER_DIR)
     assert cli.main(["verify", "--cache-dir", str(tmp_path), "--print-pin"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -288,7 +290,7 @@ def test_driver_cache_without_a_gpu_node_is_one_line(
     assert cli.main(["driver-cache", *flags]) == 2
     note, line = capsys.readouterr().err.splitlines()
     assert note.startswith("tq-warmup: driver-cache without an engine (no --model, or --plan-only)")
-    if dc.fa2_library() is None:  # the lint venv: no vLLM
+    if host.fa2_library() is None:  # the lint venv: no vLLM
         assert "FlashAttention-2 library" in line and "is not installed here" in line
     else:  # vLLM's wheel on a machine without the NVIDIA driver
         assert "no NVIDIA driver version in /proc/driver/nvidia/version" in line
@@ -412,7 +414,7 @@ def test_engine_args_reach_the_engine_and_cannot_override_the_build(
 ) -> None:
     """A hybrid fleet serves with ``--gdn-prefill-backend triton`` (no FlashInfer in the
     image): the build's engine must too, or it loads other kernels than the fleet's."""
-    from tq_warmup_plugin import cli
+    from tq_warmup_plugin.cli import commands as cli
     from tq_warmup_plugin.driver import build as driver_build
 
     got: list[Any] = []

@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks.tqbench import driver_cache_parts as parts
 from benchmarks.tqbench import driver_cache_proof as proof
-from tq_warmup_plugin import launches
+from tq_warmup_plugin.worker import launches
 
 
 def test_the_candidates_are_the_plugins_driver_plan_for_the_proofs_model() -> None:

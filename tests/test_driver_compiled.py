@@ -15,12 +15,12 @@ import pytest
 from test_driver_cache import FA2, make_entry
 from test_driver_startup import layer  # noqa: F401
 
-from tq_warmup_plugin import driver_startup
 from tq_warmup_plugin.driver import build, compiled
 from tq_warmup_plugin.driver import entry as dc
+from tq_warmup_plugin.driver import startup as driver_startup
 from tq_warmup_plugin.driver.entry import EntryError
-from tq_warmup_plugin.report import Report
 from tq_warmup_plugin.settings import Settings
+from tq_warmup_plugin.worker.report import Report
 
 BLOB = b"torch-compile artifacts stand-in" * 64
 
@@ -143,7 +143,7 @@ def test_the_startup_remembers_the_entry_it_uses(
 def test_the_warmup_reports_the_load_and_warns_on_a_failure(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from tq_warmup_plugin import warmup
+    from tq_warmup_plugin.worker import warmup
 
     entry = with_artifacts(tmp_path, b"changed", listed=BLOB)
     monkeypatch.setattr(compiled, "_chosen", [compiled.Chosen(entry, dc.read(entry))])

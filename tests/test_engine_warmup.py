@@ -12,10 +12,11 @@ from typing import Any
 import fakes
 import pytest
 
-from tq_warmup_plugin import compat, engine_warmup, install, keyplan, warmup
-from tq_warmup_plugin.engine import Declined, Engine, Job
+from tq_warmup_plugin import compat, install
 from tq_warmup_plugin.hookspecs import hookimpl
 from tq_warmup_plugin.settings import Settings
+from tq_warmup_plugin.vllm_kernels import run as engine_warmup
+from tq_warmup_plugin.vllm_kernels.jobs import Declined, Engine, Job
 from tq_warmup_plugin.warmers import (
     vllm_eagle,
     vllm_logprobs,
@@ -24,6 +25,7 @@ from tq_warmup_plugin.warmers import (
     vllm_top_k_top_p,
     vllm_unwarmed,
 )
+from tq_warmup_plugin.worker import keyplan, warmup
 
 BUILT_IN = (vllm_slot_mapping, vllm_rejection, vllm_logprobs, vllm_top_k_top_p)
 
@@ -259,7 +261,7 @@ def one_layer_worker(monkeypatch: pytest.MonkeyPatch) -> Any:
     """A worker of one TurboQuant layer whose keys compile to nothing, on 0.26, whose
     engine is ``engine()``: what ``warmup.run`` does around the engine warmers."""
     pytest.importorskip("triton")
-    from tq_warmup_plugin.discovery import Discovery
+    from tq_warmup_plugin.worker.discovery import Discovery
 
     found = Discovery(geometries={"layers.0.attn": fakes.geometry()})
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
@@ -278,11 +280,11 @@ def test_strict_mode_fails_startup_on_a_failed_engine_job(
     worker = one_layer_worker
     report = warmup.run(worker, Settings(launch=False))
     assert report.status == "ok" and report.errors == ["mine (broken): ValueError: no such buffer"]
-    assert report.vllm_jobs == {"mine": 1} and "vLLM kernels: mine 1" in report.line()
+    assert report.vllm.jobs == {"mine": 1} and "vLLM kernels: mine 1" in report.line()
     with pytest.raises(RuntimeError, match="strict mode"):
         install.warm_worker(worker, Settings(launch=False, strict=True))
     off = warmup.run(worker, Settings(launch=False, vllm_kernels=False))
-    assert off.errors == [] and off.vllm_jobs == {}
+    assert off.errors == [] and off.vllm.jobs == {}
 
 
 class _Raises:
@@ -419,7 +421,7 @@ def test_the_compile_ahead_child_is_reaped_after_the_warmers(
 ) -> None:
     """The warmers do not wait for the child: they run first (finding on disk what it
     built), and a child still running is stopped after them (``ahead``)."""
-    from tq_warmup_plugin import ahead
+    from tq_warmup_plugin.vllm_kernels import ahead
 
     order: list[str] = []
 

@@ -12,9 +12,10 @@ import fakes
 import pytest
 from fakes import RecordingWarmer, StubCounter, manager
 
-from tq_warmup_plugin import compat, keyplan, warmup
-from tq_warmup_plugin.discovery import discover
+from tq_warmup_plugin import compat
 from tq_warmup_plugin.settings import Settings
+from tq_warmup_plugin.worker import keyplan, warmup
+from tq_warmup_plugin.worker.discovery import discover
 
 torch = pytest.importorskip("torch")
 

@@ -17,11 +17,12 @@ import fakes
 import pytest
 from conftest import Log
 
-from tq_warmup_plugin import compat, guards, install, keyplan, spec_problem, warmup
-from tq_warmup_plugin.discovery import Discovery
+from tq_warmup_plugin import compat, guards, install
 from tq_warmup_plugin.guards import draft_seq_lens as guard
 from tq_warmup_plugin.guards import spec_graphs
 from tq_warmup_plugin.settings import Settings
+from tq_warmup_plugin.worker import keyplan, spec_problem, warmup
+from tq_warmup_plugin.worker.discovery import Discovery
 
 
 @dataclasses.dataclass

@@ -95,7 +95,7 @@ def test_describe_shows_the_span() -> None:
 
 def test_discovery_keeps_the_real_storage_sizes_on_hip(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("torch")
-    from tq_warmup_plugin.discovery import discover
+    from tq_warmup_plugin.worker.discovery import discover
 
     monkeypatch.setattr(compat, "turboquant_impl_class", lambda: fakes.TurboQuantAttentionImpl)
     feats = compat.features((0, 33))
@@ -120,10 +120,10 @@ def test_run_reserves_then_plans_with_the_real_workspace(
 ) -> None:
     from fakes import RecordingWarmer, StubCounter, manager
 
-    from tq_warmup_plugin import keyplan, warmup, workspace
-    from tq_warmup_plugin.discovery import Discovery
     from tq_warmup_plugin.settings import Settings
     from tq_warmup_plugin.warmers.turboquant import turboquant_contributions
+    from tq_warmup_plugin.worker import keyplan, warmup, workspace
+    from tq_warmup_plugin.worker.discovery import Discovery
 
     g = hip(fakes.geometry()) if on_hip else fakes.geometry()
     calls: list[str] = []
@@ -261,8 +261,8 @@ def hip_case(feats: compat.Features, preset: str, kv_storage: int, workspace: in
 
     from tq_warmup_plugin.warmers.triton_jit import compile_key
     from tq_warmup_plugin.warmers.turboquant import turboquant_contributions
-    from tq_warmup_plugin.warmup import Plan
-    from tq_warmup_plugin.workspace import buffer_sizes
+    from tq_warmup_plugin.worker.warmup import Plan
+    from tq_warmup_plugin.worker.workspace import buffer_sizes
 
     ws.reset_workspace_manager()
     ws.init_workspace_manager(torch.device("cpu"))

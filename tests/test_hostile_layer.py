@@ -20,7 +20,8 @@ import fakes
 import pytest
 from test_layered_cache import KEY, _build_layer, _key_dir, _manager, _warnings, lc
 
-from tq_warmup_plugin import cli, safe_io
+from tq_warmup_plugin import safe_io
+from tq_warmup_plugin.cli import commands as cli
 from tq_warmup_plugin.shipped import manifest, precompile
 
 __all__ = ["lc"]  # the fixture, shared with test_layered_cache

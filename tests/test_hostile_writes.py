@@ -23,9 +23,10 @@ import fakes
 import pytest
 from conftest import Log
 
-from tq_warmup_plugin import atomic, install, warmup
-from tq_warmup_plugin.report import Report
+from tq_warmup_plugin import atomic, install
 from tq_warmup_plugin.settings import Settings
+from tq_warmup_plugin.worker import warmup
+from tq_warmup_plugin.worker.report import Report
 
 REPORT = Report(vllm_version="0.26.0", layers=2, distinct=5, compiled=5)
 NOBODY = 65534
@@ -194,7 +195,7 @@ def test_a_full_file_system_keeps_the_old_report_whole(tmp_path: Path) -> None:
     code = (  # install._emit, as warm_worker calls it: no warmup module to import
         "import json, os, sys, types\n"
         "from tq_warmup_plugin import install\n"
-        "from tq_warmup_plugin.report import Report\n"
+        "from tq_warmup_plugin.worker.report import Report\n"
         "from tq_warmup_plugin.settings import Settings\n"
         "d = sys.argv[1]; settings = Settings(report_path=d + '/r.json')\n"
         "big = Report(keys={str(i): i for i in range(10**4)})\n"

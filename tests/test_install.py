@@ -18,9 +18,10 @@ import pytest
 from conftest import Log
 
 import tq_warmup_plugin
-from tq_warmup_plugin import compat, install, settings, warmup
-from tq_warmup_plugin.report import Report
+from tq_warmup_plugin import compat, install, settings
 from tq_warmup_plugin.settings import Settings
+from tq_warmup_plugin.worker import warmup
+from tq_warmup_plugin.worker.report import Report
 
 
 @pytest.fixture
@@ -344,3 +345,33 @@ def test_no_layers_informs_even_in_strict_mode(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setattr(warmup, "run", lambda w, s: report)
     install.warm_worker(SimpleNamespace(rank=0), Settings(strict=True))  # not a failure
     assert log() == [(logging.INFO, report.line())]
+
+
+def test_swapped_marks_its_stand_ins_and_puts_back_what_was_there() -> None:
+    """The one patch-for-a-block helper (``patching.swapped``, as the fused MoE steps use
+    it on vLLM's ops module in a live worker): each stand-in is marked with what it
+    replaced, and on the way out, even on an exception, the module holds its own
+    function again and a class the method it inherited."""
+    from tq_warmup_plugin import patching
+
+    def device_name() -> str:
+        return "H200"
+
+    module = types.ModuleType("ops")
+    module.device_name = device_name  # type: ignore[attr-defined]
+
+    class Base:
+        def count(self) -> int:
+            return 1
+
+    class Platform(Base):
+        pass
+
+    with pytest.raises(RuntimeError), patching.swapped(module, {"device_name": lambda: "B200"}):
+        assert module.device_name() == "B200"
+        assert patching.original_of(module.device_name) is device_name
+        raise RuntimeError
+    assert module.device_name is device_name
+    with patching.swapped(Platform, {"count": lambda self: 7}):
+        assert Platform().count() == 7 and patching.is_ours(Platform.__dict__["count"])
+    assert "count" not in Platform.__dict__ and Platform().count() == 1

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from tq_warmup_plugin import cli
+from tq_warmup_plugin.cli import commands as cli
+from tq_warmup_plugin.cli import layers
 from tq_warmup_plugin.shipped import manifest, precompile
 
 
@@ -88,7 +89,7 @@ def test_an_interrupted_command_is_one_line_and_exit_130(
         os.kill(os.getpid(), signal.SIGTERM)  # delivered here, on the main thread
         raise AssertionError("SIGTERM did not unwind")
 
-    monkeypatch.setattr(cli, "verify", handler)
+    monkeypatch.setattr(layers, "verify", handler)
     before = signal.getsignal(signal.SIGTERM)
     assert cli.main(["verify", "--cache-dir", "."]) == 130
     err = capsys.readouterr().err.strip().splitlines()

@@ -15,7 +15,7 @@ from tq_warmup_plugin import compat, keys
 from tq_warmup_plugin.geometry import PRESETS, Geometry, preset
 from tq_warmup_plugin.keys import Const, Int, KernelKey, Ptr
 from tq_warmup_plugin.warmers.turboquant import turboquant_contributions
-from tq_warmup_plugin.warmup import Plan
+from tq_warmup_plugin.worker.warmup import Plan
 
 VERSIONS = [(0, 20), (0, 21), (0, 24), (0, 26), (0, 28), (0, 29), (0, 33)]
 INT_CLASSES = {Int.of(v) for v in (1, 0, 3, 2**32, 2**32 + 1)}

@@ -8,8 +8,9 @@ from typing import Any
 import fakes
 import pytest
 
-from tq_warmup_plugin import compat, launches
-from tq_warmup_plugin.launches import Launch
+from tq_warmup_plugin import compat
+from tq_warmup_plugin.worker import launches
+from tq_warmup_plugin.worker.launches import Launch
 
 
 def kinds(g: Any) -> list[tuple[str, str]]:

@@ -412,7 +412,7 @@ def _child() -> None:
 
     from tq_warmup_plugin import compat
     from tq_warmup_plugin.settings import Settings
-    from tq_warmup_plugin.warmup import run
+    from tq_warmup_plugin.worker.warmup import run
 
     activate_compile_only_driver()
     warnings: list[str] = []

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from fakes import STACK, key_dir, write_manifest
 
-from tq_warmup_plugin import cli
+from tq_warmup_plugin.cli import commands as cli
 from tq_warmup_plugin.shipped import manifest, precompile
 
 K1, K2 = "A" * 52, "B" * 52  # Triton names key directories by a base32 sha256

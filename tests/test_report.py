@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tq_warmup_plugin.report import CompileCounter, Report
+from tq_warmup_plugin.worker.report import CompileCounter, Report
 
 
 def test_ok_line_has_every_count() -> None:
@@ -29,18 +29,18 @@ def test_ok_line_has_every_count() -> None:
     )
     report.launches, report.launch_s = 6, 0.1714
     assert report.line().endswith("workspace 3.0 MiB; 1234 ms; 6 first launches 171 ms")
-    report.vllm_jobs, report.vllm_launches, report.vllm_s = {"fused MoE": 11}, 22, 3.21
-    report.vllm_compiles = 4
+    report.vllm.jobs, report.vllm.kernels, report.vllm.seconds = {"fused MoE": 11}, 22, 3.21
+    report.vllm.compiled = 4
     assert report.line().endswith("; vLLM kernels: fused MoE 11 (22 launches, 4 compiled, 3210 ms)")
-    report.vllm_compiled = {"_ranks_kernel": 1, "fused_moe_kernel": 3}
+    report.vllm.compiled_names = {"_ranks_kernel": 1, "fused_moe_kernel": 3}
     assert report.line().endswith(
         "(22 launches, 4 compiled: fused_moe_kernel x3, _ranks_kernel, 3210 ms)"
     )
-    report.vllm_forwards, report.vllm_forward_compiles, report.vllm_forward_s = 11, 0, 0.4049
+    report.vllm.forwards = (11, 0, 0.4049)
     assert report.line().endswith("3210 ms); 11 warmup forwards 405 ms, 0 compiles in them")
-    report.vllm_family_s = {"fused MoE": 2.5, "slot mapping": 0.01}
+    report.vllm.family_seconds = {"fused MoE": 2.5, "slot mapping": 0.01}
     assert "3210 ms, most job time: fused MoE 2500 ms); 11 warmup" in report.line()
-    report.vllm_lookup_s, report.vllm_load_s = 0.1204, 0.3
+    report.vllm.triton_seconds = (0.1204, 0.3)
     assert (
         "most job time: fused MoE 2500 ms, in Triton: lookups 120 ms, loads 300 ms); 11 warmup"
         in report.line()
@@ -70,7 +70,9 @@ def test_json_round_trips() -> None:
         workspace_bytes=1024,
         errors=["x"],
     )
-    assert Report(**json.loads(report.to_json())) == report
+    report.vllm.jobs, report.vllm.forwards = {"logprobs": 7}, (1, 2, 0.5)
+    assert Report.from_json(report.to_json()) == report
+    assert json.loads(report.to_json())["vllm"]["jobs"] == {"logprobs": 7}  # nested
 
 
 def test_compile_counter_counts_and_chains_the_listener(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,9 +10,10 @@ from typing import Any
 import fakes
 import pytest
 
-from tq_warmup_plugin import compat, keyplan, launches, warmup
-from tq_warmup_plugin.discovery import Discovery
+from tq_warmup_plugin import compat
 from tq_warmup_plugin.settings import Settings
+from tq_warmup_plugin.worker import keyplan, launches, warmup
+from tq_warmup_plugin.worker.discovery import Discovery
 
 torch = pytest.importorskip("torch")
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from benchmarks.tqbench import serve_jit, serve_prefix
+from benchmarks.tqbench import serve_jit, serve_jit_facts, serve_jit_workload, serve_prefix
 
 
 def test_mix_holds_every_kind_of_request_the_issue_names() -> None:
-    waves = serve_jit.mix(0, 1000)
+    waves = serve_jit_workload.mix(0, 1000)
     bodies = [b for wave in waves for b in wave]
     assert any(len(b["prompt"]) == 3000 for b in bodies)
     assert max(len(w) for w in waves) == 16  # a burst
@@ -21,7 +21,7 @@ def test_mix_holds_every_kind_of_request_the_issue_names() -> None:
     assert 0 in temps and any(t > 0 for t in temps)
     shared = [b["prompt"][:640] for b in bodies if len(b["prompt"]) > 640]
     assert len(shared) != len({tuple(p) for p in shared})  # prefixes are shared
-    assert serve_jit.mix(0, 1000) == waves  # seeded
+    assert serve_jit_workload.mix(0, 1000) == waves  # seeded
 
 
 def test_jit_lines_reads_warn_and_error_forms() -> None:
@@ -63,7 +63,7 @@ def test_a_long_report_line_keeps_its_start() -> None:
     text = "vLLM says hello\n" + report + "\n(EngineCore pid=1) INFO tq-warmup: guard on\n"
     lines = plugin_lines(text)
     assert [ln[:20] for ln in lines] == ["tq-warmup: 7 TurboQu", "tq-warmup: guard on"]
-    facts = serve_jit.row_facts(lines)
+    facts = serve_jit_facts.row_facts(lines)
     assert facts["first_launches_ms"] == 201 and facts["vllm_kernels"].startswith("fused MoE 9")
 
 
@@ -74,7 +74,7 @@ def test_row_facts_reads_the_plugin_lines() -> None:
         "tq-warmup: 6 keys: 0 compiled, 6 from the shipped cache; 4 first launches 357 ms; "
         "vLLM kernels: 49 launches, 12 jobs in 3.10 s",
     ]
-    facts = serve_jit.row_facts(lines)
+    facts = serve_jit_facts.row_facts(lines)
     assert facts["first_launches"] == 4 and facts["first_launches_ms"] == 357
     assert facts["driver_cache_line"].startswith("tq-warmup: driver cache")
     assert facts["vllm_kernels"].startswith("49 launches")
@@ -82,9 +82,9 @@ def test_row_facts_reads_the_plugin_lines() -> None:
     report = ("tq-warmup: 4 TurboQuant layers, 6 distinct kernel keys (decode 2): 0 compiled, "
               "6 from the shipped cache, 0 from Triton's disk cache, 0 failed; workspace "
               "16.4 MiB; 212 ms; 22 first launches 466 ms")  # fmt: skip
-    facts = serve_jit.row_facts([report])
+    facts = serve_jit_facts.row_facts([report])
     assert (facts["from_layer"], facts["warmup_ms"], facts["first_launches_ms"]) == (6, 212, 466)
-    assert serve_jit.row_facts(["tq-warmup: disabled by TQ_WARMUP"]) == {}
+    assert serve_jit_facts.row_facts(["tq-warmup: disabled by TQ_WARMUP"]) == {}
 
 
 _HYBRID = (
@@ -100,17 +100,17 @@ def test_the_plugins_cost_counts_the_warmup_forwards_once() -> None:
     """Run AR's hybrid line (H200, 0.26.0): 71 ms of TurboQuant warmup and 3318 ms of
     vLLM kernels, whose 904 ms of forwards are inside them: 3389 ms, not 4293."""
     line = _HYBRID
-    facts = serve_jit.row_facts([line])
+    facts = serve_jit_facts.row_facts([line])
     assert (facts["warmup_ms"], facts["vllm_kernels_ms"], facts["plugin_ms"]) == (71, 3318, 3389)
     plain = line.replace(
         "10 compiled: _zero_kv_blocks_kernel x3, triton_red_fused_ge_sum_0", "0 compiled"
     )
-    assert serve_jit.row_facts([plain])["plugin_ms"] == 3389
+    assert serve_jit_facts.row_facts([plain])["plugin_ms"] == 3389
     most = line.replace("3318 ms)", "3318 ms, most job time: fused MoE 2210 ms)")
-    facts = serve_jit.row_facts([most])
+    facts = serve_jit_facts.row_facts([most])
     assert (facts["vllm_kernels_ms"], facts["vllm_most_time"]) == (3318, "fused MoE 2210 ms")
     split = most.replace("2210 ms)", "2210 ms, in Triton: lookups 120 ms, loads 300 ms)")
-    facts = serve_jit.row_facts([split])
+    facts = serve_jit_facts.row_facts([split])
     assert (facts["vllm_kernels_ms"], facts["vllm_most_time"]) == (3318, "fused MoE 2210 ms")
     assert (facts["triton_lookup_ms"], facts["triton_load_ms"]) == (120, 300)
 
@@ -118,22 +118,24 @@ def test_the_plugins_cost_counts_the_warmup_forwards_once() -> None:
 def test_the_job_times_come_from_the_plugins_report(tmp_path: Path) -> None:
     """The in-process row reads every family's job time from ``TQ_WARMUP_REPORT``; a
     report that is missing or not the plugin's costs only those figures."""
-    from tq_warmup_plugin.report import Report
+    from tq_warmup_plugin.vllm_kernels.jobs import EngineResult
+    from tq_warmup_plugin.worker.report import Report
 
-    report = Report(vllm_family_s={"EAGLE helpers": 0.7194}, vllm_lookup_s=0.12, vllm_load_s=0.3)
+    done = EngineResult(family_seconds={"EAGLE helpers": 0.7194}, triton_seconds=(0.12, 0.3))
+    report = Report(vllm=done)
     path = tmp_path / "report.json"
     path.write_text(report.to_json())
-    assert serve_jit.job_times(path) == {"family_job_ms": {"EAGLE helpers": 719}}
+    assert serve_jit_facts.job_times(path) == {"family_job_ms": {"EAGLE helpers": 719}}
     path.write_text("[1, 2]")
-    assert serve_jit.job_times(path) == {}
-    assert serve_jit.job_times(tmp_path / "missing.json") == {}
+    assert serve_jit_facts.job_times(path) == {}
+    assert serve_jit_facts.job_times(tmp_path / "missing.json") == {}
 
 
 def test_the_moe_row_is_a_mixtral_of_the_llamas_attention() -> None:
     llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
              "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
              "intermediate_size": 1024, "mlp_bias": False}  # fmt: skip
-    moe = serve_jit.mixtral_config(llama)
+    moe = serve_jit_workload.mixtral_config(llama)
     assert moe["architectures"] == ["MixtralForCausalLM"] and moe["model_type"] == "mixtral"
     assert (moe["num_local_experts"], moe["num_experts_per_tok"]) == (4, 2)
     assert {k: moe[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads")} == {
@@ -161,7 +163,7 @@ def test_in_process_sampling_is_what_the_http_body_asks_for() -> None:
             "temperature": 0.8, "top_p": 0.9, "seed": 1, "n": 2}  # fmt: skip
     assert sampling_of(body) == {"ignore_eos": True, "max_tokens": 16, "logprobs": 5,
                                  "temperature": 0.8, "top_p": 0.9, "seed": 1, "n": 2}  # fmt: skip
-    kinds = {k for wave in serve_jit.mix(0, 1000) for b in wave for k in b}
+    kinds = {k for wave in serve_jit_workload.mix(0, 1000) for b in wave for k in b}
     # every key of the mix reaches the engine, or is the server's own
     assert kinds - {"prompt", "return_tokens_as_token_ids"} <= set(sampling_of(
         {k: 1 for k in kinds}))  # fmt: skip
@@ -187,10 +189,10 @@ def test_the_shipped_torch_compile_artifacts_load_counts_in_the_plugins_cost() -
         "; torch.compile artifacts of NVIDIA_H200-580-fa2-x: 2 loaded (150 KiB) in 9 ms",
     )
     line = re.sub(r"\(35 launches.*3318 ms\)", "(17 launches, 0 compiled, 120 ms)", line)
-    facts = serve_jit.row_facts([line])
+    facts = serve_jit_facts.row_facts([line])
     assert (facts["compiled_loaded"], facts["compiled_kib"], facts["compiled_ms"]) == (2, 150, 9)
     assert facts["plugin_ms"] == 69 + 120 + 9
     failed = line.replace("2 loaded (150 KiB) in 9 ms", "not loaded (x): their graphs compile here")
-    facts = serve_jit.row_facts([failed])
+    facts = serve_jit_facts.row_facts([failed])
     assert "compiled_ms" not in facts and "not loaded" in facts["compiled_line"]
     assert facts["plugin_ms"] == 69 + 120

@@ -1,6 +1,6 @@
-"""A hybrid's state layers (``planning.state_layer_count``): the layers that keep a Mamba
+"""A hybrid's state layers (``plan.rules.state_layer_count``): the layers that keep a Mamba
 state and so share vLLM's KV cache groups with the attention layers, which the KV-block
-zeroing key counts (``planning.attention_kv_tensors``). An MLP-only layer keeps none."""
+zeroing key counts (``plan.rules.attention_kv_tensors``). An MLP-only layer keeps none."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tq_warmup_plugin import planning
+from tq_warmup_plugin.plan import model as plan_model
+from tq_warmup_plugin.plan import rules as plan_rules
 
 MODELS = Path(__file__).parent / "data" / "models"
 PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
@@ -35,7 +36,7 @@ def nemotron_h(directory: Path) -> Path:
 
 
 def test_state_layers_leave_out_attention_and_mlp_only_layers() -> None:
-    count = planning.state_layer_count
+    count = plan_rules.state_layer_count
     nemotron = ["mamba", "mlp", "mamba", "attention", "moe", "mamba"]
     assert count(nemotron, 6, 1) == 3  # the old rule, every non-attention layer: 5
     assert count(["linear_attention"] * 3 + ["full_attention"], 4, 1) == 3  # Qwen3-Next
@@ -43,7 +44,7 @@ def test_state_layers_leave_out_attention_and_mlp_only_layers() -> None:
     assert count(None, 8, 2) == 6  # no list: every layer but the attention ones
     minimax = SimpleNamespace(hf_text_config=SimpleNamespace(), hf_config=SimpleNamespace(
         attn_type_list=[0, 0, 1, 0]))  # fmt: skip
-    assert count(planning._layer_types(minimax), 4, 1) == 3
+    assert count(plan_model._layer_types(minimax), 4, 1) == 3
 
 
 @pytest.mark.real_vllm
@@ -57,13 +58,13 @@ def test_state_layers_are_the_layers_vllm_counts_as_state(tmp_path: Path) -> Non
     cases = [nemotron_h(tmp_path / "nemotron-h"), MODELS / "jamba-v0.1",
              MODELS / "qwen3-next-80b-a3b"]  # fmt: skip
     for directory in cases:
-        shape = planning.model_shape(str(directory), 1, None, 4096, False)
+        shape = plan_model.model_shape(str(directory), 1, None, 4096, False)
         config = ModelConfig(model=str(directory), skip_tokenizer_init=True, max_model_len=4096)
         vllms = sum(config.get_num_layers_by_block_type(ParallelConfig(), kind)
                     for kind in ("mamba", "linear_attention"))  # fmt: skip
         assert shape.hybrid and shape.state_layers == vllms, (directory.name, vllms)
     assert shape.state_layers == 36  # Qwen3-Next: 48 layers, 12 of them full attention
-    nemotron = planning.model_shape(str(tmp_path / "nemotron-h"), 1, None, 4096, False)
+    nemotron = plan_model.model_shape(str(tmp_path / "nemotron-h"), 1, None, 4096, False)
     assert (nemotron.num_layers, len(nemotron.attention_layers), nemotron.state_layers) == (
         52,
         4,

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tq_warmup_plugin.verify_rows import VerifyRows, causal_lengths, loop_rows
+from tq_warmup_plugin.worker.verify_rows import VerifyRows, causal_lengths, loop_rows
 
 torch = pytest.importorskip("torch")
 

@@ -11,14 +11,15 @@ import fakes
 import pytest
 from fakes import FAILING, RecordingWarmer, StubCounter, manager
 
-from tq_warmup_plugin import compat, keyplan, warmup
-from tq_warmup_plugin.discovery import Discovery
+from tq_warmup_plugin import compat
 from tq_warmup_plugin.geometry import Geometry
 from tq_warmup_plugin.hookspecs import hookimpl
 from tq_warmup_plugin.keys import Const, Int, KernelKey, Ptr
 from tq_warmup_plugin.settings import Settings
 from tq_warmup_plugin.warmers import triton_jit
 from tq_warmup_plugin.warmers.turboquant import turboquant_contributions
+from tq_warmup_plugin.worker import keyplan, warmup
+from tq_warmup_plugin.worker.discovery import Discovery
 
 GEOMETRIES = {
     "model.layers.0.attn": fakes.geometry(),
@@ -239,7 +240,7 @@ def test_first_launches_only_on_cuda_and_when_enabled(
 ) -> None:
     from types import SimpleNamespace
 
-    from tq_warmup_plugin import launches
+    from tq_warmup_plugin.worker import launches
 
     found.device = SimpleNamespace(type=device) if device else None
     found.impls = {name: object() for name in found.geometries}

@@ -7,7 +7,8 @@ import dataclasses
 import fakes
 import pytest
 
-from tq_warmup_plugin import compat, geometry, workspace
+from tq_warmup_plugin import compat, geometry
+from tq_warmup_plugin.worker import workspace
 
 
 def test_decode_and_continuation_requests() -> None:

@@ -9,8 +9,9 @@ from typing import Any
 import fakes
 import pytest
 
-from tq_warmup_plugin import compat, install, keyplan, warmup, workspace
+from tq_warmup_plugin import compat, install
 from tq_warmup_plugin.settings import Settings
+from tq_warmup_plugin.worker import keyplan, warmup, workspace
 
 torch = pytest.importorskip("torch")
 

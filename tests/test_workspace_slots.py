@@ -7,7 +7,8 @@ from typing import Any
 import fakes
 import pytest
 
-from tq_warmup_plugin import compat, geometry, workspace
+from tq_warmup_plugin import compat, geometry
+from tq_warmup_plugin.worker import workspace
 
 
 class SlotManager:

@@ -1,11 +1,12 @@
 """The ``ahead-cost`` command: what the compile-ahead child costs, by phase, in one run.
 
-The child's work (``tq_warmup_plugin.ahead_child.run_child``) builds a worker's offline
-engine jobs (``engine_plan``) and, since session 24, its TurboQuant keys (the layers planned
-from the worker's config, ``planning.worker_plan``) for sm90 in forked processes. A worker
+The child's work (``tq_warmup_plugin.vllm_kernels.ahead_child.run_child``) builds a
+worker's offline engine jobs (``vllm_kernels.offline``) and, since session 24, its
+TurboQuant keys (the layers planned from the worker's config,
+``plan.request.worker_plan``) for sm90 in forked processes. A worker
 forks its child with vLLM imported (``ahead.spawn``, since session 23), so the import below
-is what the child no longer pays; ``python -m tq_warmup_plugin.ahead_child`` runs the engine
-jobs alone in a fresh interpreter. This times, on this machine (a CPU is enough: the
+is what the child no longer pays; ``python -m tq_warmup_plugin.vllm_kernels.ahead_child``
+runs the engine jobs alone in a fresh interpreter. This times, on this machine (a CPU is enough: the
 compiles are Triton's, for the target):
 - the import alone (what a fresh interpreter imports before its first compile);
 - the whole fresh-interpreter child for a V1 ngram and a V2 engine (Llama 3's vocabulary,
@@ -26,12 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks.tqbench.children import Children
 from benchmarks.tqbench.cli import new_parser
 from benchmarks.tqbench.matrix import DEFAULT_RESULTS_DIR
 from benchmarks.tqbench.register_cost import sample, write_summary
@@ -42,7 +43,7 @@ __all__ = ["ENGINES", "add_parser", "child_seconds", "cmd_ahead_cost", "engine_r
 _IMPORT_PROBE = """
 import json, time
 t0 = time.perf_counter()
-import tq_warmup_plugin.engine_plan, tq_warmup_plugin.warmup
+import tq_warmup_plugin.vllm_kernels.offline, tq_warmup_plugin.worker.warmup
 import importlib, importlib.util
 v1 = ("vllm.v1.sample.sampler", "vllm.v1.sample.rejection_sampler", "vllm.v1.worker.block_table")
 for name in v1:  # the V1 runner's, which the child imports where it exists (0.20-0.33)
@@ -63,7 +64,7 @@ def engine_request(engine: dict[str, Any], version: str | None = None) -> dict[s
     vLLM), built by ``EngineRequest`` itself, so a field it gains has its default here (a
     hand-written dict went stale when the MoE fields came: every child refused it)."""
     from tq_warmup_plugin import compat
-    from tq_warmup_plugin.engine_plan import EngineRequest
+    from tq_warmup_plugin.vllm_kernels.offline import EngineRequest
 
     feats = compat.release_features(version or compat.installed_vllm_version() or "")
     return EngineRequest(features=feats, vocab_size=128256, model_dtype="bfloat16",
@@ -76,10 +77,9 @@ def child_seconds(engine: dict[str, Any], processes: int) -> dict[str, Any]:
     argument = json.dumps({"request": engine_request(engine), "arch": 90, "processes": processes})
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_CACHE_DIR": cache}
-        out = subprocess.run(
-            [sys.executable, "-m", "tq_warmup_plugin.ahead_child", argument],
-            env=env, capture_output=True, text=True, timeout=1200,
-        )  # fmt: skip
+        out = Children().capture(
+            [sys.executable, "-m", "tq_warmup_plugin.vllm_kernels.ahead_child", argument], env, 1200
+        )
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
@@ -90,7 +90,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 given, with_keys = json.loads(sys.argv[1]), sys.argv[2] == "1"
 import vllm.config  # a worker has vLLM imported: the fork inherits it
 from benchmarks.tqbench.ahead_cost import worker_config
-from tq_warmup_plugin import ahead_child
+from tq_warmup_plugin.vllm_kernels import ahead_child
 with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as model:
     os.environ["TRITON_CACHE_DIR"] = cache
     config = worker_config(model, given["request"]) if with_keys else None
@@ -132,11 +132,10 @@ def worker_config(directory: str, request: dict[str, Any]) -> Any:
 def fork_seconds(engine: dict[str, Any], processes: int, with_keys: bool) -> dict[str, Any]:
     """The forked child's work, vLLM imported first, over an empty Triton cache: its line."""
     given = {"request": engine_request(engine), "arch": 90, "processes": processes, "verify": True}
-    out = subprocess.run(
+    out = Children().capture(
         [sys.executable, "-c", _FORK_PROBE, json.dumps(given), "1" if with_keys else "0"],
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True,
-        timeout=1200, check=True,
-    )  # fmt: skip
+        {**os.environ, "CUDA_VISIBLE_DEVICES": ""}, 1200,
+    ).check()  # fmt: skip
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 

@@ -6,7 +6,10 @@ started in a new session (``start_new_session``): vLLM's engine core and compile
 are its descendants, and killing the group takes them along, where killing only the child
 would leave them holding the GPU.
 A parent killed from outside (a device call's time limit sends SIGTERM) kills its
-children first: :meth:`Children.stop_on_sigterm`.
+children first: :meth:`Children.stop_on_sigterm`. Every child of a benchmark starts here
+(``run`` to a log, ``spawn`` a server, ``capture`` what a short child prints), so each
+is in its own group and reached by ``kill_all`` (``tests/test_bench_children.py`` holds
+the other modules to it).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -24,7 +28,7 @@ from typing import Any
 
 from benchmarks.tqbench.engine import REPO_ROOT
 
-__all__ = ["Children", "Deadline", "Exit", "child_pythonpath"]
+__all__ = ["Children", "Deadline", "Exit", "Output", "child_pythonpath"]
 
 
 class Deadline:
@@ -53,6 +57,26 @@ class Exit:
     rc: int
     timed_out: bool
     wall_s: float
+
+
+@dataclass(frozen=True)
+class Output:
+    """A captured child: its command, how it ended, and its stdout and stderr apart."""
+
+    argv: tuple[str, ...]
+    exit: Exit
+    stdout: str
+    stderr: str
+
+    @property
+    def rc(self) -> int:
+        return self.exit.rc
+
+    def check(self) -> Output:
+        """Itself, where the child exited 0; else ``CalledProcessError``."""
+        if self.rc != 0:
+            raise subprocess.CalledProcessError(self.rc, self.argv, self.stdout, self.stderr)
+        return self
 
 
 def child_pythonpath(first: Sequence[str], env: Mapping[str, str]) -> str:
@@ -87,17 +111,33 @@ class Children:
             if echo_argv:
                 logf.write(("$ " + " ".join(argv) + "\n").encode())
                 logf.flush()
-            proc = self._start(argv, logf, env)
-            try:
-                rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                _kill_group(proc)
-                rc = proc.wait()
-            finally:
-                with self.lock:
-                    self.procs.pop(proc.pid, None)
+            rc, timed_out = self._wait(self._start(argv, logf, env), timeout)
         return Exit(rc, timed_out, time.monotonic() - t)
+
+    def capture(self, argv: Sequence[str], env: Mapping[str, str], timeout: float) -> Output:
+        """Run ``argv`` as :meth:`run` does (its own group, from the repository root,
+        killed after ``timeout`` seconds) and return what it printed, stdout and stderr
+        apart: a short child whose output is its answer (a build's summary line, a pin)."""
+        t = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="tqbench-child-") as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            with out.open("wb") as outf, err.open("wb") as errf:
+                rc, timed_out = self._wait(self._start(argv, outf, env, errf), timeout)
+            ended = Exit(rc, timed_out, time.monotonic() - t)
+            return Output(
+                tuple(argv), ended, out.read_text(errors="replace"), err.read_text(errors="replace")
+            )
+
+    def _wait(self, proc: subprocess.Popen[bytes], timeout: float) -> tuple[int, bool]:
+        """``proc``'s exit code, its group killed after ``timeout`` seconds (then True)."""
+        try:
+            return proc.wait(timeout=timeout), False
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            return proc.wait(), True
+        finally:
+            with self.lock:
+                self.procs.pop(proc.pid, None)
 
     def spawn(
         self, argv: Sequence[str], log: Path, env: Mapping[str, str]
@@ -109,16 +149,17 @@ class Children:
             return self._start(argv, logf, env)
 
     def _start(
-        self, argv: Sequence[str], logf: Any, env: Mapping[str, str]
+        self, argv: Sequence[str], logf: Any, env: Mapping[str, str], errf: Any = None
     ) -> subprocess.Popen[bytes]:
         """``argv`` from the repository root in a new session (its own process group),
-        output to ``logf``, registered so that :meth:`kill_all` reaches it."""
+        output to ``logf`` (stderr too, unless ``errf``), registered so that
+        :meth:`kill_all` reaches it."""
         proc = subprocess.Popen(
             list(argv),
             cwd=REPO_ROOT,
             env=dict(env),
             stdout=logf,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.STDOUT if errf is None else errf,
             start_new_session=True,
         )
         with self.lock:

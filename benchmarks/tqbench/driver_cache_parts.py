@@ -53,7 +53,7 @@ if probe["late"]:  # CUDA initialised and a context made before the variable is 
     torch.cuda.init(); torch.zeros(1, device="cuda"); torch.cuda.synchronize()
 os.environ["CUDA_CACHE_PATH"] = path
 from tq_warmup_plugin.driver.build import run_launches
-from tq_warmup_plugin.launches import Launch
+from tq_warmup_plugin.worker.launches import Launch
 out = run_launches([Launch(**x) for x in probe["launches"]], probe["scale"])
 print(json.dumps({**out, "writable": writable, "total_s": time.perf_counter() - t0}))
 """

@@ -191,10 +191,10 @@ class Proof:
         found = self.take_entry()
         if found is not None:
             assert self.entry is not None
-            du = ["du", "-sh", str(self.entry / "cache")]
-            row.update(
-                found, du=subprocess.run(du, capture_output=True, text=True).stdout.split("\t")[0]
+            du = subprocess.run(
+                ["du", "-sh", str(self.entry / "cache")], capture_output=True, text=True
             )
+            row.update(found, du=du.stdout.split("\t")[0])
         self.add(row)
 
     def take_entry(self) -> dict[str, Any] | None:

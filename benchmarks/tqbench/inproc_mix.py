@@ -6,7 +6,7 @@ vocab}``: the row's engine flags, which vLLM's own ``EngineArgs`` parser takes a
 0.25, is dropped and named), its result file, and the mix's seed and vocabulary. It
 installs the recorder (:mod:`benchmarks.tqbench.recorder`) before vLLM is imported,
 starts ``LLMEngine`` with the engine core in this process (the parent sets
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``), then sends :func:`serve_jit.mix` wave by wave,
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``), then sends :func:`serve_jit_workload.mix` wave by wave,
 each request with the sampling its HTTP body asks for. Every compile after startup is
 recorded, by kernel, whoever owns it; in ``error`` mode vLLM's monitor raises on the
 first one, which ends the mix with that error as the status. The result file is written
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.tqbench import recorder, records
-from benchmarks.tqbench.serve_jit import mix
+from benchmarks.tqbench.serve_jit_workload import mix
 
 __all__ = ["engine_args_of", "known_flags", "main", "sampling_of"]
 

@@ -17,11 +17,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.tqbench.children import Children
 from benchmarks.tqbench.cli import new_parser
 from benchmarks.tqbench.matrix import DEFAULT_RESULTS_DIR
 
@@ -46,9 +46,7 @@ print(json.dumps({"first_ms": 1e3 * (t1 - t0), "again_us": 1e6 * (t2 - t1), "hea
 def sample(probe: str = _PROBE, *argv: str) -> dict[str, Any]:
     """One fresh interpreter's measurement: the JSON last line of ``probe``'s output."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
-    out = subprocess.run(
-        [sys.executable, "-c", probe, *argv], env=env, capture_output=True, text=True, check=True
-    )
+    out = Children().capture([sys.executable, "-c", probe, *argv], env, 600).check()
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 

@@ -39,9 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,10 +47,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.tqbench import entry_point, records, shipped, tables
+from benchmarks.tqbench import entry_point, records, shipped
 from benchmarks.tqbench.children import Children, child_pythonpath
 from benchmarks.tqbench.cli import Option, add_options, new_parser
 from benchmarks.tqbench.engine import REPO_ROOT
+from benchmarks.tqbench.serve_jit_facts import job_times, row_facts, rows_table
+from benchmarks.tqbench.serve_jit_workload import mix, mixtral_config, qwen3_next_config
 from benchmarks.tqbench.serve_prefix import (
     Server,
     engine_flags,
@@ -73,13 +72,8 @@ __all__ = [
     "add_parser",
     "build_layer",
     "in_process_row",
-    "job_times",
-    "mix",
-    "mixtral_config",
     "pin_of",
     "prepare_row",
-    "qwen3_next_config",
-    "row_facts",
 ]
 
 
@@ -109,12 +103,22 @@ class Row:
     empty Triton cache (:func:`build_layer`)."""
 
 
+CHILDREN = Children()
+"""This run's children, every one in its own process group and killed on SIGTERM: the
+servers, the in-process engines, ``precompile``, ``driver-cache`` and ``verify``."""
+
+
 HYBRID_GDN = "triton"
 """The hybrid's ``--gdn-prefill-backend``: the staged vLLM has no FlashInfer."""
+
+
 HYBRID_SEQS = 32
 """The hybrid's ``--max-num-seqs`` (:func:`prepare_row` says why)."""
 
+
 _NGRAM = SpecConfig("ngram", "ngram", 3)
+
+
 ROWS: dict[str, Row] = {
     "tq-ngram": Row("tq", _NGRAM),
     "tq-ngram-off": Row("tq", _NGRAM, warmers=False),
@@ -142,44 +146,6 @@ ROWS: dict[str, Row] = {
     "tq-draft-layer": Row("tq", SpecConfig("draft", "draft_model", 3), layer=True),
     "tq-hybrid-mtp-layer": Row("tq", SpecConfig("mtp", "mtp", 2), hybrid=True, layer=True),
 }
-
-
-def _pattern_prompt(rng: random.Random, vocab: int, length: int) -> list[int]:
-    """A prompt that repeats an 8-token pattern with a few changes: ngram finds it."""
-    pattern = [rng.randrange(10, vocab) for _ in range(8)]
-    out = [pattern[i % 8] for i in range(length)]
-    for i in rng.sample(range(length), max(1, length // 20)):
-        out[i] = rng.randrange(10, vocab)
-    return out
-
-
-def mix(seed: int, vocab: int) -> list[list[dict[str, Any]]]:
-    """The requests, in waves sent together (each a ``/v1/completions`` body less the
-    model): the order is the one a server meets them in."""
-    rng = random.Random(seed)
-
-    def p(n: int) -> list[int]:
-        return _pattern_prompt(rng, vocab, n)
-
-    greedy = {"temperature": 0}
-    rand = {"temperature": 0.8, "top_p": 0.9, "seed": 1}
-    ids = {"return_tokens_as_token_ids": True}  # logprobs without the tokenizer
-    prefix = p(640)
-    return [
-        [{"prompt": p(16), "max_tokens": 16, **greedy}],
-        [{"prompt": p(3000), "max_tokens": 8, **greedy}],
-        [{"prompt": prefix + p(24 + 16 * i), "max_tokens": 16, **greedy} for i in range(4)],
-        [
-            {"prompt": p(40 + 7 * i), "max_tokens": 24, **(greedy if i % 2 else rand)}
-            for i in range(16)
-        ],
-        [{"prompt": p(64), "max_tokens": 16, "logprobs": n, **ids, **greedy} for n in (1, 5, 20)],
-        [{"prompt": p(48), "max_tokens": 8, "prompt_logprobs": 2, **ids, **greedy}],
-        [{"prompt": p(48), "max_tokens": 16, "n": 2, **rand}],
-        [{"prompt": p(48), "max_tokens": 32, "stop_token_ids": [3, 5, 7], **greedy}],
-        [{"prompt": p(200), "max_tokens": 48, **rand} for _ in range(4)],
-        [{"prompt": prefix + p(100), "max_tokens": 16, "logprobs": 2, **ids, **rand}],
-    ]
 
 
 def _send(srv: Server, model: str, body: dict[str, Any]) -> str:
@@ -314,13 +280,8 @@ def in_process_row(args: argparse.Namespace, p: Prepared, log: Path,
     env = {**p.env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TQ_WARMUP_REPORT": str(report)}
     argv = [sys.executable, "-m", "benchmarks.tqbench.inproc_mix", str(given)]
     result["engine"] = "in-process"
-    with log.open("wb") as sink:
-        try:
-            limit = args.startup_timeout + args.request_timeout * 10
-            rc = subprocess.run(argv, env=env, cwd=REPO_ROOT, stdout=sink,
-                                stderr=subprocess.STDOUT, timeout=limit).returncode  # fmt: skip
-        except subprocess.TimeoutExpired:
-            rc = -9
+    ended = CHILDREN.run(argv, log, env, args.startup_timeout + args.request_timeout * 10)
+    rc = -9 if ended.timed_out else ended.rc
     try:
         result.update(json.loads(written.read_text()))
     except (OSError, ValueError):
@@ -329,18 +290,6 @@ def in_process_row(args: argparse.Namespace, p: Prepared, log: Path,
     result["plugin_lines"] = plugin_lines(log.read_text(errors="replace"))
     result.update(job_times(report))
     return result
-
-
-def job_times(report: Path) -> dict[str, Any]:
-    """From the plugin's JSON report (``TQ_WARMUP_REPORT``): its engine warmers' job
-    seconds per family, in ms, which the INFO line names only the largest of; nothing
-    where it is missing. Triton's part of them the line gives (``row_facts``)."""
-    try:
-        data = json.loads(report.read_text())
-        families = {k: round(float(v) * 1000) for k, v in data["vllm_family_s"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return {}
-    return {"family_job_ms": families}
 
 
 def build_layer(args: argparse.Namespace, model_dir: Path, spec: dict[str, Any] | None,
@@ -361,15 +310,15 @@ def build_layer(args: argparse.Namespace, model_dir: Path, spec: dict[str, Any] 
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": child_pythonpath([str(REPO_ROOT / "src")], os.environ)}  # fmt: skip
     started = time.perf_counter()
-    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
+    out = CHILDREN.capture(argv, env, 900)
     seconds = round(time.perf_counter() - started, 1)
     lines = (out.stdout + out.stderr).strip().splitlines()
     # its one summary line (keys, vLLM's jobs, host launchers), not torch's last warning
     said = [x for x in out.stdout.splitlines() if x.startswith("tq-warmup: ") and " keys " in x]
     line = (said or lines or [""])[-1][:400]
-    pin, verify = pin_of(str(layer)) if out.returncode == 0 else ("", "")
-    print(f"serve-jit: precompile {out.returncode} in {seconds} s: {line}", flush=True)
-    return {"seconds": seconds, "rc": out.returncode, "last_line": line, "pin": pin,
+    pin, verify = pin_of(str(layer)) if out.rc == 0 else ("", "")
+    print(f"serve-jit: precompile {out.rc} in {seconds} s: {line}", flush=True)
+    return {"seconds": seconds, "rc": out.rc, "last_line": line, "pin": pin,
             "verify": verify}  # fmt: skip
 
 
@@ -377,11 +326,12 @@ def gpu_name() -> str:
     """This machine's first GPU as vLLM names it (``torch.cuda.get_device_name``, which
     ``nvidia-smi`` prints the same), or "" without one."""
     try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30)  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
+        done = CHILDREN.capture(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], os.environ, 30
+        )
+    except OSError:
         return ""
-    return (done.stdout.strip().splitlines() or [""])[0].strip() if done.returncode == 0 else ""
+    return (done.stdout.strip().splitlines() or [""])[0].strip() if done.rc == 0 else ""
 
 
 def build_driver_cache(args: argparse.Namespace, names: list[str], work: Path) -> Path:
@@ -404,116 +354,12 @@ def build_driver_cache(args: argparse.Namespace, names: list[str], work: Path) -
         env = {**p.env, "TORCHINDUCTOR_CACHE_DIR": str(work / "fleet-models" / name / "ind")}
         env.pop("TQ_WARMUP_DRIVER_CACHE", None)
         started = time.perf_counter()
-        done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO_ROOT,
-                              timeout=args.startup_timeout + 300)  # fmt: skip
+        done = CHILDREN.capture(argv, env, args.startup_timeout + 300)
         said = [x for x in done.stdout.splitlines() if x.startswith("tq-warmup: driver cache")]
         tail = (said or (done.stderr or done.stdout).strip().splitlines() or [""])[-1][:600]
-        print(f"serve-jit: driver-cache {name} rc {done.returncode} in "
+        print(f"serve-jit: driver-cache {name} rc {done.rc} in "
               f"{time.perf_counter() - started:.1f} s: {tail}", flush=True)  # fmt: skip
     return root
-
-
-def mixtral_config(llama: dict[str, Any], experts: int = 4, top_k: int = 2) -> dict[str, Any]:
-    """A Llama ``config.json`` as a Mixtral of the same attention and width: ``experts``
-    experts of the Llama's ``intermediate_size`` each, ``top_k`` per token, on every layer
-    (vLLM's ``MixtralForCausalLM`` reads ``num_local_experts`` and ``num_experts_per_tok``)."""
-    config = {k: v for k, v in llama.items() if k not in ("mlp_bias", "head_dim")}
-    config.update(
-        architectures=["MixtralForCausalLM"],
-        model_type="mixtral",
-        num_local_experts=experts,
-        num_experts_per_tok=top_k,
-        sliding_window=None,
-    )
-    return config
-
-
-def qwen3_next_config(max_model_len: int, layers: int = 24) -> dict[str, Any]:
-    """A small Qwen3-Next ``config.json``: Qwen3-Next-80B-A3B's attention, gated-delta-net
-    and expert shapes (its Hugging Face config) with ``layers`` layers (a full-attention
-    layer every 4th: 24 give 6, and the plugin found 7 TurboQuant layers with the MTP
-    layer's, H200, 0.26.0, serve-jit run R) and 8 experts, top 2, so dummy weights are
-    small; one MTP layer."""
-    return {
-        "architectures": ["Qwen3NextForCausalLM"],
-        "model_type": "qwen3_next",
-        "hidden_size": 2048,
-        "intermediate_size": 5120,
-        "moe_intermediate_size": 512,
-        "shared_expert_intermediate_size": 512,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 2,
-        "head_dim": 256,
-        "num_hidden_layers": layers,
-        "full_attention_interval": 4,
-        "layer_types": [
-            "full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)
-        ],
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 32,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "decoder_sparse_step": 1,
-        "norm_topk_prob": True,
-        "mlp_only_layers": [],
-        "partial_rotary_factor": 0.25,
-        "max_position_embeddings": max_model_len,
-        "rope_theta": 10000000,
-        "rms_norm_eps": 1e-06,
-        "hidden_act": "silu",
-        "vocab_size": 151936,
-        "tie_word_embeddings": False,
-        "num_nextn_predict_layers": 1,
-        "torch_dtype": "bfloat16",
-    }
-
-
-def row_facts(plugin_lines: list[str]) -> dict[str, Any]:
-    """What the plugin's lines say of one server: its first launches' time (the report
-    line), its driver-cache decision and its engine warmers' line."""
-    facts: dict[str, Any] = {}
-    for line in plugin_lines:
-        m = re.search(r"(\d+) first launches (\d+) ms", line)
-        if m and "first_launches_ms" not in facts:
-            facts.update(first_launches=int(m[1]), first_launches_ms=int(m[2]))
-            shipped_keys = re.search(r"(\d+) from the shipped cache", line)
-            total = re.search(r"; (\d+) ms; \d+ first launches", line)
-            if shipped_keys and total:
-                facts.update(from_layer=int(shipped_keys[1]), warmup_ms=int(total[1]))
-        if "driver cache" in line or "CUDA_CACHE_PATH" in line:
-            facts.setdefault("driver_cache_line", line[line.find("tq-warmup:") :])
-        m = re.search(r"vLLM kernels: (.*)", line)
-        if m:
-            facts.setdefault("vllm_kernels", m[1][:500])
-            took = re.search(
-                r"\d+ compiled[^()]*?, (\d+) ms(?:, most job time: ([^()]*?) (\d+) ms)?"
-                r"(?:, in Triton: lookups (\d+) ms, loads (\d+) ms)?\)",
-                m[1],
-            )
-            if took and "vllm_kernels_ms" not in facts:
-                facts["vllm_kernels_ms"] = int(took[1])
-                if took[2]:
-                    facts["vllm_most_time"] = f"{took[2]} {took[3]} ms"
-                if took[4]:
-                    facts.update(triton_lookup_ms=int(took[4]), triton_load_ms=int(took[5]))
-        m = re.search(
-            r"torch\.compile artifacts of \S+: (\d+) loaded \((\d+) KiB\) in (\d+) ms", line
-        )
-        if m and "compiled_ms" not in facts:
-            facts.update(compiled_loaded=int(m[1]), compiled_kib=int(m[2]), compiled_ms=int(m[3]))
-        elif "torch.compile artifacts of" in line:
-            facts.setdefault("compiled_line", line[line.find("torch.compile artifacts") :][:300])
-    if "warmup_ms" in facts and "vllm_kernels_ms" in facts:
-        # what the plugin adds to a worker's startup: the vLLM-kernel time holds its
-        # warmup forwards (engine_warmup.run), so the two are not added again; the
-        # shipped torch.compile artifacts' load is apart from both
-        facts["plugin_ms"] = (
-            facts["warmup_ms"] + facts["vllm_kernels_ms"] + facts.get("compiled_ms", 0)
-        )
-    return facts
 
 
 def pin_of(root: str) -> tuple[str, str]:
@@ -522,37 +368,11 @@ def pin_of(root: str) -> tuple[str, str]:
     argv = [sys.executable, "-m", "tq_warmup_plugin.cli", "verify", "--cache-dir", root,
             "--print-pin"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src")}
-    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    out = CHILDREN.capture(argv, env, 120)
     lines = out.stdout.splitlines()
     pin = next((ln.split("=", 1)[1] for ln in lines if ln.startswith("TQ_WARMUP_CACHE_PIN=")), "")
     summary = next((ln for ln in lines if " problem" in ln), out.stderr.strip()[-300:])
     return pin, summary
-
-
-def _start(row: dict[str, Any]) -> str:
-    """How a row's server started: over an empty Triton cache, the cache its row's first
-    start filled, or a shipped layer."""
-    if row.get("layer"):
-        return "shipped layer"
-    return "cold" if row.get("start", 1) == 1 else "warm Triton cache"
-
-
-def _table(rows: list[dict[str, Any]]) -> str:
-    header = ["row", "start", "kv", "speculation", "engine warmers", "status", "served",
-              "failed", "JIT after startup", "TurboQuant warmup ms", "first launches ms",
-              "plugin ms", "artifacts loaded (ms)", "vLLM kernels"]  # fmt: skip
-    cells = [
-        [r["row"], _start(r), r["kv"],
-         (r.get("spec") or {}).get("method", "-"),
-         "on" if r["warmers"] else "off", str(r.get("status")), str(r.get("served", "-")),
-         str(r.get("failed", "-")), ", ".join(sorted(set(r.get("jit_after_startup") or []))) or "0",
-         str(r.get("warmup_ms", "-")), str(r.get("first_launches_ms", "-")),
-         str(r.get("plugin_ms", "-")),
-         f"{r['compiled_loaded']} ({r['compiled_ms']})" if "compiled_ms" in r else "-",
-         str(r.get("vllm_kernels", "-"))]
-        for r in rows
-    ]  # fmt: skip
-    return tables.render_markdown(header, cells)
 
 
 def cmd_serve_jit(args: argparse.Namespace) -> int:
@@ -571,7 +391,7 @@ def cmd_serve_jit(args: argparse.Namespace) -> int:
         print("serve-jit: a row named twice starts again after the first: not side by side",
               file=sys.stderr)  # fmt: skip
         return 2
-    children = Children()
+    children = CHILDREN
     children.stop_on_sigterm()
     # Written once, before any server reads it (rows side by side would rewrite it).
     args.stub = str(entry_point.write_stub(work / "entry-point", plugin=not entry_point.found(),
@@ -603,7 +423,7 @@ def cmd_serve_jit(args: argparse.Namespace) -> int:
             rows.append(one(i))
             records.write_json_atomic(out / "result.json", {**head, "rows": rows})
     records.write_json_atomic(out / "result.json", {**head, "rows": rows})
-    table = _table(rows)
+    table = rows_table(rows)
     (out / "SUMMARY.md").write_text(table)
     print(table, flush=True)
     return 0

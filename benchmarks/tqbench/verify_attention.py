@@ -122,7 +122,7 @@ class Layer:
         b.vllm_config, b.device = _config(self.k), self.torch.device("cuda")
         b.reorder_batch_threshold = 1
         if batched:
-            batched_verify._serve(b)
+            batched_verify.serve_rows(b)
         return b
 
     def forward(self, meta: Any, tokens: int) -> Any:

@@ -41,16 +41,16 @@ __all__ = ["BESIDE", "OPTIONS", "add_parser", "cmd_warm_cost", "medians", "table
 _PLAN = """
 import json, sys, threading, time
 from collections import defaultdict
-from tq_warmup_plugin import planning
-from tq_warmup_plugin.engine_plan import build, cpu_engine, jobs, planned_request
-from tq_warmup_plugin.plugins import plugin_manager
+from tq_warmup_plugin.plan.request import PlanRequest, plan_geometry
+from tq_warmup_plugin.vllm_kernels.offline import build, cpu_engine, jobs, planned_request
+from tq_warmup_plugin.worker.plugins import plugin_manager
 from tq_warmup_plugin.shipped.precompile import use_compile_only_target
 use_compile_only_target(90)
 spec = {"method": "mtp", "num_speculative_tokens": 2}
-request = planning.PlanRequest(kv_cache_dtype="turboquant_4bit_nc", model="qwen3-next",
+request = PlanRequest(kv_cache_dtype="turboquant_4bit_nc", model="qwen3-next",
     dtype="bfloat16", max_model_len=4096, max_num_seqs=32, speculative_config=spec,
     block_size=1088)
-planned = planning.plan_geometry(request, sys.argv[1])
+planned = plan_geometry(request, sys.argv[1])
 engine = cpu_engine(planned_request(planned, spec, 20, "NVIDIA H100 80GB HBM3"))
 todo = jobs(plugin_manager(), engine)[0]
 ms, errors = defaultdict(float), []
@@ -157,7 +157,7 @@ def table(cold: dict[str, float], warm: dict[str, float]) -> str:
 
 def cmd_warm_cost(args: argparse.Namespace) -> int:
     """Run each probe cold once and warm ``--samples`` times, print the table, write JSON."""
-    from benchmarks.tqbench.serve_jit import qwen3_next_config
+    from benchmarks.tqbench.serve_jit_workload import qwen3_next_config
 
     with tempfile.TemporaryDirectory() as work:
         model = Path(work) / "model"

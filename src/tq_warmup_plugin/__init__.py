@@ -7,7 +7,12 @@ inside vLLM's ``kernel_warmup``.
 
 ``__all__`` names what a warmer needs (the ``hookimpl`` marker of ``hookspecs``, the
 ``Geometry`` its ``tq_warmup_keys`` receives, the ``KernelKey`` the built-in warmers
-use, the frozen ``Settings``, ``register`` and ``__version__``). All but ``register``
+use, the ``Engine`` its ``tq_warmup_engine_jobs`` receives and the ``Job`` or
+``Declined`` it returns, the frozen ``Settings``, ``register`` and ``__version__``): the
+package's one public surface, with what operators write down (the entry point
+``tq_warmup_plugin:register``, the ``tq-warmup`` script ``tq_warmup_plugin.cli:main``,
+``TRITON_CACHE_MANAGER=tq_warmup_plugin.layered_cache:LayeredCacheManager`` and the
+``TQ_WARMUP*`` settings). Other module paths are internal. All but ``register``
 and ``Settings`` load on first access (PEP 562 ``__getattr__``): vLLM imports this
 package in every process, and ``hookimpl`` costs pluggy, ``__version__`` the package
 metadata (``importlib.metadata`` alone is ~10 ms), neither of which ``register()`` needs.
@@ -24,15 +29,29 @@ if TYPE_CHECKING:
     from .geometry import Geometry
     from .hookspecs import hookimpl
     from .keys import KernelKey
+    from .vllm_kernels.jobs import Declined, Engine, Job
 
     __version__: str
 
-__all__ = ["Geometry", "KernelKey", "Settings", "__version__", "hookimpl", "register"]
+__all__ = [
+    "Declined",
+    "Engine",
+    "Geometry",
+    "Job",
+    "KernelKey",
+    "Settings",
+    "__version__",
+    "hookimpl",
+    "register",
+]
 
 _DISTRIBUTION = "tq-warmup-plugin"
 
 # Exported on first access: name -> (submodule, attribute).
 _LAZY = {
+    "Declined": ("vllm_kernels.jobs", "Declined"),
+    "Engine": ("vllm_kernels.jobs", "Engine"),
+    "Job": ("vllm_kernels.jobs", "Job"),
     "Geometry": ("geometry", "Geometry"),
     "KernelKey": ("keys", "KernelKey"),
     "hookimpl": ("hookspecs", "hookimpl"),

@@ -17,8 +17,8 @@ from collections.abc import Hashable, Iterable, Mapping
 
 import pluggy
 
-from .engine import Declined, Engine, Job
 from .geometry import Geometry
+from .vllm_kernels.jobs import Declined, Engine, Job
 
 PROJECT = "tq_warmup"
 ENTRY_POINT_GROUP = "tq_warmup.warmers"

@@ -20,8 +20,9 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-from . import ahead, compat, guards, patching
+from . import compat, guards, patching
 from .settings import Settings
+from .vllm_kernels import ahead
 
 # A child of vLLM's "vllm" logger inherits its handlers and format.
 logger = logging.getLogger("vllm.tq_warmup_plugin")
@@ -56,8 +57,8 @@ def warm_worker(worker: Any, settings: Settings) -> None:
 
     Strict mode (CI) fails startup on a failure, on an error (a failed key, a refused
     layer) and on an unsupported vLLM release: there nothing was warmed either."""
-    from .report import Report, error_line
-    from .warmup import run
+    from .worker.report import Report, error_line
+    from .worker.warmup import run
 
     try:
         report = run(worker, settings)
@@ -75,8 +76,8 @@ def _registered(worker: Any, settings: Settings) -> Any | None:
     where it runs beside it: 0.20-0.28, ``enable_jit_warmup`` off, an unsupported release
     (whose one line the warmup's report gives), or a registry that refused it (one
     WARNING)."""
-    from . import jit_registry
-    from .report import error_line
+    from .worker import jit_registry
+    from .worker.report import error_line
 
     try:
         feats = compat.release_features(compat.installed_vllm_version())

@@ -1,9 +1,6 @@
-"""Alias of ``tq_warmup_plugin.shipped.layered_cache``, where the module moved (the package
-is grouped by concern): it is that very module, so the old name keeps working for
-imports, attribute patches and ``importlib``.
-
-``TRITON_CACHE_MANAGER=tq_warmup_plugin.layered_cache:LayeredCacheManager`` is the
-name operators write (README, ``deploy/``): it stays, and names the same class."""
+"""The one alias: ``TRITON_CACHE_MANAGER=tq_warmup_plugin.layered_cache:LayeredCacheManager``
+is the name operators write (README, ``deploy/``), and it stays. This module *is*
+``shipped.layered_cache`` (``sys.modules``), so Triton resolves it to the same class."""
 
 from __future__ import annotations
 

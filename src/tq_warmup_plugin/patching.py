@@ -13,15 +13,20 @@ installing twice changes nothing and removing gives vLLM exactly what it had:
 * a class attribute is replaced in the class's own ``__dict__``, keeping what the
   class held there, or nothing when it inherited the name; ``restore`` puts exactly
   that back (a ``staticmethod`` or ``classmethod`` stays one);
+* a patch for the length of a block (``swapped``: vLLM's ops module and
+  ``current_platform`` while the fused MoE steps run in a live worker, vLLM's device
+  count while an offline plan reads it) is built and marked the same way, and put back
+  as it was on the way out, even when the block raises;
 * an INFO or WARNING about a patch at work is said once per process (``Once``), and
   once more after the patch is removed and installed again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import ModuleType
 from typing import Any, TypeVar
 
@@ -33,6 +38,7 @@ __all__ = [
     "original_of",
     "replace",
     "restore",
+    "swapped",
     "unwrap_function",
     "wrap_function",
     "wraps",
@@ -120,6 +126,31 @@ def restore(cls: type, name: str) -> None:
         delattr(cls, name)
     else:
         setattr(cls, name, replaced)
+
+
+@contextlib.contextmanager
+def swapped(target: Any, values: Mapping[str, Callable[..., Any]]) -> Iterator[None]:
+    """``target``'s attributes replaced by ``values``' callables inside the block, each
+    as a stand-in built with ``wraps`` (so marked with what it replaced, and
+    ``is_ours``), then put back as they were: an attribute ``target`` did not hold itself
+    (say a class's method) is deleted again."""
+    missing = object()
+    saved = {name: target.__dict__.get(name, missing) for name in values}
+    for name, value in values.items():
+        original = getattr(target, name, None)
+
+        def stand_in(*args: Any, _value: Any = value, **kwargs: Any) -> Any:
+            return _value(*args, **kwargs)
+
+        setattr(target, name, stand_in if original is None else wraps(original)(stand_in))
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is missing:
+                delattr(target, name)
+            else:
+                setattr(target, name, old)
 
 
 class Once:

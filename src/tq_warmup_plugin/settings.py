@@ -83,7 +83,7 @@ class Settings(NamedTuple):
     vllm_kernels: ``TQ_WARMUP_VLLM_KERNELS`` (default on): also warm vLLM's own kernels
         that a TurboQuant server reaches and vLLM's warmup leaves out (slot mapping at
         TurboQuant's block size, the rejection sampler's greedy and random batches,
-        logprobs; ``engine_warmup``).
+        logprobs; ``vllm_kernels.run``).
     ahead: ``TQ_WARMUP_AHEAD`` (default on): with ``vllm_kernels``, a CPU-only fork of the
         worker started at ``load_model`` builds those kernels' keys while the worker loads
         its model (``ahead``), so a cold worker does not compile them in ``kernel_warmup``:

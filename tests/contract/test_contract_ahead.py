@@ -24,9 +24,11 @@ from test_contract_vllm_kernels import VOCAB, engine, fake_runner, feats
 from test_contract_vllm_kernels import _driver as _driver  # autouse: sm90, the SM count
 
 import tq_warmup_plugin
-from tq_warmup_plugin import ahead, compat, engine_plan
-from tq_warmup_plugin.report import CompileCounter
-from tq_warmup_plugin.warmup import plugin_manager
+from tq_warmup_plugin import compat
+from tq_warmup_plugin.vllm_kernels import ahead
+from tq_warmup_plugin.vllm_kernels import offline as engine_plan
+from tq_warmup_plugin.worker.report import CompileCounter
+from tq_warmup_plugin.worker.warmup import plugin_manager
 
 pytestmark = pytest.mark.real_vllm
 
@@ -125,7 +127,7 @@ FLAGS = ["--kv-cache-dtype", "turboquant_4bit_nc", "--head-size", "128", "--num-
 
 
 def test_inspect_lists_vllms_own_kernels(capsys: pytest.CaptureFixture[str]) -> None:
-    from tq_warmup_plugin import cli
+    from tq_warmup_plugin.cli import commands as cli
 
     assert cli.main(["inspect", *FLAGS, "--speculative-config", NGRAM, "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)["vllm_kernels"]
@@ -156,7 +158,7 @@ def test_inspect_for_another_release_plans_its_keys_not_vllms(
 ) -> None:
     """vLLM's own kernels come from the installed vLLM's code: for another release (0.26's
     V1 sampler, which 0.34 removed) they are one line, and TurboQuant's keys are planned."""
-    from tq_warmup_plugin import cli
+    from tq_warmup_plugin.cli import commands as cli
 
     other = "0.22" if feats().version == (0, 26) else "0.26"
     argv = ["inspect", *FLAGS, "--speculative-config", NGRAM, "--vllm-version", f"{other}.0"]
@@ -180,7 +182,7 @@ def test_inspect_for_another_release_plans_its_keys_not_vllms(
 def test_a_bad_speculative_config_is_one_line(
     spec: str, why: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tq_warmup_plugin import cli
+    from tq_warmup_plugin.cli import commands as cli
 
     with pytest.raises(SystemExit) as exited:
         cli.main(["inspect", *FLAGS, "--speculative-config", spec])

@@ -22,7 +22,7 @@ import pytest
 from realvllm import activate_compile_only_driver
 
 from tq_warmup_plugin import compat
-from tq_warmup_plugin.report import CompileCounter
+from tq_warmup_plugin.worker.report import CompileCounter
 
 pytestmark = pytest.mark.real_vllm
 

@@ -20,7 +20,7 @@ from realvllm import impl_geometry, layer_kv_cache, make_impl, recorded_keys, ru
 from tq_warmup_plugin import compat
 from tq_warmup_plugin.warmers.triton_jit import compile_key
 from tq_warmup_plugin.warmers.turboquant import turboquant_contributions
-from tq_warmup_plugin.warmup import Plan
+from tq_warmup_plugin.worker.warmup import Plan
 
 pytestmark = pytest.mark.real_vllm
 

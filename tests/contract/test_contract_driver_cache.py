@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
-from tq_warmup_plugin import compat, launches
-from tq_warmup_plugin.driver import entry as driver_cache
-from tq_warmup_plugin.launches import Launch
+from tq_warmup_plugin import compat
+from tq_warmup_plugin.driver import host
+from tq_warmup_plugin.worker import launches
+from tq_warmup_plugin.worker.launches import Launch
 
 pytestmark = pytest.mark.real_vllm
 
@@ -23,7 +24,7 @@ def fa_parameters() -> tuple[set[str], set[str]]:
     """The parameters of vLLM's ``flash_attn_varlen_func`` (``vllm_flash_attn/
     flash_attn_interface.py``, what CUDA binds both backends' name to), and the required
     ones, read from its source: on a CPU the package refuses to import."""
-    found = driver_cache.fa2_library()
+    found = host.fa2_library()
     assert found is not None
     tree = ast.parse((found.parent / "flash_attn_interface.py").read_text())
     (fn,) = [
@@ -94,6 +95,6 @@ def test_the_paged_prefill_and_decode_bind_to_the_backends_function(
 
 
 def test_the_fa2_library_is_found_without_importing_vllm() -> None:
-    found = driver_cache.fa2_library()
+    found = host.fa2_library()
     assert found is not None and found.name == "_vllm_fa2_C.abi3.so"
     assert found.parent.name == "vllm_flash_attn" and found.stat().st_size > 1 << 20

@@ -28,9 +28,9 @@ from realvllm import (
 )
 
 from tq_warmup_plugin import compat
-from tq_warmup_plugin.engine import Engine
+from tq_warmup_plugin.vllm_kernels.jobs import Engine
 from tq_warmup_plugin.warmers import vllm_eagle
-from tq_warmup_plugin.warmup import plugin_manager
+from tq_warmup_plugin.worker.warmup import plugin_manager
 
 pytestmark = [
     pytest.mark.real_vllm,
@@ -240,7 +240,7 @@ def test_the_offline_drafter_builds_what_serving_launches(method: str, k: int) -
     every key the proposer above launches (its state as vLLM sets it) over served batches.
     Before, the CPU engine had no drafter and the helpers compiled in the worker: 15 of a
     hybrid Qwen3-Next worker's 17 compiles (H200, 0.26.0, serve-jit run V)."""
-    from tq_warmup_plugin import engine_plan
+    from tq_warmup_plugin.vllm_kernels import offline as engine_plan
 
     if feats().registry_warms_eagle_helpers:
         pytest.skip("vLLM's registry warms them (0.30+)")

@@ -23,10 +23,11 @@ import fakes
 import pytest
 from realvllm import activate_compile_only_driver, recorded_keys
 
-from tq_warmup_plugin import compat, engine_warmup
-from tq_warmup_plugin.engine import Engine
+from tq_warmup_plugin import compat
+from tq_warmup_plugin.vllm_kernels import run as engine_warmup
+from tq_warmup_plugin.vllm_kernels.jobs import Engine
 from tq_warmup_plugin.warmers import vllm_fused_moe
-from tq_warmup_plugin.warmup import plugin_manager
+from tq_warmup_plugin.worker.warmup import plugin_manager
 
 pytestmark = pytest.mark.real_vllm
 

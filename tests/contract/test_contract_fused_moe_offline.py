@@ -27,7 +27,9 @@ from test_contract_fused_moe import (  # noqa: F401
     triton_method,
 )
 
-from tq_warmup_plugin import compat, engine_plan, engine_warmup
+from tq_warmup_plugin import compat
+from tq_warmup_plugin.vllm_kernels import offline as engine_plan
+from tq_warmup_plugin.vllm_kernels import run as engine_warmup
 from tq_warmup_plugin.warmers import vllm_fused_moe
 
 pytestmark = pytest.mark.real_vllm
@@ -91,7 +93,7 @@ class _Runner:
 def offline_keys(family: str, gpu_name: str, graph_tokens: int) -> tuple[set[Any], int]:
     """The keys of the offline plan's fused MoE jobs, and how many jobs, as the child
     builds them: its request through JSON, ``engine_plan.cpu_engine`` and ``jobs``."""
-    from tq_warmup_plugin.warmup import plugin_manager
+    from tq_warmup_plugin.worker.warmup import plugin_manager
 
     experts = compat.moe_experts_of_config(model_config(family))
     request = engine_plan.EngineRequest(

@@ -26,9 +26,10 @@ from test_contract_eagle_helpers import STEPS, drafter, feats, serve
 from test_contract_eagle_helpers import _driver as _driver  # autouse: compile-only sm90
 from test_contract_vllm_kernels import serve_slot_mapping
 
-from tq_warmup_plugin import compat, engine_plan
+from tq_warmup_plugin import compat
+from tq_warmup_plugin.vllm_kernels import offline as engine_plan
 from tq_warmup_plugin.warmers import vllm_eagle, vllm_slot_mapping
-from tq_warmup_plugin.warmup import plugin_manager
+from tq_warmup_plugin.worker.warmup import plugin_manager
 
 pytestmark = pytest.mark.real_vllm
 

@@ -21,12 +21,13 @@ from realvllm import (
     run_backend,
 )
 
-from tq_warmup_plugin import compat, keys, planning
+from tq_warmup_plugin import compat, keys
 from tq_warmup_plugin.geometry import PRESETS as ALL_PRESETS
 from tq_warmup_plugin.geometry import Geometry
+from tq_warmup_plugin.plan import rules as plan_rules
 from tq_warmup_plugin.warmers.triton_jit import compile_key
 from tq_warmup_plugin.warmers.turboquant import turboquant_contributions
-from tq_warmup_plugin.warmup import Plan
+from tq_warmup_plugin.worker.warmup import Plan
 
 pytestmark = pytest.mark.real_vllm
 
@@ -74,7 +75,7 @@ def check_case(
     impl = make_impl(preset, d, hq, hk, splits, width * bs)
     kv = layer_kv_cache(feats, 4, bs, hk, impl.tq_config.slot_size_aligned)
     view = compat.kv_view(kv, feats)
-    assert tuple(view.stride()[:3]) == planning.kv_view_strides(
+    assert tuple(view.stride()[:3]) == plan_rules.kv_view_strides(
         feats, bs, hk, impl.tq_config.slot_size_aligned
     )
     with recorded_keys() as launched:

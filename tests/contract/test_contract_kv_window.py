@@ -19,9 +19,10 @@ from typing import Any
 
 import pytest
 
-from tq_warmup_plugin import compat, install, warmup
-from tq_warmup_plugin.report import Report
+from tq_warmup_plugin import compat, install
 from tq_warmup_plugin.settings import Settings
+from tq_warmup_plugin.worker import warmup
+from tq_warmup_plugin.worker.report import Report
 
 pytestmark = pytest.mark.real_vllm
 

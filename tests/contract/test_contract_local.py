@@ -29,11 +29,11 @@ from realvllm import (
 )
 
 from tq_warmup_plugin import compat
-from tq_warmup_plugin.discovery import layer_geometry
 from tq_warmup_plugin.geometry import Geometry
 from tq_warmup_plugin.warmers.triton_jit import compile_key
 from tq_warmup_plugin.warmers.turboquant import turboquant_contributions
-from tq_warmup_plugin.warmup import Plan
+from tq_warmup_plugin.worker.discovery import layer_geometry
+from tq_warmup_plugin.worker.warmup import Plan
 
 pytestmark = pytest.mark.real_vllm
 

@@ -1,4 +1,4 @@
-"""Contract: the planned block-table row (``planning.block_table_width``) is the row vLLM's
+"""Contract: the planned block-table row (``plan.rules.block_table_width``) is the row vLLM's
 own code gives a V2 worker, and on 0.32+ the kernel table of any runner's attention group.
 
 V1's ``MultiGroupBlockTable`` is held in ``test_contract_worker_plan``. The V2 runner sizes
@@ -23,7 +23,8 @@ import pytest
 from test_contract_hybrid_block import vllm_kernel_block
 from test_contract_vllm_kernels import feats
 
-from tq_warmup_plugin import compat, planning
+from tq_warmup_plugin import compat
+from tq_warmup_plugin.plan import rules as plan_rules
 
 pytestmark = pytest.mark.real_vllm
 
@@ -127,7 +128,7 @@ def test_the_v2_row_is_vllms(block: int, max_len: int) -> None:
     if not feats().block_table_rounded:
         pytest.skip("0.26's V2 runner computes its row inline (0.20-0.26: nothing to call)")
     own = vllm_width_function()(-(-max_len // block), block)
-    assert planning.block_table_width(feats(), max_len, block, True) == own
+    assert plan_rules.block_table_width(feats(), max_len, block, True) == own
 
 
 @pytest.mark.parametrize("block", BLOCKS)
@@ -146,8 +147,8 @@ def test_the_kernel_table_is_the_groups(block: int, max_len: int) -> None:
         return
     assert served is not None
     for v2 in (True, False):
-        assert planning.block_table_width(feats(), max_len, block, v2, kernel) == served
-    unsplit = planning.block_table_width(feats(), max_len, block, True)
+        assert plan_rules.block_table_width(feats(), max_len, block, v2, kernel) == served
+    unsplit = plan_rules.block_table_width(feats(), max_len, block, True)
     assert unsplit != served  # what the V2 plan said before
 
 
@@ -161,8 +162,8 @@ def test_the_v2_runners_own_tables_split_the_row(
     if not _v2_tables_split():
         pytest.skip("0.32+: the attention group's kernel table splits the row instead")
     kernel = vllm_kernel_block(block)
-    unsplit = planning.block_table_width(feats(), max_len, block, True)
+    unsplit = plan_rules.block_table_width(feats(), max_len, block, True)
     served = v2_split_width(block, unsplit, monkeypatch)
-    assert planning.block_table_width(feats(), max_len, block, True, kernel) == served
+    assert plan_rules.block_table_width(feats(), max_len, block, True, kernel) == served
     if kernel != block:
         assert unsplit != served  # what the V2 plan said before

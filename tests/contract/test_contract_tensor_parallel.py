@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 from realvllm import MAX_NUM_SEQS, layer_kv_cache, make_impl, recorded_keys, run_backend
 
-from tq_warmup_plugin import compat, planning, workspace
+from tq_warmup_plugin import compat
 from tq_warmup_plugin.geometry import Geometry
+from tq_warmup_plugin.plan import request as plan_request
+from tq_warmup_plugin.worker import workspace
 
 pytestmark = pytest.mark.real_vllm
 
@@ -31,12 +33,12 @@ PRESET = "turboquant_4bit_nc"
 
 def planned(feats: compat.Features, tp: int) -> Geometry:
     """What ``tq-warmup precompile --model llama-3-8b -tp N`` plans for one rank."""
-    request = planning.PlanRequest(
+    request = plan_request.PlanRequest(
         kv_cache_dtype=PRESET, model=str(MODEL), vllm_version=".".join(map(str, feats.version)),
         tensor_parallel_size=tp, max_model_len=MAX_LEN, max_num_seqs=MAX_NUM_SEQS,
         max_num_batched_tokens=2048, runner="v1" if feats.v1_runner else "v2",
     )  # fmt: skip
-    return planning.plan_geometry(request, str(MODEL)).geometry
+    return plan_request.plan_geometry(request, str(MODEL)).geometry
 
 
 def serves_after_lock(feats: compat.Features, reserved_for: Geometry, rank: Geometry) -> bool:

@@ -17,7 +17,7 @@ import pytest
 from realvllm import V1_RUNNER_ONLY, has_v1_runner
 
 from tq_warmup_plugin import compat
-from tq_warmup_plugin.engine import Engine
+from tq_warmup_plugin.vllm_kernels.jobs import Engine
 from tq_warmup_plugin.warmers import vllm_logprobs
 
 pytestmark = [

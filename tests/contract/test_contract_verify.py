@@ -26,12 +26,13 @@ from realvllm import (
     recorded_keys,
 )
 
-from tq_warmup_plugin import compat, verify_rows
+from tq_warmup_plugin import compat
 from tq_warmup_plugin.guards import batched_verify, spec_graphs
-from tq_warmup_plugin.verify_rows import loop_rows
 from tq_warmup_plugin.warmers.triton_jit import compile_key
 from tq_warmup_plugin.warmers.turboquant import turboquant_contributions
-from tq_warmup_plugin.warmup import Plan
+from tq_warmup_plugin.worker import verify_rows
+from tq_warmup_plugin.worker.verify_rows import loop_rows
+from tq_warmup_plugin.worker.warmup import Plan
 
 pytestmark = pytest.mark.real_vllm
 
@@ -84,7 +85,7 @@ def make_builder(backend: Any, config: Any) -> Any:
     builder = cls.__new__(cls)
     builder.vllm_config, builder.device = config, "cpu"
     builder.reorder_batch_threshold = 1  # what vLLM's own __init__ sets
-    batched_verify._serve(builder)
+    batched_verify.serve_rows(builder)
     return builder
 
 

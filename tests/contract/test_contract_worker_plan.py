@@ -1,5 +1,5 @@
 """Contract: the compile-ahead child plans a starting worker's TurboQuant layers from its
-config (``planning.worker_plan``) as discovery later reads them, and the keys it builds are
+config (``plan.request.worker_plan``) as discovery later reads them, and the keys it builds are
 the ones the worker's warmup then finds on disk.
 
 The worker's side here is discovery's own ``layer_geometry`` over vLLM's real
@@ -29,10 +29,14 @@ from test_contract_hybrid_block import vllm_kernel_block
 from test_contract_vllm_kernels import _driver as _driver  # autouse: sm90, the SM count
 from test_contract_vllm_kernels import feats
 
-from tq_warmup_plugin import ahead, ahead_child, compat, discovery, keyplan, planning
+from tq_warmup_plugin import compat
 from tq_warmup_plugin.geometry import Geometry
-from tq_warmup_plugin.report import CompileCounter, Report
-from tq_warmup_plugin.warmup import plugin_manager
+from tq_warmup_plugin.plan import request as plan_request
+from tq_warmup_plugin.plan import rules as plan_rules
+from tq_warmup_plugin.vllm_kernels import ahead, ahead_child
+from tq_warmup_plugin.worker import discovery, keyplan
+from tq_warmup_plugin.worker.report import CompileCounter, Report
+from tq_warmup_plugin.worker.warmup import plugin_manager
 
 pytestmark = pytest.mark.real_vllm
 
@@ -120,8 +124,8 @@ def discovered(case: Case, config: Any) -> Geometry:
 
 def planned(config: Any) -> Geometry:
     """What the child plans for the same worker (``ahead_child.worker_plan``' geometry)."""
-    plan = planning.worker_plan(config, feats(), 90, runner_v2=RUNNER == "V2", verify_rows=True)
-    return planning.named_geometries(plan)["geometry0"]
+    plan = plan_request.worker_plan(config, feats(), 90, runner_v2=RUNNER == "V2", verify_rows=True)
+    return plan_request.named_geometries(plan)["geometry0"]
 
 
 def _v1_table_here() -> None:
@@ -165,8 +169,8 @@ def test_the_cli_plans_the_childs_verify_rows() -> None:
     as the worker's guard does (``compat.spec_decode_threshold``, vLLM's own on 0.33)."""
     config = worker_config(CASES["llama tp2 ngram"])
     expected = compat.spec_decode_threshold(config) if feats().spec_verify_batched else 0
-    assert planning.verify_len(feats(), 3) == expected
-    assert planning.verify_len(feats(), 0) == 0
+    assert plan_rules.verify_len(feats(), 3) == expected
+    assert plan_rules.verify_len(feats(), 0) == 0
 
 
 def test_the_childs_keys_are_found_by_the_workers_warmup(
@@ -204,12 +208,12 @@ def test_precompile_plans_a_hybrid_at_vllms_block() -> None:
     Mamba state (``compat.hybrid_block_size`` from the default 16: 304 tokens for Jamba, run
     as kernel blocks of 16, on 0.22-0.30), where it planned TurboQuant's own 32 before
     session 24; the worker that runs at that block discovers the planned geometry."""
-    request = planning.PlanRequest(
+    request = plan_request.PlanRequest(
         kv_cache_dtype=PRESET, model="jamba-v0.1", tensor_parallel_size=1, dtype="bfloat16",
         max_model_len=4096, runner=RUNNER.lower(), max_num_seqs=REQS, max_num_batched_tokens=TOKENS,
         kv_splits=SPLITS,
     )  # fmt: skip
-    plan = planning.plan_geometry(request, str(MODELS / "jamba-v0.1"))
+    plan = plan_request.plan_geometry(request, str(MODELS / "jamba-v0.1"))
     block = compat.hybrid_block_size(plan_model("jamba-v0.1"), 1, PRESET, 16, 0)
     assert block > 32 and f"attention block {block} tokens" in plan.note
     # its 4 attention layers (every 8th of 32) beside 28 Mamba layers write 4 KV tensors
@@ -219,7 +223,7 @@ def test_precompile_plans_a_hybrid_at_vllms_block() -> None:
     case = Case("jamba-v0.1", 1, 4096, block)
     _split_here(case)
     # the compile-ahead child plans the same from the worker's config, for its own build
-    child = planning.worker_plan(worker_config(case), feats(), 90, RUNNER == "V2", True)
+    child = plan_request.worker_plan(worker_config(case), feats(), 90, RUNNER == "V2", True)
     assert child.zeroing == plan.zeroing
     assert plan.geometry == discovered(case, worker_config(case))
 
@@ -232,20 +236,20 @@ def test_the_childs_zeroing_counts_the_workers_mtp_layers_whichever_path_verifie
     served (12 tensors without it)."""
     spec = {"method": "mtp", "num_speculative_tokens": 2}
     block = 1088  # vLLM's for it on 0.26 (run AX); its model class needs a GPU to size it
-    request = planning.PlanRequest(
+    request = plan_request.PlanRequest(
         kv_cache_dtype=PRESET, model="qwen3-next-80b-a3b", tensor_parallel_size=1,
         dtype="bfloat16", max_model_len=4096, runner=RUNNER.lower(), max_num_seqs=REQS,
         max_num_batched_tokens=TOKENS, kv_splits=SPLITS, speculative_config=spec,
         block_size=block,
     )  # fmt: skip
-    plan = planning.plan_geometry(request, str(MODELS / "qwen3-next-80b-a3b"))
+    plan = plan_request.plan_geometry(request, str(MODELS / "qwen3-next-80b-a3b"))
     assert plan.zeroing is not None and plan.zeroing.segments == 13
     config = worker_config(Case("qwen3-next-80b-a3b", 1, 4096, block))
     config.speculative_config = SimpleNamespace(
         **spec, parallel_drafting=False, max_num_new_slots_for_drafting=0
     )  # 0.34 reads the slots
     for verify in (True, False):
-        child = planning.worker_plan(config, feats(), 90, RUNNER == "V2", verify_rows=verify)
+        child = plan_request.worker_plan(config, feats(), 90, RUNNER == "V2", verify_rows=verify)
         assert child.zeroing == plan.zeroing, verify
 
 
@@ -263,15 +267,17 @@ def test_precompile_plans_a_hybrid_with_prefix_caching_at_vllms_block() -> None:
     on = compat.hybrid_block_size(model, 1, PRESET, 16, 0, prefix_caching=True)
     chunk = model.get_mamba_chunk_size()
     assert on == off or (on > off and on % chunk == 0), (off, on, chunk)
-    plan = planning.plan_geometry(
-        planning.PlanRequest(**base, enable_prefix_caching=True), str(MODELS / "jamba-v0.1")
+    plan = plan_request.plan_geometry(
+        plan_request.PlanRequest(**base, enable_prefix_caching=True), str(MODELS / "jamba-v0.1")
     )
     assert f"attention block {on} tokens" in plan.note
     case = Case("jamba-v0.1", 1, 4096, on)
     _split_here(case)
     worker = discovered(case, worker_config(case))
     assert plan.geometry == worker
-    unflagged = planning.plan_geometry(planning.PlanRequest(**base), str(MODELS / "jamba-v0.1"))
+    unflagged = plan_request.plan_geometry(
+        plan_request.PlanRequest(**base), str(MODELS / "jamba-v0.1")
+    )
     assert (unflagged.geometry == worker) == (on == off)
 
 

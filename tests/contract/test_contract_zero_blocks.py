@@ -17,7 +17,7 @@ import pytest
 from realvllm import activate_compile_only_driver, recorded_keys
 
 from tq_warmup_plugin import compat
-from tq_warmup_plugin.engine import Engine, Job
+from tq_warmup_plugin.vllm_kernels.jobs import Engine, Job
 from tq_warmup_plugin.warmers import vllm_zero_blocks
 
 pytestmark = pytest.mark.real_vllm
@@ -160,7 +160,7 @@ def test_planned_segments_are_vllms_kv_tensors() -> None:
     from vllm.v1.core import kv_cache_utils
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
-    from tq_warmup_plugin.planning import attention_kv_tensors
+    from tq_warmup_plugin.plan.rules import attention_kv_tensors
 
     if compat.kv_zeroing_counts() == (1,):
         pytest.skip("this release's zeroing kernel does not key on its segments")

@@ -20,7 +20,7 @@ import fakes
 import pytest
 from test_cli import H200_FLAGS
 
-from tq_warmup_plugin import cli
+from tq_warmup_plugin.cli import commands as cli
 from tq_warmup_plugin.shipped import manifest, precompile
 
 pytestmark = pytest.mark.real_vllm

@@ -24,10 +24,11 @@ from realvllm import (
     run_backend,
 )
 
-from tq_warmup_plugin import compat, install, launches, workspace
+from tq_warmup_plugin import compat, install
 from tq_warmup_plugin.geometry import PRESETS
 from tq_warmup_plugin.settings import Settings
-from tq_warmup_plugin.warmup import run
+from tq_warmup_plugin.worker import launches, workspace
+from tq_warmup_plugin.worker.warmup import run
 
 pytestmark = pytest.mark.real_vllm
 
@@ -148,8 +149,8 @@ def test_engine_warmers_build_sm90_cubins(
     impls = {"layers.0.attn": make_impl("turboquant_4bit_nc", 128, 8, 2, 32, 1024)}
     report = run(fake_worker(impls, vllm_env, 64), Settings(threads=2, launch=False))
     assert report.errors == [] and report.failed == 0, report.line()
-    assert report.vllm_jobs["logprobs"] == 7
-    assert any(d.startswith("slot mapping: ") for d in report.declined)  # V2
+    assert report.vllm.jobs["logprobs"] == 7
+    assert any(d.startswith("slot mapping: ") for d in report.vllm.declined)  # V2
     cubins = {p.stem for p in tmp_path.rglob("*.cubin")}
     assert {"_topk_log_softmax_kernel", "_ranks_kernel"} <= cubins
     assert topk_topp is None or "_topk_topp_kernel" in cubins
@@ -335,7 +336,7 @@ def test_boundary_decode_is_the_backends_paged_call(
 
 
 def test_discovery_finds_the_boundary_layers(vllm_env: compat.Features) -> None:
-    from tq_warmup_plugin.discovery import discover
+    from tq_warmup_plugin.worker.discovery import discover
 
     impls = {"layers.2.attn": make_impl("turboquant_4bit_nc", 128, 8, 2, 32, 1024)}
     found = discover(fake_worker(impls, vllm_env, 64), vllm_env)

@@ -19,8 +19,9 @@ from realvllm import (
     run_backend,
 )
 
-from tq_warmup_plugin import compat, workspace
+from tq_warmup_plugin import compat
 from tq_warmup_plugin.geometry import Geometry, request_bytes
+from tq_warmup_plugin.worker import workspace
 
 pytestmark = pytest.mark.real_vllm
 

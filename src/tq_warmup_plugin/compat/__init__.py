@@ -11,8 +11,8 @@ One package, split by concern; callers use ``compat.X`` for any of these names:
 A test patches a name where its caller reads it: code outside ``compat`` reads
 ``compat.X``, so ``monkeypatch.setattr(compat, "X", ...)`` reaches it; inside the
 package ``live`` reads module names as ``vllm_paths.X`` at call time. Offline
-planning from a model's config is ``planning``, the Ray variables ``multinode``, and
-the speculative-decoding warning ``spec_problem``.
+planning from a model's config is ``plan``, the Ray variables ``multinode``, and
+the speculative-decoding warning ``worker.spec_problem``.
 """
 
 from __future__ import annotations

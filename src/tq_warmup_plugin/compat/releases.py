@@ -177,13 +177,13 @@ class Features(NamedTuple):
     layers; 0.20 refuses them (``NotImplementedError`` in ``arg_utils.py``)."""
     tq_block_aligned: bool
     """0.25+: ``Platform._align_heterogeneous_kv_block_size`` grows TurboQuant's block
-    until its page covers a boundary layer's (``planning.effective_block_size``);
+    until its page covers a boundary layer's (``plan.rules.effective_block_size``);
     0.20-0.24 keep the requested size."""
     v1_block_table_aligned: bool
     """0.21+: the V1 block table's row (``MultiGroupBlockTable``) is rounded up to a
     multiple of ``128 // block_size`` blocks where ``block_size <= 128`` ("as required by
     some attention backends such as TRTLLM", read in the 0.21.0, 0.22.0 and 0.26.0 wheels);
-    0.20.0's is not (``planning.block_table_width``)."""
+    0.20.0's is not (``plan.rules.block_table_width``)."""
     block_table_rounded: bool
     """0.27+: that rounding is to a multiple of ``128 / gcd(128, block_size)`` blocks, for
     every block size (``get_block_table_width``, V1 0.30 and 0.33), and the V2 runner's row

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from ..patching import swapped
 from . import vllm_paths as paths
 from .live import ubatching, worker_uses_v2
 from .releases import Features
@@ -50,7 +51,6 @@ __all__ = [
     "speculative_config_of",
     "speculative_fields",
     "speculative_of",
-    "swapped",
     "top_k_top_p_function",
     "topk_logprobs_function",
     "zero_blocks_launch",
@@ -287,24 +287,6 @@ def device_name() -> str:
     (``current_platform.get_device_name()``, all releases)."""
     platform = importlib.import_module(paths.PLATFORMS_MODULE).current_platform
     return str(platform.get_device_name())
-
-
-@contextlib.contextmanager
-def swapped(target: Any, values: Mapping[str, Any]) -> Iterator[None]:
-    """``target``'s attributes set to ``values`` inside, then put back as they were (an
-    attribute it did not hold itself, say a class's method, is deleted again)."""
-    missing = object()
-    saved = {name: target.__dict__.get(name, missing) for name in values}
-    for name, value in values.items():
-        setattr(target, name, value)
-    try:
-        yield
-    finally:
-        for name, old in saved.items():
-            if old is missing:
-                delattr(target, name)
-            else:
-                setattr(target, name, old)
 
 
 @contextlib.contextmanager
@@ -650,7 +632,7 @@ def kv_block_zeroer(runner: Any) -> Any | None:
 @dataclasses.dataclass(frozen=True)
 class KvZeroing:
     """What ``_zero_kv_blocks_kernel``'s key is made of in a hybrid's worker, planned without
-    it (``planning.kv_zeroing``): vLLM builds the kernel's constants from the allocated
+    it (``plan.request.kv_zeroing``): vLLM builds the kernel's constants from the allocated
     KV cache (``KVBlockZeroer``, ``v1/worker/utils.py``), which only a worker has."""
 
     segments: int

@@ -37,9 +37,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..launches import Launch
 from ..shipped import pins
-from . import compiled
+from ..worker.launches import Launch
+from . import compiled, host
 from . import entry as driver_cache
 from .startup import MAXSIZE
 
@@ -53,13 +53,13 @@ class BuildError(Exception):
 
 
 def _fa2() -> tuple[Path, driver_cache.Node]:
-    fa2 = driver_cache.fa2_library()
+    fa2 = host.fa2_library()
     if fa2 is None:
         raise BuildError(
             "vLLM's FlashAttention-2 library (vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so) "
             "is not installed here: nothing for the driver to JIT-compile"
         )
-    node = driver_cache.read_node("/proc", fa2, hash_fa2=True)
+    node = host.read_node("/proc", fa2, hash_fa2=True)
     if node.driver is None:
         raise BuildError(
             "no NVIDIA driver version in /proc/driver/nvidia/version: driver-cache runs on "
@@ -76,7 +76,7 @@ def _seed(root: Path, key: str, node: driver_cache.Node, cache: Path) -> tuple[s
         shipped = driver_cache.read(entry)
     except (driver_cache.EntryError, OSError):
         return ()
-    if driver_cache.match(shipped, node) or driver_cache.file_problems(entry, shipped):
+    if host.match(shipped, node) or driver_cache.file_problems(entry, shipped):
         return ()  # replaced by this build
     driver_cache.copy_entry(entry, shipped, cache)
     artifacts = cache.parent / driver_cache.COMPILED_DIR
@@ -346,7 +346,8 @@ def run_launches(todo: list[Launch], scale: float) -> dict[str, Any]:
     on a fresh driver cache, JIT), and the GPU's facts."""
     import torch
 
-    from .. import compat, launches
+    from .. import compat
+    from ..worker import launches
 
     device = torch.device("cuda", 0)
     impls = {"driver-cache": compat.fa2_stand_in(scale)}

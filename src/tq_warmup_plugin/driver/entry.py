@@ -7,12 +7,12 @@ FA2 module's PTX the first time a process loads it (about 130 s of a fresh H200'
 engine start, 0.26.0) and keeps the result only in its own cache (``CUDA_CACHE_PATH``,
 default ``~/.nv/ComputeCache``), which a container loses with the pod.
 
-``tq-warmup driver-cache`` (``driver_build``) fills a fresh ``CUDA_CACHE_PATH`` on one GPU
+``tq-warmup driver-cache`` (``driver.build``) fills a fresh ``CUDA_CACHE_PATH`` on one GPU
 and installs it as one *entry* of ``LAYER/driver-cache``: ``<key>/cache/`` (what the
 driver wrote) and ``<key>/manifest.json``: the driver (the kernel module's version, which
 the driver's JIT compiler ships with), the GPU, the FA2 library's sha256 and size, and a
-sha256 and size per cache file. At startup ``driver_startup`` uses an entry whose driver,
-GPU and FA2 library match the node; ``tq-warmup verify`` checks entries offline.
+sha256 and size per cache file. At startup ``driver.startup`` uses an entry whose driver,
+GPU and FA2 library match the node (``driver.host``); ``tq-warmup verify`` checks entries offline.
 
 The driver keys its cache entries itself, so a stale entry can only miss, never give
 wrong code; the manifest turns a mismatch into one line instead of a silent JIT, and
@@ -24,7 +24,6 @@ reads; a bad entry costs only that entry. Module level imports only what
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -58,15 +57,12 @@ __all__ = [
     "copy_entry",
     "entries",
     "entry_key",
-    "fa2_library",
     "file_problems",
     "hash_file",
     "install",
     "listing",
-    "match",
     "parse",
     "read",
-    "read_node",
     "stage",
     "tree_problems",
     "walk",
@@ -95,13 +91,8 @@ in every vLLM process (issue 30), 64 of 1 MiB about 1 s."""
 MAX_FILES = 100_000
 MAX_DEPTH = 8
 MAX_ENTRIES = 64
-FA2_LIBRARY = ("vllm_flash_attn", "_vllm_fa2_C.abi3.so")
 _CHUNK = 1 << 20
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-# "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 ..." and the open
-# modules' "NVIDIA UNIX Open Kernel Module for x86_64  570.86.15  Release Build ...".
-_NVRM = re.compile(r"^NVRM version:.*?Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)\b", re.M)
-_MODEL = re.compile(r"^Model:\s*(.+?)\s*$", re.M)
 
 
 class EntryError(ValueError):
@@ -317,83 +308,6 @@ def walk(top: str | Path) -> Iterator[tuple[str, os.DirEntry[str] | None]]:
                     yield name, None
 
     yield from visit(str(top), "", 1)
-
-
-def _small_text(path: Path) -> str | None:
-    try:
-        return _read_bounded(path, 64 << 10).decode("utf-8", "replace")
-    except (EntryError, OSError):
-        return None
-
-
-def read_node(
-    proc: str | Path = "/proc", fa2: str | Path | None = None, hash_fa2: bool = False
-) -> Node:
-    """This node's driver and GPUs from ``/proc/driver/nvidia`` (no CUDA context, no
-    ``nvidia-smi``: ``register()`` may pay for it), and the FA2 library's size (and
-    sha256 with ``hash_fa2``). A container sees only its own GPUs there."""
-    base = Path(proc, "driver", "nvidia")
-    text = _small_text(base / "version") or ""
-    found = _NVRM.search(text)
-    gpus: list[str] = []
-    for gpu in sorted(base.glob("gpus/*/information")):
-        model = _MODEL.search(_small_text(gpu) or "")
-        if model:
-            gpus.append(model.group(1))
-    size = sha = None
-    if fa2 is not None:
-        try:
-            fd, info = _open_regular(fa2)
-            size = info.st_size
-            if hash_fa2:
-                sha = _hash_fd(fd, size)
-            else:
-                os.close(fd)
-        except (EntryError, OSError):
-            pass
-    return Node(found.group(1) if found else None, tuple(gpus), size, sha)
-
-
-def fa2_library() -> Path | None:
-    """vLLM's FA2 library, found without importing vLLM (``find_spec`` of a top-level
-    package imports nothing; all releases keep it at ``vllm/vllm_flash_attn/``)."""
-    try:
-        spec = importlib.util.find_spec("vllm")
-    except (ImportError, ValueError):  # ValueError: a stub in sys.modules without a spec
-        return None
-    for base in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(base, *FA2_LIBRARY)
-        if path.is_file():
-            return path
-    return None
-
-
-def _same_gpu(a: str, b: str) -> bool:
-    return " ".join(a.split()).casefold() == " ".join(b.split()).casefold()
-
-
-def match(shipped: DriverManifest, node: Node, strict: bool = True) -> list[str]:
-    """Each way ``shipped`` does not hold on ``node``: ``field: the manifest says X,
-    found Y``. ``strict`` (startup): what the node does not know is a problem too, since
-    the entry cannot be shown to fit; else (``verify`` without a GPU) it is not checked."""
-    problems: list[str] = []
-
-    def differs(what: str, want: object, have: object) -> None:
-        if have is None or have == ():
-            if strict:
-                problems.append(f"{what}: the manifest says {want}, not known here")
-        elif want != have:
-            problems.append(f"{what}: the manifest says {want}, found {have}")
-
-    differs("driver", shipped.driver, node.driver)
-    gpus = node.gpus
-    if gpus and all(_same_gpu(shipped.gpu, g) for g in gpus):
-        gpus = (shipped.gpu,)
-    differs("gpu", shipped.gpu, ", ".join(dict.fromkeys(gpus)) or None)
-    differs("fa2 library size", shipped.fa2_size, node.fa2_size)
-    if node.fa2_sha256 is not None:
-        differs("fa2 library sha256", shipped.fa2_sha256[:12], node.fa2_sha256[:12])
-    return problems
 
 
 def entry_key(driver: str, gpu: str, fa2_sha256: str) -> str:

@@ -50,7 +50,7 @@ from typing import NamedTuple
 
 from ..settings import Settings
 from ..shipped import pins
-from . import compiled
+from . import compiled, host
 from . import entry as driver_cache
 
 __all__ = [
@@ -136,7 +136,7 @@ def decide(
         return Decision("warn", _no_entry(root))
     reasons = []
     for entry, shipped in found:
-        problems = [shipped] if isinstance(shipped, str) else driver_cache.match(shipped, node)
+        problems = [shipped] if isinstance(shipped, str) else host.match(shipped, node)
         if not problems and not isinstance(shipped, str) and shipped.size > int(MAXSIZE):
             problems = [f"{shipped.size / 2**30:.2f} GiB, over the driver's 4 GiB cache"]
         if not problems:
@@ -290,7 +290,7 @@ def _apply(
         return Decision("warn", line)
     found: list[tuple[Path, driver_cache.DriverManifest | str]] = []
     pinned = pins.current()  # TQ_WARMUP_CACHE_PIN: only the entries it names
-    node = driver_cache.read_node(proc, fa2 if fa2 is not None else driver_cache.fa2_library())
+    node = host.read_node(proc, fa2 if fa2 is not None else host.fa2_library())
     listed, left_out = driver_cache.listing(settings.driver_cache, node)
     if left_out:
         logger.warning(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .. import safe_io
 from ..shipped.pins import current as pin_current
-from . import entry as driver_cache
+from . import host
 from .entry import (
     DRIVER_DIR,
     MAX_ENTRIES,
@@ -16,9 +16,9 @@ from .entry import (
     Node,
     file_problems,
     listing,
-    match,
     read,
 )
+from .host import match
 
 __all__ = ["print_verify", "verify_layer"]
 
@@ -69,7 +69,7 @@ def print_verify(root: Path) -> int | None:
     """``tq-warmup verify``'s lines for ``root/driver-cache`` on this node: printed, and
     the problem count returned; None where the layer has no driver cache."""
     # Read through the module: a test stands in for the node's FA2 library there.
-    node = driver_cache.read_node("/proc", driver_cache.fa2_library(), hash_fa2=True)
+    node = host.read_node("/proc", host.fa2_library(), hash_fa2=True)
     checked = verify_layer(root, node)
     if checked is None:
         return None

@@ -38,11 +38,20 @@ from types import ModuleType
 from typing import Any
 
 from .. import compat, patching
-from ..verify_rows import ROWS_ATTR, VerifyRows, rows_of
+from ..worker.verify_rows import ROWS_ATTR, VerifyRows, rows_of
 from . import spec_graphs
 from .gate import install_where_needed
 
-__all__ = ["MODULE", "ROWS_ATTR", "install", "installed", "remove", "rows_of", "serves"]
+__all__ = [
+    "MODULE",
+    "ROWS_ATTR",
+    "install",
+    "installed",
+    "remove",
+    "rows_of",
+    "serve_rows",
+    "serves",
+]
 
 logger = logging.getLogger("vllm.tq_warmup_plugin")
 
@@ -81,8 +90,10 @@ def _announce(rows: VerifyRows, k_tokens: int) -> None:
     )
 
 
-def _serve(builder: Any) -> None:
-    """After vLLM's ``__init__``: the spec-as-decode threshold and the builder's rows."""
+def serve_rows(builder: Any) -> None:
+    """After vLLM's ``__init__``: the spec-as-decode threshold and the builder's rows (the
+    patched ``__init__`` calls it; ``benchmarks/tqbench/verify_attention.py`` too, on a
+    builder it made without ``__init__``)."""
     config = builder.vllm_config
     expected = _threshold(config)
     if expected <= 1:
@@ -102,7 +113,7 @@ def _wrap_init(original: Callable[..., None]) -> Callable[..., None]:
     @patching.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        _serve(self)
+        serve_rows(self)
 
     return __init__
 

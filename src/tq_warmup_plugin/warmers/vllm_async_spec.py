@@ -26,8 +26,8 @@ from functools import partial
 from typing import Any
 
 from .. import compat
-from ..engine import Declined, Engine, Job
 from ..hookspecs import hookimpl
+from ..vllm_kernels.jobs import Declined, Engine, Job
 
 __all__ = ["FAMILY", "PLANNED", "SHAPES", "tq_warmup_engine_jobs", "warm_shape"]
 

@@ -29,9 +29,9 @@ from functools import partial
 from typing import Any
 
 from .. import compat
-from ..engine import Declined, Engine, Job
 from ..hookspecs import hookimpl
 from ..keys import Int, next_pow2
+from ..vllm_kernels.jobs import Declined, Engine, Job
 
 __all__ = [
     "BATCHES",

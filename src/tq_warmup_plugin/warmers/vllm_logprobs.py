@@ -17,9 +17,9 @@ from collections.abc import Iterable
 from functools import partial
 
 from .. import compat
-from ..engine import Declined, Engine, Job
 from ..hookspecs import hookimpl
 from ..keys import Int, next_pow2
+from ..vllm_kernels.jobs import Declined, Engine, Job
 
 __all__ = ["FAMILY", "TOPK_BLOCK_CAP", "logprob_counts", "tq_warmup_engine_jobs"]
 

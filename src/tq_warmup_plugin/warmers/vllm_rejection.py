@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from functools import partial
 
 from .. import compat
-from ..engine import Declined, Engine, Job
 from ..hookspecs import hookimpl
+from ..vllm_kernels.jobs import Declined, Engine, Job
 
 __all__ = ["FAMILY", "MODES", "tq_warmup_engine_jobs", "warm_mode"]
 

@@ -17,8 +17,8 @@ from functools import partial
 from typing import Any
 
 from .. import compat
-from ..engine import Declined, Engine, Job
 from ..hookspecs import hookimpl
+from ..vllm_kernels.jobs import Declined, Engine, Job
 
 __all__ = ["FAMILY", "TOKEN_COUNTS", "tq_warmup_engine_jobs"]
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..engine import Declined, Engine, Job
 from ..hookspecs import hookimpl
+from ..vllm_kernels.jobs import Declined, Engine, Job
 
 __all__ = ["HYBRID", "tq_warmup_engine_jobs"]
 

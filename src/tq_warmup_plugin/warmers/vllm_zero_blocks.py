@@ -15,7 +15,7 @@ own zeroer at each count that is a key of its own (``compat.kv_zeroing_counts``:
 table, page size and tile are serving's, and no block is zeroed.
 
 Offline (``precompile``, ``inspect``, the compile-ahead child), where no KV cache is allocated,
-the constants come from the plan (``planning.kv_zeroing``: the attention layers' KV tensors by
+the constants come from the plan (``plan.request.kv_zeroing``: the attention layers' KV tensors by
 vLLM's grouping, their page by the plan's layout) and vLLM's kernel is launched with them
 (``compat.zero_blocks_launch``), so a shipped layer holds the keys: a hybrid served from a
 layer compiles none of them in the worker (the same record). Where the plan misses the live
@@ -29,8 +29,8 @@ from collections.abc import Iterable
 from functools import partial
 
 from .. import compat
-from ..engine import Declined, Engine, Job
 from ..hookspecs import hookimpl
+from ..vllm_kernels.jobs import Declined, Engine, Job
 
 __all__ = ["FAMILY", "tq_warmup_engine_jobs"]
 
