@@ -3,7 +3,9 @@
 # Builds a CPU-only venv at DIR with torch 2.13.0+cpu, the given triton, the extra
 # modules vLLM needs to import its TurboQuant code, `vllm==VERSION --no-deps`, and the
 # test tools. Idempotent: skipped when DIR/.ok-VERSION exists and matches this recipe.
-# Uses pip's normal cache (set PIP_CACHE_DIR to move it).
+# Installs with uv (\$UV, else the uv on PATH, else uv installed into DIR by pip), which reads
+# neither pip's config nor its variables: pip's find-links and extra index URLs are passed to it.
+# The venv keeps pip for later installs into it. uv's cache is shared by every release's venv.
 # vLLM imports on a CPU host once its module-level imports are met; never `pip install vllm`
 # without --no-deps (it would pull CUDA torch and pin versions this venv does not want).
 set -euo pipefail
@@ -21,7 +23,7 @@ fi
 
 # torch 2.11.0 (the pin of vLLM 0.20-0.26) has no CPU wheel here; every release uses the
 # local torch 2.13.0+cpu wheel with the release's own triton.
-TORCH=torch==2.13.0
+TORCH=torch==2.13.0+cpu  # the local version: never a CUDA build of 2.13.0
 
 # Modules vLLM imports at module level but that --no-deps leaves out (found with the
 # import loop of the recipe). Same list for 0.26.0 and 0.33.0; 0.26.0 only needs
@@ -36,7 +38,7 @@ EXTRAS=(
 # The `openai_harmony` module comes from a distribution that changed between releases:
 # vLLM 0.26.0 requires openai-harmony>=0.0.3, 0.33.0 requires oss-harmony>=0.0.11 (a fork
 # that ships the same module name, so never install both). Taken from vLLM's own metadata below.
-TEST_TOOLS=(pytest hypothesis pluggy)
+TEST_TOOLS=(pytest pytest-xdist hypothesis pluggy)
 
 if [[ -e "$DIR" ]]; then
   if [[ -f "$DIR/pyvenv.cfg" ]]; then
@@ -46,9 +48,29 @@ if [[ -e "$DIR" ]]; then
   fi
 fi
 "$PYTHON" -m venv "$DIR"
-PIP=("$DIR/bin/python" -m pip --disable-pip-version-check --no-input)
+if [[ -z "${UV:-}" ]]; then
+  UV=$(command -v uv || true)
+  if [[ -z "$UV" ]]; then
+    "$DIR/bin/python" -m pip --disable-pip-version-check --no-input install -q "uv>=0.5"
+    UV=$DIR/bin/uv
+  fi
+fi
+# pip's own settings (its config files and PIP_* variables) as uv flags: find-links and extra
+# indexes; a file:// index that does not exist is left out (pip warns and goes on, uv fails).
+mapfile -t PIP_SOURCES < <("$DIR/bin/python" -m pip config list 2>/dev/null | python3 -c '
+import os, sys
+for line in sys.stdin:
+    key, _, value = line.strip().partition("=")
+    flag = {"find-links": "--find-links", "extra-index-url": "--extra-index-url",
+            "index-url": "--default-index"}.get(key.rpartition(".")[2])
+    for item in value.strip("\x27\"").split() if flag else ():
+        if not item.startswith("file:") or os.path.exists(item.removeprefix("file://")):
+            print(flag); print(item)
+')
+UV_PIP=("$UV" pip install --python "$DIR/bin/python" --no-progress --index-strategy unsafe-best-match
+        "${PIP_SOURCES[@]}")
 CONSTRAINTS=(-c "$(cd "$(dirname "$0")" && pwd)/constraints.txt")
-"${PIP[@]}" install "${CONSTRAINTS[@]}" --no-deps "vllm==$VERSION"
+"${UV_PIP[@]}" "${CONSTRAINTS[@]}" --no-deps "vllm==$VERSION"
 HARMONY=$("$DIR/bin/python" - <<'PY'
 import importlib.metadata as md, re
 reqs = [r.split(";")[0].strip() for r in md.requires("vllm") or []]
@@ -65,7 +87,7 @@ print(next(r for r in reqs if r.startswith("compressed-tensors")))
 PY
 )
 # torch in the same command as the extras: otherwise xgrammar's torch>=1.10 resolves to CUDA torch.
-"${PIP[@]}" install "${CONSTRAINTS[@]}" "$TORCH" "triton==$TRITON" "${EXTRAS[@]}" "$HARMONY" \
+"${UV_PIP[@]}" "${CONSTRAINTS[@]}" "$TORCH" "triton==$TRITON" "${EXTRAS[@]}" "$HARMONY" \
   "$COMPRESSED" "${TEST_TOOLS[@]}"
 "$DIR/bin/python" - "$VERSION" "$TRITON" <<'PY'
 import sys, importlib.metadata as md

@@ -3,17 +3,72 @@ imported (else vLLM replaces Triton with placeholders on a GPU-less host)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import json
 import logging
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+# Under pytest-xdist each worker compiles into its own Triton cache below the caller's, so
+# a test that expects a kernel to compile never finds it compiled by the other worker.
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("TRITON_CACHE_DIR"):
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(
+        os.environ["TRITON_CACHE_DIR"], os.environ["PYTEST_XDIST_WORKER"]
+    )
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+# vLLM inspects a model class in a child process (a vLLM import, 10-15 s on 2 cores) the
+# first time it meets it, and keeps the result in VLLM_CACHE_ROOT/modelinfos; the tests
+# meet these classes in about 20 such children. One child inspects them all first, through
+# vLLM's own inspection and cache, so those tests find them cached.
+MODEL_ARCHITECTURES = {
+    "EagleLlamaForCausalLM",
+    "MiMoForCausalLM",
+    "MiMoMTPModel",
+    "NemotronHForCausalLM",
+}  # besides those of the test data's config.json files
+_FILL_MODEL_INFO_CACHE = """
+import json, sys
+from vllm.model_executor.models import registry
+
+registry._run_in_subprocess = lambda fn: fn()  # in this child, not one more each
+for arch in json.loads(sys.argv[1]):
+    model = registry.ModelRegistry.models.get(arch)
+    if isinstance(model, registry._LazyRegisteredModel):
+        model.inspect_model_cls()
+"""
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Fill vLLM's model info cache once (in the xdist controller, before the workers)."""
+    if not HAVE_VLLM or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if session.config.getoption("markexpr", "") == "not real_vllm":
+        return
+    archs = set(MODEL_ARCHITECTURES)
+    for config in (Path(__file__).parent / "data").rglob("config.json"):
+        with contextlib.suppress(ValueError, OSError):
+            archs.update(json.loads(config.read_text()).get("architectures") or [])
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        [sys.executable, "-c", _FILL_MODEL_INFO_CACHE, json.dumps(sorted(archs))],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:  # the tests inspect what they need themselves, as before
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"vLLM's model info cache not filled: {done.stderr[-2000:]}")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

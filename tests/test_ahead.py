@@ -322,7 +322,10 @@ def test_a_stopped_child_takes_its_compile_processes_with_it(
 
 
 def _hang_writing_pid(pid_file: Path, _: int) -> None:
-    pid_file.write_text(str(os.getpid()))
+    # Whole or not at all: the test reads the file as soon as it exists.
+    partial = pid_file.with_suffix(".partial")
+    partial.write_text(str(os.getpid()))
+    partial.rename(pid_file)
     time.sleep(60)
 
 
