@@ -545,6 +545,7 @@ def shipped(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, A
     return tmp / "build", one
 
 
+@pytest.mark.once_per_triton
 @pytest.mark.real_vllm
 def test_real_kernels_load_from_a_read_only_layer_and_misses_compile_into_the_own_dir(
     shipped: tuple[Path, dict[str, Any]], tmp_path: Path
@@ -577,6 +578,7 @@ def test_real_kernels_load_from_a_read_only_layer_and_misses_compile_into_the_ow
     assert mixed["warnings"] == []  # once per process
 
 
+@pytest.mark.once_per_triton
 @pytest.mark.real_vllm
 def test_a_read_only_cache_dir_fails_nothing_with_the_manager_and_fails_plain_triton(
     shipped: tuple[Path, dict[str, Any]], tmp_path: Path
@@ -608,6 +610,7 @@ def test_a_read_only_cache_dir_fails_nothing_with_the_manager_and_fails_plain_tr
     assert _snapshot(build) == before
 
 
+@pytest.mark.once_per_triton
 @pytest.mark.real_vllm
 def test_a_corrupt_file_or_another_triton_build_is_one_warning_and_compiles_that(
     shipped: tuple[Path, dict[str, Any]], tmp_path: Path
@@ -653,6 +656,7 @@ def test_a_corrupt_file_or_another_triton_build_is_one_warning_and_compiles_that
     assert warning.endswith(f"none of its {one['distinct']} kernels is used")
 
 
+@pytest.mark.once_per_triton
 @pytest.mark.real_vllm
 def test_a_hostile_manifest_beside_a_real_layer_costs_only_itself(
     shipped: tuple[Path, dict[str, Any]], tmp_path: Path

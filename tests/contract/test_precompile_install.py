@@ -156,6 +156,7 @@ def _half_written(cache_dir: Path) -> list[str]:
     return seen
 
 
+@pytest.mark.once_per_triton
 def test_concurrent_precompiles_into_one_directory_leave_it_whole(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -199,6 +200,7 @@ print("LISTING " + json.dumps({"entries": sorted(p.name for p in root.iterdir())
 """
 
 
+@pytest.mark.once_per_triton
 @pytest.mark.parametrize("size", ["600k", "1360k"])
 def test_a_full_disk_is_one_line_and_leaves_nothing_unlisted(size: str, tmp_path: Path) -> None:
     """Before (issue 20, vLLM 0.33.0): on a 1360 KiB tmpfs the six key directories were
@@ -234,6 +236,7 @@ def test_a_full_disk_is_one_line_and_leaves_nothing_unlisted(size: str, tmp_path
     assert [n for n in found["entries"] if n.startswith(".")] == [precompile.LOCK_FILE], found
 
 
+@pytest.mark.once_per_triton
 def test_a_precompile_killed_with_sigkill_is_named_by_verify_and_cleaned_by_the_next(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
