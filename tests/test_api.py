@@ -39,6 +39,7 @@ REGISTER_MODULES = {
     f"{NAME}.compat.releases",
     f"{NAME}.compat.triton",
     f"{NAME}.compat.vllm_kernels",
+    f"{NAME}.compat.vllm_moe",
     f"{NAME}.compat.vllm_paths",
     f"{NAME}.guards",
     f"{NAME}.guards.draft_seq_lens",

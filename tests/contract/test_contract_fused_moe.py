@@ -214,12 +214,12 @@ def test_steps_on_several_threads_patch_vllms_ops_one_at_a_time(
 
     from vllm import _custom_ops as ops
 
-    from tq_warmup_plugin.compat import vllm_kernels
+    from tq_warmup_plugin.compat import vllm_moe
 
     before = ops.moe_align_block_size, ops.moe_sum
     inside, most = [0], [0]
     lock = threading.Lock()
-    real = vllm_kernels.named_gpu
+    real = vllm_moe.named_gpu
 
     @contextlib.contextmanager
     def counted(name: str) -> Iterator[None]:
@@ -234,7 +234,7 @@ def test_steps_on_several_threads_patch_vllms_ops_one_at_a_time(
             with lock:
                 inside[0] -= 1
 
-    monkeypatch.setattr(vllm_kernels, "named_gpu", counted)
+    monkeypatch.setattr(vllm_moe, "named_gpu", counted)
     layer = experts_of(SHAPES[0])
     with recorded_keys():
         threads = [threading.Thread(target=compat.moe_steps, args=(layer, [513], "NVIDIA H200"))
