@@ -179,3 +179,30 @@ def test_a_directory_of_ours_others_may_write_gets_the_sticky_bit_first(
         f"tq-warmup: set the sticky bit on {shared} (others could write it)"
     ]
     shutil.rmtree(made)
+
+
+def test_a_pin_closes_the_unverified_door(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: ``TQ_WARMUP_CACHE_UNVERIFIED=1`` served a layer without a manifest
+    unchecked even with ``TQ_WARMUP_CACHE_PIN`` set, which none of its files could match."""
+    import logging
+
+    from tq_warmup_plugin.shipped import pins
+
+    key = "ab" * 26
+    (tmp_path / "layer" / key).mkdir(parents=True)
+    (tmp_path / "layer" / key / "k.cubin").write_bytes(b"\0" * 10)
+    monkeypatch.setenv("TQ_WARMUP_CACHE_UNVERIFIED", "1")
+    monkeypatch.delenv(pins.PIN_ENV, raising=False)
+    assert layer_trust._read_layer(str(tmp_path / "layer"), object()).listed is None  # opted in
+    monkeypatch.setenv(pins.PIN_ENV, "sha256:" + "0" * 64)
+    caplog.set_level(logging.WARNING, logger="vllm.tq_warmup_plugin")
+    caplog.clear()
+    pinned = layer_trust._read_layer(str(tmp_path / "layer"), object())
+    assert pinned.listed == {} and pinned.serves(key) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"tq-warmup: Triton cache layer {tmp_path / 'layer'} has no tq-warmup manifest: nothing "
+        "in it is used (TQ_WARMUP_CACHE_PIN is set: TQ_WARMUP_CACHE_UNVERIFIED=1 serves nothing "
+        "unpinned)"
+    ]

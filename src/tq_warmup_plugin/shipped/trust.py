@@ -26,9 +26,10 @@ as hostile (a hostile image builder, a shared volume, a full disk: issue 20).
   layer and the manifest, remembered for the process; nothing raises into Triton.
 * A layer without any manifest (a plain Triton cache, or a precompile that died
   before its manifest) is one WARNING and not served, unless
-  ``TQ_WARMUP_CACHE_UNVERIFIED=1`` (``settings``); then its regular files are copied
-  unchecked. A layer that is, lies inside or holds ``TRITON_CACHE_DIR`` is one
-  WARNING: Triton's own lookups read that directory unchecked.
+  ``TQ_WARMUP_CACHE_UNVERIFIED=1`` (``settings``) and no ``TQ_WARMUP_CACHE_PIN`` is set
+  (a pin closes that door too); then its regular files are copied unchecked. A layer
+  that is, lies inside or holds ``TRITON_CACHE_DIR`` is one WARNING: Triton's own
+  lookups read that directory unchecked.
 """
 
 from __future__ import annotations
@@ -366,7 +367,16 @@ def layer_trust(root: str) -> _Trust | None:
 
 def _read_layer(root: str, active: Any) -> _Trust:
     files = manifest.manifest_files(root)
+    pinned = pins.current()  # TQ_WARMUP_CACHE_PIN: only the manifests it names
     if not files:
+        if load_settings().cache_unverified and pinned is not None:
+            logger.warning(
+                "tq-warmup: Triton cache layer %s has no tq-warmup manifest: nothing in it is "
+                "used (%s is set: TQ_WARMUP_CACHE_UNVERIFIED=1 serves nothing unpinned)",
+                root,
+                pins.PIN_ENV,
+            )
+            return _Trust(root, {})
         if load_settings().cache_unverified:
             logger.warning(
                 "tq-warmup: Triton cache layer %s has no tq-warmup manifest: its kernels are "
@@ -382,7 +392,6 @@ def _read_layer(root: str, active: Any) -> _Trust:
         )
         return _Trust(root, {})
     found: dict[str, manifest.Manifest] = {}
-    pinned = pins.current()  # TQ_WARMUP_CACHE_PIN: only the manifests it names
     for path in files:
         try:
             found[path.name] = manifest.read(path, pinned)
