@@ -206,3 +206,33 @@ def test_a_pin_closes_the_unverified_door(
         "in it is used (TQ_WARMUP_CACHE_PIN is set: TQ_WARMUP_CACHE_UNVERIFIED=1 serves nothing "
         "unpinned)"
     ]
+
+
+@pytest.mark.parametrize("limit", ["count", "time"])
+def test_a_layers_manifests_are_read_under_a_count_and_time_budget(
+    limit: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: every manifest of a layer was read at its first lookup, without bound, each
+    bad one a WARNING: 10,000 planted manifests held the compile behind that lookup."""
+    import logging
+
+    from tq_warmup_plugin.shipped import manifest, pins
+
+    monkeypatch.delenv(pins.PIN_ENV, raising=False)
+    for n in range(6):
+        (tmp_path / f"{manifest.PREFIX}{n}.json").write_text("{")
+    if limit == "count":
+        monkeypatch.setattr(layer_trust, "MAX_MANIFESTS", 3)
+    else:
+        monkeypatch.setattr(layer_trust, "READ_BUDGET_S", 0.0)
+    caplog.set_level(logging.WARNING, logger="vllm.tq_warmup_plugin")
+    assert layer_trust._read_layer(str(tmp_path), object()).listed == {}
+    said = [r.getMessage() for r in caplog.records]
+    read = 3 if limit == "count" else 1
+    assert sum("is not a usable manifest" in line for line in said) == read
+    past = "the first 3" if limit == "count" else "0 s of reading (the first 1)"
+    assert said[read] == (
+        f"tq-warmup: Triton cache layer {tmp_path}: {6 - read} manifests past {past} not read; "
+        "what they list compiles (ship one layer per fleet)"
+    )
+    assert len(said) == read + 1 or "stack" in said[-1]

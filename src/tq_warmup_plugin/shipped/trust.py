@@ -23,7 +23,9 @@ as hostile (a hostile image builder, a shared volume, a full disk: issue 20).
   (``python -m benchmarks.tqbench layer-check-cost``).
 * Files a manifest does not list are never served: only the listed ones are copied.
 * **Any failure reading a manifest costs only that manifest**: one WARNING naming the
-  layer and the manifest, remembered for the process; nothing raises into Triton.
+  layer and the manifest, remembered for the process; nothing raises into Triton. The
+  first lookup reads at most ``MAX_MANIFESTS`` manifests for at most ``READ_BUDGET_S``
+  (the first always): what is left is one WARNING naming the limit.
 * A layer without any manifest (a plain Triton cache, or a precompile that died
   before its manifest) is one WARNING and not served, unless
   ``TQ_WARMUP_CACHE_UNVERIFIED=1`` (``settings``) and no ``TQ_WARMUP_CACHE_PIN`` is set
@@ -40,6 +42,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +76,13 @@ PREFIX = "tq-warmup-layer-"
 OWNER = ".owner"
 """A private directory's marker: ``<pid namespace inode> <pid>`` of the process it is for."""
 MAX_SWEPT = 256  # directories looked at per sweep: a startup never walks a huge /dev/shm
+MAX_MANIFESTS = 64
+"""Manifests of one layer read at its first lookup; the rest are one WARNING (a layer has
+one per ``precompile``: a fleet's layer holds a few)."""
+READ_BUDGET_S = 2.0
+"""How long the first lookup in a layer reads its manifests before it stops, one WARNING
+(as ``driver.startup.READ_BUDGET_S``): 64 manifests of 64 MiB each would hold that
+lookup, and the compile behind it, for minutes."""
 
 
 def private_root() -> str | None:
@@ -392,7 +402,23 @@ def _read_layer(root: str, active: Any) -> _Trust:
         )
         return _Trust(root, {})
     found: dict[str, manifest.Manifest] = {}
-    for path in files:
+    deadline = time.monotonic() + READ_BUDGET_S
+    for i, path in enumerate(files):
+        over = i >= MAX_MANIFESTS or (i > 0 and time.monotonic() > deadline)
+        if over:
+            limit = (
+                f"the first {MAX_MANIFESTS}"
+                if i >= MAX_MANIFESTS
+                else f"{READ_BUDGET_S:g} s of reading (the first {i})"
+            )
+            logger.warning(
+                "tq-warmup: Triton cache layer %s: %d manifests past %s not read; what "
+                "they list compiles (ship one layer per fleet)",
+                root,
+                len(files) - i,
+                limit,
+            )
+            break
         try:
             found[path.name] = manifest.read(path, pinned)
         except Exception as exc:  # ManifestError; anything else costs this manifest too
