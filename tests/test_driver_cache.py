@@ -438,3 +438,52 @@ def test_engine_args_reach_the_engine_and_cannot_override_the_build(
             cli.main([*base, "--engine-args", bad])
         assert said in capsys.readouterr().err
     assert len(got) == 1
+
+
+KILLED_STAGE = """
+import os, sys
+from tq_warmup_plugin.driver import entry
+staged = entry.stage(sys.argv[1])
+(staged / "half-written").write_bytes(b"x" * 1000)
+print(staged, flush=True)
+os.kill(os.getpid(), 9)
+"""
+
+
+def test_a_killed_builds_stage_is_named_by_verify_and_removed_by_the_next(
+    tmp_path: Path,
+) -> None:
+    """A real ``driver-cache`` build SIGKILLed mid-stage. Before: ``verify`` did not name
+    its stage (``listing`` skips dot names) and nothing ever removed it. Now the stage's
+    maker holds its ``flock``: an unheld stage is named, and the next ``stage`` there
+    removes it; a live maker's (held) is neither."""
+    import subprocess
+    import sys
+
+    root = tmp_path / dc.DRIVER_DIR
+    make_entry(root)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED_STAGE, str(root)],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == -9, done.stderr[-2000:]
+    killed = Path(done.stdout.split()[0])
+    live = dc.stage(root)  # this process's, held
+    try:
+        here = Node("570.86.15", ("NVIDIA H200",), len(FA2))
+        summary, problems = driver_verify.verify_layer(tmp_path, here) or ("", [])
+        assert problems == [
+            f"driver-cache/{killed.name}: left by a driver-cache build that did not finish "
+            "(the next one removes it)"
+        ]
+        assert summary.startswith(f"tq-warmup: {root}: 1 driver cache entry, 2 files: 1 problem")
+        os.utime(killed, (1, 1))  # older than a stage between mkdtemp and its flock
+        older = root / f"{dc.STAGE_PREFIX}abc"  # an older release's: maybe building
+        older.mkdir()
+        os.utime(older, (1, 1))
+        dc.discard(dc.stage(root))
+        assert not killed.exists() and live.is_dir() and older.is_dir()
+    finally:
+        dc.discard(live)
+    assert not live.exists()

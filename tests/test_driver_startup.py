@@ -456,3 +456,23 @@ def test_reading_manifests_stops_at_the_time_budget_in_one_warning(
         "3 entries not read"
     ]
     assert env["CUDA_CACHE_PATH"].rsplit("/", 1)[1].startswith("NVIDIA_H200-570.86.15-fa2-a-")
+
+
+def test_the_override_does_not_open_the_pin(
+    tmp_path: Path, layer: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``TQ_WARMUP_DRIVER_CACHE_OVERRIDE`` replaces a ``CUDA_CACHE_PATH`` only with a
+    pinned entry's copy: an unpinned one is refused and nothing is copied or set."""
+    from tq_warmup_plugin.shipped import pins
+
+    root, proc, fa2 = layer
+    settings = Settings(
+        driver_cache=str(root),
+        driver_cache_copy_to=str(tmp_path / "nv"),
+        driver_cache_override=True,
+    )
+    monkeypatch.setenv(pins.PIN_ENV, "sha256:" + "0" * 64)
+    env = {"CUDA_CACHE_PATH": "/elsewhere"}
+    refused = driver_startup.apply(settings, env, proc, fa2)
+    assert refused.action == "warn" and "is not pinned by TQ_WARMUP_CACHE_PIN" in refused.line
+    assert env == {"CUDA_CACHE_PATH": "/elsewhere"} and not (tmp_path / "nv").exists()

@@ -72,9 +72,10 @@ def test_the_sweep_runs_when_a_process_makes_its_directory(
     made = layer_trust._make_private_root()
     assert Path(made).parent == tmp_path and not stale.exists()
     owner = (Path(made) / layer_trust.OWNER).read_text().split()
-    assert owner == [layer_trust._pid_namespace(), str(os.getpid())]
+    assert owner == [layer_trust._pid_namespace(), str(os.getpid()), layer_trust.LOCKED]
     assert (Path(made).stat().st_mode & 0o777) == 0o700
-    shutil.rmtree(made)
+    assert layer_trust.sweep(str(tmp_path)) == [] and Path(made).is_dir()  # held: alive
+    layer_trust._remove(os.getpid(), made)
 
 
 FULL_SHM = """
@@ -179,3 +180,130 @@ def test_a_directory_of_ours_others_may_write_gets_the_sticky_bit_first(
         f"tq-warmup: set the sticky bit on {shared} (others could write it)"
     ]
     shutil.rmtree(made)
+
+
+def test_a_pin_closes_the_unverified_door(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: ``TQ_WARMUP_CACHE_UNVERIFIED=1`` served a layer without a manifest
+    unchecked even with ``TQ_WARMUP_CACHE_PIN`` set, which none of its files could match."""
+    import logging
+
+    from tq_warmup_plugin.shipped import pins
+
+    key = "ab" * 26
+    (tmp_path / "layer" / key).mkdir(parents=True)
+    (tmp_path / "layer" / key / "k.cubin").write_bytes(b"\0" * 10)
+    monkeypatch.setenv("TQ_WARMUP_CACHE_UNVERIFIED", "1")
+    monkeypatch.delenv(pins.PIN_ENV, raising=False)
+    assert layer_trust._read_layer(str(tmp_path / "layer"), object()).listed is None  # opted in
+    monkeypatch.setenv(pins.PIN_ENV, "sha256:" + "0" * 64)
+    caplog.set_level(logging.WARNING, logger="vllm.tq_warmup_plugin")
+    caplog.clear()
+    pinned = layer_trust._read_layer(str(tmp_path / "layer"), object())
+    assert pinned.listed == {} and pinned.serves(key) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"tq-warmup: Triton cache layer {tmp_path / 'layer'} has no tq-warmup manifest: nothing "
+        "in it is used (TQ_WARMUP_CACHE_PIN is set: TQ_WARMUP_CACHE_UNVERIFIED=1 serves nothing "
+        "unpinned)"
+    ]
+
+
+@pytest.mark.parametrize("limit", ["count", "time"])
+def test_a_layers_manifests_are_read_under_a_count_and_time_budget(
+    limit: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: every manifest of a layer was read at its first lookup, without bound, each
+    bad one a WARNING: 10,000 planted manifests held the compile behind that lookup."""
+    import logging
+
+    from tq_warmup_plugin.shipped import manifest, pins
+
+    monkeypatch.delenv(pins.PIN_ENV, raising=False)
+    for n in range(6):
+        (tmp_path / f"{manifest.PREFIX}{n}.json").write_text("{")
+    if limit == "count":
+        monkeypatch.setattr(layer_trust, "MAX_MANIFESTS", 3)
+    else:
+        monkeypatch.setattr(layer_trust, "READ_BUDGET_S", 0.0)
+    caplog.set_level(logging.WARNING, logger="vllm.tq_warmup_plugin")
+    assert layer_trust._read_layer(str(tmp_path), object()).listed == {}
+    said = [r.getMessage() for r in caplog.records]
+    read = 3 if limit == "count" else 1
+    assert sum("is not a usable manifest" in line for line in said) == read
+    past = "the first 3" if limit == "count" else "0 s of reading (the first 1)"
+    assert said[read] == (
+        f"tq-warmup: Triton cache layer {tmp_path}: {6 - read} manifests past {past} not read; "
+        "what they list compiles (ship one layer per fleet)"
+    )
+    assert len(said) == read + 1 or "stack" in said[-1]
+
+
+HOLDER = """
+import os, sys, time
+from tq_warmup_plugin.shipped import trust as layer_trust
+layer_trust.SHM = sys.argv[1]
+print(layer_trust._make_private_root(), os.getpid(), flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_killed_containers_copies_are_removed_by_the_next_and_a_live_ones_never(
+    tmp_path: Path,
+) -> None:
+    """A real process in a new PID namespace (another container over the same
+    ``/dev/shm``; it is PID 1 there) makes its private directory and is SIGKILLed.
+    Before: its marker named another namespace, so no later process ever removed it;
+    PIDs prove nothing across namespaces. Now the directory's ``flock`` is the proof:
+    left alone while the holder lives, removed once it is dead."""
+    import signal
+    import time
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    argv = [sys.executable, "-c", HOLDER, str(shm)]
+    if os.geteuid() == 0 and shutil.which("unshare"):
+        argv = ["unshare", "-p", "-f", *argv]
+    proc = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert proc.stdout is not None
+        made, pid = proc.stdout.readline().split()
+        assert Path(made).is_dir() and Path(made).parent == shm
+        if argv[0] == "unshare":
+            assert pid == "1"  # another PID namespace: its PID says nothing here
+        assert layer_trust.sweep(str(shm)) == [] and Path(made).is_dir()  # alive: kept
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    deadline = time.monotonic() + 5
+    while layer_trust.sweep(str(shm)) != [made] and time.monotonic() < deadline:
+        time.sleep(0.02)  # the namespace's init reaps its child a moment later
+    assert not Path(made).exists()
+
+
+def test_a_full_dev_shm_never_removes_copies_handed_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: the move to ``TMPDIR`` removed the ``/dev/shm`` directory at once, with
+    the copies other threads had been handed and Triton had yet to open. Now it stays
+    (held) until exit, and the exit removes both."""
+    monkeypatch.setattr(layer_trust, "SHM", str(tmp_path / "shm"))
+    monkeypatch.setattr(layer_trust, "_private_roots", {})
+    monkeypatch.setattr(layer_trust, "_executable_mount", lambda path: True)
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    monkeypatch.setattr(layer_trust.tempfile, "tempdir", None)
+    (tmp_path / "shm").mkdir()
+    (tmp_path / "tmp").mkdir()
+    handed = layer_trust._copy("/layer", "KEY", {"k.cubin": b"x"})
+    shm_root = layer_trust.private_root()
+    assert shm_root is not None and handed.startswith(shm_root)
+    moved = layer_trust._to_tmpdir(shm_root, OSError(28, "No space left on device"))
+    assert moved.startswith(str(tmp_path / "tmp"))
+    assert (Path(handed) / "k.cubin").read_bytes() == b"x"  # still there for its reader
+    assert layer_trust.sweep(str(tmp_path / "shm")) == []  # and held: no sweep takes it
+    layer_trust._remove(os.getpid(), shm_root)
+    layer_trust._remove(os.getpid(), moved)
+    assert not Path(shm_root).exists() and not Path(moved).exists()

@@ -259,3 +259,31 @@ def test_the_manager_names_are_the_layered_cache_s() -> None:
 
     assert settings.MANAGERS[1] == f"{layered_cache.__name__}:LayeredCacheManager"
     assert layered_cache.MANAGER_NAMES == settings.MANAGERS
+
+
+@pytest.mark.parametrize("value", [",", " , ", "sha256:"])
+def test_a_pin_that_names_no_manifest_is_one_line_and_serves_nothing(value: str) -> None:
+    """Before: ``,`` pinned nothing and said nothing: every manifest refused in silence."""
+    from tq_warmup_plugin.shipped import pins
+
+    settings_, problems = parse({"TQ_WARMUP_CACHE_PIN": value})
+    assert pins.current({"TQ_WARMUP_CACHE_PIN": value}) == frozenset()
+    assert len(problems) == 1 and "TQ_WARMUP_CACHE_PIN" in problems[0]
+    assert value.strip() in problems[0]
+    assert settings_.trusted.startswith("nothing shipped")
+
+
+def test_a_pin_with_the_unverified_opt_in_says_the_opt_in_is_ignored() -> None:
+    """Before: both set was silent, and a layer without a manifest was served unchecked
+    beside the pin. ``doctor`` shows ``trusted``: what a shipped cache may serve."""
+    good = "sha256:" + "ab" * 32
+    both = {"TQ_WARMUP_CACHE_PIN": good, "TQ_WARMUP_CACHE_UNVERIFIED": "1"}
+    settings_, problems = parse(both)
+    assert problems == [
+        "tq-warmup: TQ_WARMUP_CACHE_UNVERIFIED=1 is ignored: TQ_WARMUP_CACHE_PIN is set, and "
+        "a layer without a manifest it names is not served"
+    ]
+    assert settings_.trusted == "only the 1 manifest(s) TQ_WARMUP_CACHE_PIN names"
+    assert parse({})[0].trusted == "any manifest that matches its files"
+    unverified = parse({"TQ_WARMUP_CACHE_UNVERIFIED": "1"})[0].trusted
+    assert unverified == "any manifest that matches its files; a layer without one, unchecked"

@@ -28,6 +28,12 @@ the old directory, none, or the new one, never a half-written one: the new one i
 beside the old one on the same file system and moved in with one ``os.rename``.
 ``rename`` does not replace a non-empty directory, so an old one is first renamed aside;
 another writer may put its own back in between, hence the bounded retry.
+
+``hold`` and ``abandoned`` are how a directory's owner says it is alive: it holds an
+``flock`` on the directory for as long as it uses it, and the kernel drops the lock when
+the last descriptor closes, SIGKILL included. A PID is no such proof: a new container (a
+new PID namespace over the same ``/dev/shm``) reuses the PIDs of the one before, and
+another process may have any dead one's.
 """
 
 from __future__ import annotations
@@ -42,9 +48,45 @@ from pathlib import Path
 
 from .safe_io import kind_of
 
-__all__ = ["UnsafeWrite", "claim_directory", "directory_problem", "replace_dir", "write_file"]
+__all__ = [
+    "UnsafeWrite",
+    "abandoned",
+    "claim_directory",
+    "directory_problem",
+    "hold",
+    "replace_dir",
+    "write_file",
+]
 
 ATTEMPTS = 3
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def hold(path: str | os.PathLike[str], shared: bool = False) -> int:
+    """A descriptor of the directory ``path`` holding an ``flock`` on it (exclusive, or
+    ``shared`` among users of it) until it is closed, by the process or by its death; a
+    child forked without ``exec`` shares it. OSError when it cannot be had at once."""
+    import fcntl  # only where a directory is held: register() imports this module
+
+    fd = os.open(path, _DIR_FLAGS)
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def abandoned(path: str | os.PathLike[str]) -> int | None:
+    """A descriptor holding the exclusive ``flock`` of the directory ``path`` when no one
+    holds any (its owners are dead: it may be removed, under this descriptor, which the
+    caller closes), else None: in use, a link, or not there."""
+    try:
+        return hold(path)
+    except OSError:
+        return None
 
 
 def replace_dir(staged: Path, final: Path, aside: Callable[[], Path]) -> list[Path]:

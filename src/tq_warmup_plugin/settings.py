@@ -89,6 +89,10 @@ class Settings(NamedTuple):
         its model (``ahead``), so a cold worker does not compile them in ``kernel_warmup``:
         a V2 worker's vLLM-kernel warmers took 0.12 s with it and 10.8 s without (H200,
         vLLM 0.26.0, ``benchmarks/results/serve-jit/SUMMARY.md``); ``0`` never starts it.
+    trusted: what a shipped cache (Triton layer or driver-cache entry) may serve, from
+        ``TQ_WARMUP_CACHE_PIN`` and ``cache_unverified`` (``shipped.pins.describe``): what
+        ``doctor`` shows. A pin closes every other door: with it set, a layer without a
+        manifest is not served whatever ``TQ_WARMUP_CACHE_UNVERIFIED`` says.
     """
 
     enabled: bool = True
@@ -105,6 +109,7 @@ class Settings(NamedTuple):
     driver_cache_override: bool = False
     vllm_kernels: bool = True
     ahead: bool = True
+    trusted: str = "any manifest that matches its files"
 
 
 _FLAG_VALUES = "1, true, on, yes / 0, false, off, no (any case)"
@@ -198,10 +203,20 @@ def parse(env: Mapping[str, str] | None = None) -> tuple[Settings, list[str]]:
         vllm_kernels=_flag(env, "TQ_WARMUP_VLLM_KERNELS", True, problems),
         ahead=_flag(env, "TQ_WARMUP_AHEAD", True, problems),
     )
-    if env.get("TQ_WARMUP_CACHE_PIN"):  # read where it is used; a bad item said here
+    if env.get("TQ_WARMUP_CACHE_PIN", "").strip():  # read where used; a bad item said here
         from .shipped import pins
 
-        problems.extend(pins.parse(env["TQ_WARMUP_CACHE_PIN"])[1])
+        pinned, bad = pins.parse(env["TQ_WARMUP_CACHE_PIN"])
+        problems.extend(bad)
+        if settings.cache_unverified:
+            problems.append(
+                "tq-warmup: TQ_WARMUP_CACHE_UNVERIFIED=1 is ignored: TQ_WARMUP_CACHE_PIN is "
+                "set, and a layer without a manifest it names is not served"
+            )
+        settings = settings._replace(trusted=pins.describe(pinned))
+    elif settings.cache_unverified:
+        trusted = f"{settings.trusted}; a layer without one, unchecked"
+        settings = settings._replace(trusted=trusted)
     manager = env.get("TRITON_CACHE_MANAGER")
     if env.get(CACHE_LAYERS_ENV, "").strip() and manager not in MANAGERS:
         problems.append(

@@ -280,7 +280,7 @@ def build(
         key = driver_cache.entry_key(node.driver, gpu, node.fa2_sha256)
         final = driver_cache.install(staged, root / key)
     finally:
-        shutil.rmtree(staged, ignore_errors=True)
+        driver_cache.discard(staged)
     slowest = max(facts["seconds"].items(), key=lambda kv: kv[1], default=("-", 0.0))
     print(
         f"tq-warmup: driver cache for {gpu} (sm{str(shipped.compute_capability).replace('.', '')}, "

@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import stat
 import sys
 import tempfile
@@ -247,7 +246,7 @@ def _place(entry: Path, shipped: driver_cache.DriverManifest, path: Path) -> str
         driver_cache.copy_entry(entry, shipped, staged)
         driver_cache.install(staged, path)
     finally:
-        shutil.rmtree(staged, ignore_errors=True)
+        driver_cache.discard(staged)
     return "copied"
 
 

@@ -17,6 +17,7 @@ from .entry import (
     file_problems,
     listing,
     read,
+    stale_stages,
 )
 from .host import match
 
@@ -38,6 +39,11 @@ def verify_layer(layer: str | Path, node: Node) -> tuple[str, list[str]] | None:
         problems.append(
             f"{DRIVER_DIR}: {left_out} entries past the first {MAX_ENTRIES} not checked"
         )
+    problems += [
+        f"{DRIVER_DIR}/{stage.name}: left by a driver-cache build that did not finish "
+        "(the next one removes it)"
+        for stage in stale_stages(root)
+    ]
     files = 0
     pinned = pin_current()
     for entry in found:

@@ -19,7 +19,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 
-__all__ = ["PIN_ENV", "Pins", "current", "digest", "line", "parse", "refusal"]
+__all__ = ["PIN_ENV", "Pins", "current", "describe", "digest", "line", "parse", "refusal"]
 
 PIN_ENV = "TQ_WARMUP_CACHE_PIN"
 _ITEM = re.compile(r"^sha256:([0-9a-f]{64})$")
@@ -30,7 +30,9 @@ Pins = frozenset[str] | None
 
 def parse(text: str | None) -> tuple[Pins, list[str]]:
     """The pins in ``text``, and one line per item that is not ``sha256:<64 hex>``. A
-    malformed item pins nothing: it matches no manifest (refusing is the safe side)."""
+    malformed item pins nothing: it matches no manifest (refusing is the safe side). Blank
+    is unset, as for every setting; a value that names no manifest (``,``) serves nothing
+    shipped, said in one line."""
     if text is None or not text.strip():
         return None, []
     found, problems = set(), []
@@ -44,7 +46,22 @@ def parse(text: str | None) -> tuple[Pins, list[str]]:
                 f"tq-warmup: {PIN_ENV} item {raw.strip()[:80]!r} is not sha256:<64 hex digits>: "
                 "it pins nothing"
             )
+    if not found and not problems:
+        problems.append(
+            f"tq-warmup: {PIN_ENV}={text.strip()[:80]!r} names no manifest: nothing shipped "
+            "is served (unset it to serve any manifest that matches its files)"
+        )
     return frozenset(found), problems
+
+
+def describe(pinned: Pins, unverified: bool = False) -> str:
+    """What a shipped cache may serve, as ``doctor`` shows it."""
+    if pinned is None:
+        what = "any manifest that matches its files"
+        return what + ("; a layer without one, unchecked" if unverified else "")
+    if not pinned:
+        return f"nothing shipped ({PIN_ENV} names no valid manifest digest)"
+    return f"only the {len(pinned)} manifest(s) {PIN_ENV} names"
 
 
 def current(env: Mapping[str, str] | None = None) -> Pins:

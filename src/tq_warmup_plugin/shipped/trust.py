@@ -23,12 +23,15 @@ as hostile (a hostile image builder, a shared volume, a full disk: issue 20).
   (``python -m benchmarks.tqbench layer-check-cost``).
 * Files a manifest does not list are never served: only the listed ones are copied.
 * **Any failure reading a manifest costs only that manifest**: one WARNING naming the
-  layer and the manifest, remembered for the process; nothing raises into Triton.
+  layer and the manifest, remembered for the process; nothing raises into Triton. The
+  first lookup reads at most ``MAX_MANIFESTS`` manifests for at most ``READ_BUDGET_S``
+  (the first always): what is left is one WARNING naming the limit.
 * A layer without any manifest (a plain Triton cache, or a precompile that died
   before its manifest) is one WARNING and not served, unless
-  ``TQ_WARMUP_CACHE_UNVERIFIED=1`` (``settings``); then its regular files are copied
-  unchecked. A layer that is, lies inside or holds ``TRITON_CACHE_DIR`` is one
-  WARNING: Triton's own lookups read that directory unchecked.
+  ``TQ_WARMUP_CACHE_UNVERIFIED=1`` (``settings``) and no ``TQ_WARMUP_CACHE_PIN`` is set
+  (a pin closes that door too); then its regular files are copied unchecked. A layer
+  that is, lies inside or holds ``TRITON_CACHE_DIR`` is one WARNING: Triton's own
+  lookups read that directory unchecked.
 """
 
 from __future__ import annotations
@@ -39,10 +42,11 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..atomic import UnsafeWrite, claim_directory
+from ..atomic import UnsafeWrite, abandoned, claim_directory, hold
 from ..settings import load as load_settings
 from . import manifest, pins
 
@@ -70,8 +74,18 @@ SHM = "/dev/shm"
 CPU machine's disk ``/tmp``, 18 keys, 4.2 MiB); ``tempfile``'s directory when it fails."""
 PREFIX = "tq-warmup-layer-"
 OWNER = ".owner"
-"""A private directory's marker: ``<pid namespace inode> <pid>`` of the process it is for."""
+"""A private directory's marker: ``<pid namespace inode> <pid> flock`` of the process it
+is for, written once that process holds the directory's ``flock`` (``atomic.hold``)."""
+LOCKED = "flock"
+_held: dict[str, int] = {}  # this process's private directories -> the descriptor holding each
 MAX_SWEPT = 256  # directories looked at per sweep: a startup never walks a huge /dev/shm
+MAX_MANIFESTS = 64
+"""Manifests of one layer read at its first lookup; the rest are one WARNING (a layer has
+one per ``precompile``: a fleet's layer holds a few)."""
+READ_BUDGET_S = 2.0
+"""How long the first lookup in a layer reads its manifests before it stops, one WARNING
+(as ``driver.startup.READ_BUDGET_S``): 64 manifests of 64 MiB each would hold that
+lookup, and the compile behind it, for minutes."""
 
 
 def private_root() -> str | None:
@@ -97,20 +111,24 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _stale(entry: os.DirEntry[str], namespace: str) -> bool:
-    """Whether ``entry`` is a private directory of this user's that a dead process of
-    this PID namespace left (a SIGKILL, or SIGTERM with Python's default handler, skips
-    the atexit removal). Never a symlink, another user's, or another namespace's."""
+def _owner(entry: os.DirEntry[str]) -> list[str] | None:
+    """The owner marker of ``entry`` if it is a private directory of this user's (never a
+    symlink, another user's, or one not finished: no marker yet)."""
     if not entry.name.startswith(PREFIX) or not entry.is_dir(follow_symlinks=False):
-        return False
+        return None
     if entry.stat(follow_symlinks=False).st_uid != os.getuid():
-        return False
+        return None
     try:
         fd = os.open(os.path.join(entry.path, OWNER), os.O_RDONLY | os.O_NOFOLLOW)
         with os.fdopen(fd, "rb") as fh:
-            owner = fh.read(64).decode("ascii", "replace").split()
+            return fh.read(64).decode("ascii", "replace").split()
     except OSError:
-        return False  # an older release's, or not a finished one: left alone
+        return None
+
+
+def _dead_pid(owner: list[str], namespace: str) -> bool:
+    """An older release's marker (``<namespace> <pid>``, no lock held): its process of
+    this PID namespace is dead. Another namespace's is left alone: its PIDs say nothing."""
     if len(owner) != 2 or owner[0] != namespace or not owner[1].isdigit():
         return False
     pid = int(owner[1])
@@ -118,17 +136,33 @@ def _stale(entry: os.DirEntry[str], namespace: str) -> bool:
 
 
 def sweep(parent: str) -> list[str]:
-    """Remove what dead processes of this user and PID namespace left in ``parent``
-    (at most ``MAX_SWEPT`` entries looked at); the paths removed."""
+    """Remove what dead processes of this user left in ``parent`` (at most ``MAX_SWEPT``
+    entries looked at); the paths removed. A directory is dead when no process holds its
+    ``flock`` (``atomic.hold``): that proof holds across PID namespaces, so what a killed
+    container left in a ``/dev/shm`` the next one shares is removed too. A SIGKILL, or
+    SIGTERM with Python's default handler, skips the atexit removal."""
     namespace, removed = _pid_namespace(), []
     try:
         with os.scandir(parent) as entries:
             for n, entry in enumerate(entries):
                 if n >= MAX_SWEPT:
                     break
-                if _stale(entry, namespace):
-                    shutil.rmtree(entry.path, ignore_errors=True)  # never follows a link
-                    removed.append(entry.path)
+                owner = _owner(entry)
+                if owner is None:
+                    continue
+                if owner[2:] == [LOCKED]:
+                    held = abandoned(entry.path)
+                    if held is None:  # alive (or not a directory any more)
+                        continue
+                    try:
+                        shutil.rmtree(entry.path, ignore_errors=True)  # never follows a link
+                    finally:
+                        os.close(held)
+                elif _dead_pid(owner, namespace):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    continue
+                removed.append(entry.path)
     except OSError:
         pass
     return removed
@@ -152,13 +186,21 @@ def _new_root(base: str | None) -> str:
         logger.info(claimed)
     made = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent)
     try:
+        _held[made] = hold(made)  # before the marker: a sweep never sees it unheld
         fd = os.open(os.path.join(made, OWNER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as fh:
-            fh.write(f"{_pid_namespace()} {os.getpid()}\n")
+            fh.write(f"{_pid_namespace()} {os.getpid()} {LOCKED}\n")
     except OSError:
         shutil.rmtree(made, ignore_errors=True)
+        _release(made)
         raise
     return made
+
+
+def _release(path: str) -> None:
+    fd = _held.pop(path, None)
+    if fd is not None:
+        os.close(fd)
 
 
 def _make_private_root() -> str:
@@ -196,9 +238,8 @@ def _to_tmpdir(failed: str, exc: OSError) -> str:
     from now on, said in one WARNING."""
     pid = os.getpid()
     with _lock:
-        if _private_roots.get(pid) == failed:
-            shutil.rmtree(failed, ignore_errors=True)
-            _private_roots[pid] = made = _new_root(None)
+        if _private_roots.get(pid) == failed:  # kept to exit: other threads were handed
+            _private_roots[pid] = made = _new_root(None)  # paths in it, which Triton opens
             atexit.register(_remove, pid, made)
     warn_once(
         "shm",
@@ -214,6 +255,7 @@ def _to_tmpdir(failed: str, exc: OSError) -> str:
 def _remove(pid: int, path: str) -> None:
     if os.getpid() == pid:
         shutil.rmtree(path, ignore_errors=True)
+        _release(path)
 
 
 def _write(target: str, data: dict[str, bytes]) -> None:
@@ -366,7 +408,16 @@ def layer_trust(root: str) -> _Trust | None:
 
 def _read_layer(root: str, active: Any) -> _Trust:
     files = manifest.manifest_files(root)
+    pinned = pins.current()  # TQ_WARMUP_CACHE_PIN: only the manifests it names
     if not files:
+        if load_settings().cache_unverified and pinned is not None:
+            logger.warning(
+                "tq-warmup: Triton cache layer %s has no tq-warmup manifest: nothing in it is "
+                "used (%s is set: TQ_WARMUP_CACHE_UNVERIFIED=1 serves nothing unpinned)",
+                root,
+                pins.PIN_ENV,
+            )
+            return _Trust(root, {})
         if load_settings().cache_unverified:
             logger.warning(
                 "tq-warmup: Triton cache layer %s has no tq-warmup manifest: its kernels are "
@@ -382,8 +433,23 @@ def _read_layer(root: str, active: Any) -> _Trust:
         )
         return _Trust(root, {})
     found: dict[str, manifest.Manifest] = {}
-    pinned = pins.current()  # TQ_WARMUP_CACHE_PIN: only the manifests it names
-    for path in files:
+    deadline = time.monotonic() + READ_BUDGET_S
+    for i, path in enumerate(files):
+        over = i >= MAX_MANIFESTS or (i > 0 and time.monotonic() > deadline)
+        if over:
+            limit = (
+                f"the first {MAX_MANIFESTS}"
+                if i >= MAX_MANIFESTS
+                else f"{READ_BUDGET_S:g} s of reading (the first {i})"
+            )
+            logger.warning(
+                "tq-warmup: Triton cache layer %s: %d manifests past %s not read; what "
+                "they list compiles (ship one layer per fleet)",
+                root,
+                len(files) - i,
+                limit,
+            )
+            break
         try:
             found[path.name] = manifest.read(path, pinned)
         except Exception as exc:  # ManifestError; anything else costs this manifest too
