@@ -24,22 +24,23 @@ reads; a bad entry costs only that entry. Module level imports only what
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import shutil
-import tempfile
-import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from .. import safe_io
-from ..atomic import abandoned, hold, replace_dir
 from ..shipped.pins import refusal as pin_refusal
+from .stages import (  # re-exported: an entry's stages are part of its life
+    STAGE_PREFIX,
+    discard,
+    install,
+    stage,
+    stale_stages,
+)
 
 __all__ = [
     "CACHE_DIR",
@@ -52,6 +53,7 @@ __all__ = [
     "MAX_FILES",
     "MAX_MANIFEST_BYTES",
     "SCHEMA",
+    "STAGE_PREFIX",
     "DriverManifest",
     "EntryError",
     "Node",
@@ -88,7 +90,6 @@ so a build seeded by an earlier entry keeps that build's artifacts beside its ow
 MAX_COMPILED_BYTES = 256 << 20
 """The most one ``compiled`` file holds: the engine child's artifacts were 0.2-2 MiB here."""
 _MAX_COMPILED = 16
-STAGE_PREFIX = ".tq-warmup-stage-"
 MAX_MANIFEST_BYTES = 1 << 20
 """An entry's manifest: ~100 bytes a file, so 10,000 files; 64 of 8 MiB cost about 10 s
 in every vLLM process (issue 30), 64 of 1 MiB about 1 s."""
@@ -430,75 +431,3 @@ def copy_entry(entry: str | Path, shipped: DriverManifest, dest: str | Path) -> 
             raise EntryError(
                 f"{CACHE_DIR}/{name}: sha256 {found[:12]}, the manifest says {sha[:12]}"
             )
-
-
-HELD_PREFIX = f"{STAGE_PREFIX}held-"
-"""A stage whose maker holds its ``flock`` while it lives (``atomic.hold``): once no one
-holds it, the maker died (killed mid-build or mid-copy) and the next ``stage`` removes it."""
-FRESH_S = 60.0  # a stage younger than this may be between mkdtemp and its flock
-_held: dict[str, int] = {}  # this process's stages -> the descriptor holding each
-
-
-def stage(parent: str | Path) -> Path:
-    """A new private directory in ``parent`` (same file system: ``os.rename`` works),
-    held until :func:`discard`; first the stages of dead makers there are removed
-    (``stale_stages``: a killed ``driver-cache`` build's in the layer, a killed
-    ``register()``'s copy in the private directory)."""
-    Path(parent).mkdir(parents=True, exist_ok=True)
-    for stale in stale_stages(parent, remove=True):
-        shutil.rmtree(stale, ignore_errors=True)
-    made = tempfile.mkdtemp(prefix=HELD_PREFIX, dir=parent)
-    try:
-        _held[made] = hold(made)
-    except OSError:
-        shutil.rmtree(made, ignore_errors=True)
-        raise
-    return Path(made)
-
-
-def discard(staged: Path) -> None:
-    """Remove what is left of ``staged`` (nothing once installed), then let it go."""
-    shutil.rmtree(staged, ignore_errors=True)
-    fd = _held.pop(str(staged), None)
-    if fd is not None:
-        os.close(fd)
-
-
-def stale_stages(parent: str | Path, remove: bool = False) -> list[Path]:
-    """The stages in ``parent`` that no live process holds: ``verify`` names them all;
-    with ``remove``, those a maker of this release held (an older release's held none,
-    and may still be building). Each is checked under its ``flock``, let go at once."""
-    try:
-        with os.scandir(parent) as it:
-            stages = [
-                Path(e.path)
-                for e in it
-                if e.name.startswith(STAGE_PREFIX) and e.is_dir(follow_symlinks=False)
-            ]
-    except OSError:
-        return []
-    found, now = [], time.time()
-    for path in sorted(stages):
-        if remove and not path.name.startswith(HELD_PREFIX):
-            continue
-        with contextlib.suppress(OSError):  # one made this instant, not held yet: left
-            if remove and now - path.stat().st_mtime < FRESH_S:
-                continue
-        held = abandoned(path)
-        if held is not None:
-            os.close(held)
-            found.append(path)
-    return found
-
-
-def install(staged: Path, final: Path) -> Path:
-    """Move a complete ``staged`` directory to ``final`` with one ``os.rename``: a
-    reader sees the old entry, none, or this one, never a half-written one. An old
-    ``final`` is first renamed away and removed (``atomic.replace_dir``)."""
-
-    def aside() -> Path:
-        return final.with_name(f"{STAGE_PREFIX}replaced-{uuid.uuid4().hex}")
-
-    for old in replace_dir(staged, final, aside):
-        shutil.rmtree(old, ignore_errors=True)
-    return final
