@@ -56,6 +56,7 @@ def python(code: str, cache: Path) -> dict[str, int]:
     return counts
 
 
+@pytest.mark.once_per_triton
 def test_an_entrys_artifacts_make_the_workers_compile_a_cache_hit(tmp_path: Path) -> None:
     out = tmp_path / "stage" / dc.COMPILED_DIR / dc.COMPILED_FILE
     built = python(
