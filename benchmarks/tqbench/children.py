@@ -18,17 +18,18 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from benchmarks.tqbench.engine import REPO_ROOT
 
-__all__ = ["Children", "Deadline", "Exit", "Output", "child_pythonpath"]
+__all__ = ["Children", "Deadline", "Exit", "Output", "child_pythonpath", "exit_now"]
 
 
 class Deadline:
@@ -214,3 +215,11 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     """Kill the process group of a child we started (it and its workers)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+def exit_now(rc: int) -> NoReturn:
+    """End a child process at once, its output flushed: a broken CUDA context can hang
+    the interpreter's exit."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)

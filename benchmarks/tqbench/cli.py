@@ -45,6 +45,7 @@ COMMAND_MODULES = (
     "serve_prefix",
     "serve_jit",
     "kv_reserve",
+    "free_guards",
 )
 
 

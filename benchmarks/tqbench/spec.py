@@ -55,7 +55,6 @@ import argparse
 import datetime as dt
 import os
 import shutil
-import sys
 import tempfile
 import threading
 from dataclasses import asdict, replace
@@ -63,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.tqbench import entry_point, logs, phases, records, tables
-from benchmarks.tqbench.children import Children, Deadline, child_pythonpath
+from benchmarks.tqbench.children import Children, Deadline, child_pythonpath, exit_now
 from benchmarks.tqbench.cli import Option, add_options, new_parser
 from benchmarks.tqbench.engine import REPO_ROOT
 from benchmarks.tqbench.spec_child import (
@@ -329,11 +328,8 @@ def cmd_spec(args: argparse.Namespace) -> int:
             print(f"{name} ({summary['run'].get('vllm_version')}):\n{table}\n")
             records.write_json_atomic(Path(name).with_suffix(".summary.json"), summary)
         return 0
-    if args.child:  # exit at once: a broken CUDA context can hang the interpreter's exit
-        rc = run_child(Path(args.child))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc)
+    if args.child:
+        exit_now(run_child(Path(args.child)))
     check(args)
     return SpecBench(args).run()
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.tqbench import entry_point, logs, phases, records
-from benchmarks.tqbench.children import Children, Deadline, child_pythonpath
+from benchmarks.tqbench.children import Children, Deadline, child_pythonpath, exit_now
 from benchmarks.tqbench.cli import Option, add_options, new_parser
 from benchmarks.tqbench.engine import REPO_ROOT
 from benchmarks.tqbench.spec_child import child_env, read_result
@@ -264,13 +264,10 @@ def from_results(paths: list[Path], out: Path, lp_tol: float) -> int:
 
 
 def cmd_tokens(args: argparse.Namespace) -> int:
-    if args.child:  # exit at once: a broken CUDA context can hang the interpreter's exit
+    if args.child:
         from benchmarks.tqbench.tokens_child import run_child
 
-        rc = run_child(Path(args.child))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc)
+        exit_now(run_child(Path(args.child)))
     if args.from_result:
         paths = [Path(p) for p in args.from_result.split(",") if p.strip()]
         return from_results(paths, Path(args.out or paths[0].parent), args.lp_tol)

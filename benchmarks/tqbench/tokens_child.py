@@ -30,7 +30,7 @@ from benchmarks.tqbench.spec_configs import FULL, SpecConfig
 from benchmarks.tqbench.tokens_workload import EngineRow, Request, Step
 from benchmarks.tqbench.verdicts import chosen_logprobs
 
-__all__ = ["BranchProbe", "engine_kwargs", "run_child"]
+__all__ = ["BranchProbe", "engine_kwargs", "finish", "run_child", "start_engine"]
 
 
 class BranchProbe:
@@ -116,6 +116,34 @@ def engine_kwargs(
     return kwargs
 
 
+def start_engine(
+    row: EngineRow, opts: dict[str, Any], work: Path, save: Any, rec: Any
+) -> tuple[Any, Any, dict[str, Any]] | None:
+    """The row's engine, started (its keywords and status saved), with the fields every
+    serving child records; None, the failure saved, when it does not start."""
+    import vllm
+    from vllm import LLM
+
+    monitor = opts["jit_monitor_mode"] if engine.jit_monitor_support(vllm.__version__)[1] else None
+    kwargs = engine_kwargs(row, opts, work, monitor)
+    save(status="starting", vllm_version=vllm.__version__, engine_kwargs=kwargs)
+    t0 = time.perf_counter()
+    try:
+        llm = LLM(**kwargs)
+    except Exception as e:
+        traceback.print_exc()
+        save(status="startup-failed", error=f"{type(e).__name__}: {e}"[-4000:])
+        return None
+    vcfg = spec_child.started(llm, rec, float(opts["weight_scale"]))
+    fields = {
+        "status": "serving",
+        **spec_child.startup_fields(vcfg, t0),
+        "prefix_caching": vcfg.cache_config.enable_prefix_caching,
+        "budget": vcfg.scheduler_config.max_num_batched_tokens,
+    }
+    return llm, vcfg, fields
+
+
 def _served(outs: list[Any], group: list[Request]) -> dict[str, dict[str, Any]]:
     got: dict[str, dict[str, Any]] = {}
     for req, out in zip(group, outs, strict=True):
@@ -167,29 +195,18 @@ def run_child(spec_path: Path) -> int:
         Step(**{**s, "requests": [Request(**r) for r in s["requests"]]}) for s in spec["steps"]
     ]
     res, save, rec = spec_child.begin_child(Path(spec["result"]))
-    import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    from benchmarks.tqbench.recorder import JitRecorder, startup_summary
+    from benchmarks.tqbench.recorder import startup_summary
 
-    monitor = opts["jit_monitor_mode"] if engine.jit_monitor_support(vllm.__version__)[1] else None
-    kwargs = engine_kwargs(row, opts, work, monitor)
-    save(status="starting", vllm_version=vllm.__version__, engine_kwargs=kwargs)
-    t0 = time.perf_counter()
-    try:
-        llm = LLM(**kwargs)
-    except Exception as e:
-        traceback.print_exc()
-        save(status="startup-failed", error=f"{type(e).__name__}: {e}"[-4000:])
+    started = start_engine(row, opts, work, save, rec)
+    if started is None:
         return 1
-    vcfg = spec_child.started(llm, rec, float(opts["weight_scale"]))
+    llm, vcfg, fields = started
     report = work / "tq-warmup-report.json"
     save(
-        status="serving",
-        **spec_child.startup_fields(vcfg, t0),
-        prefix_caching=vcfg.cache_config.enable_prefix_caching,
+        **fields,
         block_size=vcfg.cache_config.block_size,
-        budget=vcfg.scheduler_config.max_num_batched_tokens,
         plugin_report=json.loads(report.read_text()) if report.is_file() else None,
         startup_jit=startup_summary(rec.phase_events("startup")),
     )
@@ -211,12 +228,24 @@ def run_child(spec_path: Path) -> int:
 
     probe = BranchProbe()
     steps_out: dict[str, Any] = {}
-    try:
+
+    def serve_steps() -> None:
         switch = guard_switch(probe)
         for step in steps:
             rec.set_phase("generate", step.name)
             steps_out[step.name] = run_step(llm, step, params, probe, switch)
             save(steps=steps_out)
+
+    return finish(serve_steps, res, save, rec)
+
+
+def finish(body: Callable[[], None], res: dict[str, Any], save: Any, rec: Any) -> int:
+    """Run a started child's ``body``, then save its status and the compiles it saw;
+    the child's exit code."""
+    from benchmarks.tqbench.recorder import JitRecorder
+
+    try:
+        body()
         save(status="ok")
     except Exception as e:
         traceback.print_exc()
