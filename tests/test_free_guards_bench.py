@@ -214,3 +214,20 @@ def test_an_unknown_part_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[st
     assert capsys.readouterr().err.strip() == (
         "free-guards: --parts: ['bogus']: some of prefix, verify"
     )
+
+
+def test_a_profiled_stretch_names_its_host_work() -> None:
+    torch = pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.tqbench import recorder
+
+    a = torch.ones(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as session:
+        for _ in range(3):
+            a = a @ a / 64
+    got = recorder.breakdown(session, top=5)
+    assert got["kernels"] == [] and got["gpu_us"] == 0  # no GPU here
+    mm = [row for row in got["host"] if row["name"] == "aten::mm"]
+    assert mm and mm[0]["calls"] == 3 and got["cpu_us"] >= mm[0]["us"] > 0
+    assert len(got["host"]) <= 5

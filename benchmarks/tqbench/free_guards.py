@@ -70,6 +70,7 @@ def verify_argv(args: argparse.Namespace, out: Path) -> list[str]:
     argv += ["--max-num-seqs", str(max(16, *(int(b) for b in args.batch.split(","))))]
     argv += ["--timeout", str(args.timeout), "--out", str(out / "spec.jsonl")]
     argv += ["--log-dir", str(out / "logs"), "--preset", args.preset]
+    argv += ["--profile"] if args.profile else []
     if args.kv_cache_gib:
         argv += ["--kv-cache-gib", str(args.kv_cache_gib)]
     return argv + (["--entry-point-stub"] if args.entry_point_stub else [])
@@ -140,6 +141,7 @@ class FreeGuards:
             "weight_scale": 1.0,
             "jit_monitor_mode": self.args.jit_monitor_mode,
             "pairs": self.args.pairs,
+            "profile": self.args.profile,
             "max_tokens": 1,
         }
 
@@ -250,6 +252,12 @@ OPTIONS: tuple[Option, ...] = (
     ("--out", "", "raw runs (default: benchmarks/results/raw/free-guards-RUNID)"),
     ("--summary-dir", str(DEFAULT_SUMMARY), "where summary.json and SUMMARY.md go"),
     ("--work-dir", "", "kept if given (default: a temporary directory)"),
+    (
+        "--profile",
+        False,
+        "one more pass each way (prefix) and generate per batch (verify) "
+        "under torch's profiler: top kernels by GPU time, host names by CPU time",
+    ),
     ("--entry-point-stub", False, "declare the plugin's entry point for the children if needed"),
     ("--from-result", "", "a saved parts.json to summarize again; runs nothing"),
 )

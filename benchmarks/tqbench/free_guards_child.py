@@ -11,6 +11,7 @@ prefill calls whose batch mixes cached context into vLLM's fast path (``mixed``)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections import deque
@@ -67,9 +68,15 @@ def serve(
 
 
 def run_pass(
-    llm: Any, load: Workload, guard: str, switch: Callable[[str], bool], probe: BranchProbe
+    llm: Any,
+    load: Workload,
+    guard: str,
+    switch: Callable[[str], bool],
+    probe: BranchProbe,
+    around: Any = None,
 ) -> dict[str, Any]:
-    """One pass of ``load``: the guard's state, the cache reset and warmed, the turns."""
+    """One pass of ``load``: the guard's state, the cache reset and warmed, the turns
+    (inside the context manager ``around`` where one is given, such as a profiler)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -88,7 +95,8 @@ def run_pass(
         warm = [{"prompt_token_ids": p} for p in load.warm]
         llm.generate(warm, SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
     probe.reset()
-    served = serve(llm.llm_engine, load.turns, load.in_flight, params)
+    with around if around is not None else contextlib.nullcontext():
+        served = serve(llm.llm_engine, load.turns, load.in_flight, params)
     branches = probe.reset()
     return {
         "guard": guard,
@@ -99,6 +107,17 @@ def run_pass(
         "mixed": branches.get("fast_with_cached", 0),
         "branches": {k: v for k, v in branches.items() if k != "lost_prefix_example"},
     }
+
+
+def profiled(
+    llm: Any, load: Workload, guard: str, switch: Callable[[str], bool], probe: BranchProbe
+) -> dict[str, Any]:
+    """One more pass under torch's profiler: its figures and where its time went."""
+    from benchmarks.tqbench import recorder
+
+    session = recorder.profiler()
+    figures = run_pass(llm, load, guard, switch, probe, around=session)
+    return {**figures, "breakdown": recorder.breakdown(session)}
 
 
 def run_child(spec_path: Path) -> int:
@@ -112,7 +131,7 @@ def run_child(spec_path: Path) -> int:
         return 1
     llm, _, fields = started
     save(**fields)
-    probe, out = BranchProbe(), {}
+    probe, out, profiles = BranchProbe(), {}, {}
 
     def serve_workloads() -> None:
         switch = guard_switch(probe)
@@ -125,5 +144,10 @@ def run_child(spec_path: Path) -> int:
                     passes.append(run_pass(llm, load, guard, switch, probe))
                     out[load.name] = passes
                     save(workloads=out)
+            if opts.get("profile"):
+                profiles[load.name] = {
+                    g: profiled(llm, load, g, switch, probe) for g in ("on", "off")
+                }
+                save(profiles=profiles)
 
     return finish(serve_workloads, res, save, rec)

@@ -21,6 +21,7 @@ from tq_warmup_plugin.compat import KERNEL_MODULES
 __all__ = [
     "TQ_KERNELS",
     "JitRecorder",
+    "breakdown",
     "first_request_extra",
     "is_tq_kernel",
     "op_cpu_times",
@@ -201,6 +202,30 @@ def profiler() -> Any:
 
     # Shapes name the specialization behind a slow first call (which GEMM, which attention).
     return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True)
+
+
+def breakdown(prof: Any, top: int = 15) -> dict[str, Any]:
+    """Where a profiled stretch spent its time: the ``top`` names by self GPU time (the
+    kernels) and by self CPU time (host work and launches), each with its call count."""
+
+    def device_us(e: Any) -> float:  # torch 2.4+: device_*; older: cuda_*
+        found = getattr(e, "self_device_time_total", None)
+        return float(e.self_cuda_time_total if found is None else found)
+
+    events = list(prof.key_averages())
+    gpu = sorted((e for e in events if device_us(e) > 0), key=device_us, reverse=True)
+    cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)
+    return {
+        "gpu_us": round(sum(device_us(e) for e in events)),
+        "cpu_us": round(sum(e.self_cpu_time_total for e in events)),
+        "kernels": [
+            {"name": e.key[:120], "calls": e.count, "us": round(device_us(e))} for e in gpu[:top]
+        ],
+        "host": [
+            {"name": e.key[:120], "calls": e.count, "us": round(e.self_cpu_time_total)}
+            for e in cpu[:top]
+        ],
+    }
 
 
 def op_cpu_times(prof: Any) -> dict[str, float]:

@@ -151,7 +151,7 @@ class SpecBench:
             self.entry_point = "stub"
         size = model_size(args)
         keep: tuple[str, ...] = ("preset", "max_tokens", "logprobs", "max_num_seqs", "kv_cache_gib")
-        keep += ("jit_monitor_mode", "weight_scale", "repeats", "async_scheduling")
+        keep += ("jit_monitor_mode", "weight_scale", "repeats", "async_scheduling", "profile")
         self.options: dict[str, Any] = {k: getattr(args, k) for k in keep}
         self.options.update(
             method=args.method,
@@ -349,6 +349,8 @@ OPTIONS: tuple[Option, ...] = (
     ("--batch", "", "comma list of batch sizes: each timed generate runs this many prompts "
      "together (default: all --prompts)"),
     ("--repeats", 1, "timed generates per batch size after an untimed one; the best counts"),
+    ("--profile", False, "one more generate per batch size under torch's profiler: the "
+     "top kernels by GPU time and host names by CPU time, in the raw row"),
     ("--logprobs", 2, "logprobs per position (2: also the top-1/top-2 margin)"),
     ("--lp-tol", 1e-3, "logprob tolerance of 'equal', and over the no-spec graph engine's floor"),
     ("--max-model-len", 0, "0: a multiple of 1024 that fits"),

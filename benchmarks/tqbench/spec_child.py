@@ -315,6 +315,12 @@ def generate_all(
         n_out = sum(len(ids) for ids in got["tokens"])
         by_batch[str(b)] = {"tok_s": round(n_out / min(walls), 1), "timed_s": walls}
         by_batch[str(b)]["out_tokens"] = n_out
+        if opts.get("profile"):  # one more, under torch's profiler: where a step's time goes
+            from benchmarks.tqbench import recorder
+
+            with recorder.profiler() as session:
+                generate(batch, f"profiled-b{b}")
+            by_batch[str(b)]["profile"] = recorder.breakdown(session)
         if batch == prompts:
             timed = {"timed_tokens": got["tokens"], "timed_logprobs": got["logprobs"]}
         save(throughput=by_batch)
