@@ -30,6 +30,7 @@ import pytest
 from realvllm import _layer_and_buffers, common_metadata, layer_kv_cache, make_impl
 
 from tq_warmup_plugin import compat
+from tq_warmup_plugin.geometry import PRESETS
 from tq_warmup_plugin.guards import prefix_fast_path as guard
 
 pytestmark = pytest.mark.real_vllm
@@ -180,6 +181,8 @@ def test_remove_gives_vllm_its_own_method_back(backend: Any) -> None:
 SPLIT = {
     "fresh-hit-fresh": [(120, 0), (20, 160), (200, 0)],
     "two-hit-runs": [(20, 160), (30, 160), (80, 0), (12, 160), (200, 0), (20, 0)],
+    # 180 rows of short hits: two decode calls of at most 128 rows (60 + 60, then 60).
+    "three-hits-two-calls": [(60, 160), (60, 161), (120, 0), (60, 163), (240, 0)],
     "long-hit": [(100, 0), (150, 40), (200, 0)],  # a hit over 128 tokens: the long one
     "decodes-fresh-hits": [(1, 30), (1, 300), (120, 0), (20, 160), (200, 0), (30, 160)],
     "one-fresh": [(200, 0), (20, 160)],  # MIN_FRESH: vLLM's loop, one call for the fresh
@@ -214,6 +217,7 @@ class Reference:
         self.scale, self.cached = scale, cached
         self.fa_calls: list[list[int]] = []
         self.cache_reads: list[tuple[str, int]] = []  # (entry, request's first block)
+        self.decode_rows: list[int] = []  # rows per decode launch
 
     def flash(self, *, q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
               **_: Any) -> Any:  # fmt: skip
@@ -240,6 +244,7 @@ class Reference:
         import torch
 
         out = torch.zeros_like(query)
+        self.decode_rows.append(query.shape[0])
         firsts = block_table[:, 0]
         for first in firsts.unique().tolist():
             rows = firsts == first
@@ -322,6 +327,21 @@ def test_every_token_attends_its_full_causal_prefix_and_fresh_prompts_share_one_
     hits = {r + 1 for r, (q, c) in enumerate(requests) if c and q > 1}
     reads = [first for entry, first in ref.cache_reads if first in hits]
     assert sorted(reads) == sorted(hits)  # each hit once
+    short = [q for q, c in requests if c and 1 < q <= compat.CONTINUATION_DECODE_THRESHOLD]
+    if len(fresh) >= 2 and vllm_env.prefill_host_copies and short:  # together, 128 at most
+        decodes = int(any(q == 1 for q, _ in requests))  # forward's decode part: one call
+        assert ref.decode_rows[decodes:] == [sum(g) for g in _packed(short)], ref.decode_rows
+
+
+def _packed(rows: list[int], cap: int = compat.CONTINUATION_DECODE_THRESHOLD) -> list[list[int]]:
+    """``rows`` in order, in groups of at most ``cap``: the launches the hits should take."""
+    out: list[list[int]] = []
+    for n in rows:
+        if out and sum(out[-1]) + n <= cap:
+            out[-1].append(n)
+        else:
+            out.append([n])
+    return out
 
 
 def test_unguarded_the_reference_check_sees_the_lost_prefix(
@@ -350,3 +370,53 @@ def test_the_hits_batch_has_every_field_of_the_real_metadata(vllm_env: compat.Fe
         assert names == guard.FIELDS
     else:
         assert not {"query_start_loc_cpu", "seq_lens_cpu"} & names
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_the_hits_launch_compiles_only_planned_keys(
+    backend: Any, vllm_env: compat.Features, monkeypatch: pytest.MonkeyPatch, preset: str
+) -> None:
+    """The short hits' shared launch of vLLM's real decode launcher asks Triton only for
+    keys the warmup plan holds (its packed table's rows padded from 63 blocks to 64, as a
+    row stride of 0 is divisible; cached lengths of both arange alignments), so a
+    guarded step compiles nothing."""
+    import torch
+    from realvllm import impl_geometry, recorded_keys
+
+    from tq_warmup_plugin.warmers.triton_jit import compile_key
+    from tq_warmup_plugin.warmers.turboquant import turboquant_contributions
+    from tq_warmup_plugin.worker.warmup import Plan
+
+    requests = [(20, 160), (30, 161), (120, 0), (12, 162), (7, 163), (240, 0)]
+    width, bs, hq, hk, d = 63, 16, 16, 8, 128
+    # 16 splits for plain decode: its keys (table stride 63) are then none of the
+    # continuation's (the launcher's 32 splits), so an unpadded table would show.
+    impl = make_impl(preset, d, hq, hk, 16, width * bs)
+    kv = layer_kv_cache(vllm_env, 64, bs, hk, impl.tq_config.slot_size_aligned)
+    layer, table, seq_buf, slot_buf = _layer_and_buffers(impl, width)
+    builder = backend.TurboQuantMetadataBuilder.__new__(backend.TurboQuantMetadataBuilder)
+    builder.reorder_batch_threshold = 1
+    meta = builder.build(0, common_metadata(requests, table, seq_buf, slot_buf))
+    rows: list[int] = []
+    launch = backend.triton_turboquant_decode_attention
+
+    def counted(**kwargs: Any) -> Any:
+        rows.append(kwargs["query"].shape[0])
+        return launch(**kwargs)
+
+    monkeypatch.setattr(impl, "_flash_attn_varlen", lambda *, q, **_: torch.zeros_like(q))
+    monkeypatch.setattr(backend, "triton_turboquant_decode_attention", counted)
+    n = meta.num_actual_tokens
+    assert guard.install(backend)
+    with recorded_keys() as launched:
+        x = torch.randn(n, hq * d, dtype=torch.bfloat16)
+        kv_x = torch.randn(n, hk * d, dtype=torch.bfloat16)
+        impl.forward(layer, x, kv_x, kv_x, kv, meta, output=torch.zeros_like(x))
+    assert rows == [69], rows  # the four hits, one launch
+    view = compat.kv_view(kv, vllm_env)
+    g = impl_geometry(vllm_env, impl, width, bs, tuple(view.stride()[:3]), "bfloat16")
+    with recorded_keys() as ours:
+        for key in Plan.of(turboquant_contributions({"layer": g})).keys:
+            compile_key(key)
+    assert {name for name, _ in launched} >= {"_tq_decode_stage1", "_fwd_kernel_stage2"}
+    assert launched <= ours, sorted(launched - ours)

@@ -22,6 +22,7 @@ __all__ = [
     "CHUNKED_LOCAL_MODULE",
     "CONTINUATION_DECODE_THRESHOLD",
     "CUSTOM_OPS_MODULE",
+    "DECODE_LAUNCHER",
     "DECODE_MODULE",
     "DRAFT_CALL_SITE_MODULES",
     "ELASTIC_MODULE",
@@ -116,6 +117,9 @@ KERNEL_MODULES: dict[str, str] = {
 # `_CONTINUATION_DECODE_THRESHOLD` in the backend, 128 in all releases: continuation
 # chunks up to this many tokens reuse the decode kernels, longer ones dequantize.
 CONTINUATION_DECODE_THRESHOLD = 128
+# The decode launcher as the backend module names it: its prefill loop serves a short
+# continuation (all rows of one request) with one call of it (0.21-0.34, the AoS store).
+DECODE_LAUNCHER = "triton_turboquant_decode_attention"
 # The launcher default for `max_num_kv_splits`; the continuation fast path never
 # passes its own value, so it always runs with this many splits (all releases).
 LAUNCHER_DEFAULT_KV_SPLITS = 32

@@ -22,12 +22,14 @@ first chunk (``seq_len == query_len``), decided on the host from the metadata's 
 ``.tolist()`` of a device tensor). A batch that meets vLLM's test with a cache hit (or a later
 chunk) in it is split where it holds ``MIN_FRESH`` (two) first chunks or more: vLLM's own
 method runs twice, unchanged. First on the whole batch as it is: its fast path, one
-FlashAttention call, right for every first chunk (its keys are its own tokens). Then on the
-hits packed into a batch of their own (``sub_metadata``: each field of ``TurboQuantMetadata``
-gathered or kept, ``FIELDS``; the lengths from the host copies; one asynchronous
-host-to-device copy of the packed offsets): vLLM's loop, each hit's continuation over its
-cached prefix. The second call's rows replace the hits' rows of the first, which are wasted
-work (a hit's new tokens over themselves alone, small beside its continuation). Runs of
+FlashAttention call, right for every first chunk (its keys are its own tokens). Then the
+hits, whose rows replace theirs of the first call (wasted work there: a hit's new tokens
+over themselves alone, small beside its continuation): those of up to 128 new tokens in
+shared launches of vLLM's own decode launcher, as its loop would serve each alone
+(``prefix_hits``); the longer ones packed into a batch of their own (``sub_metadata``: each
+field of ``TurboQuantMetadata`` gathered or kept, ``FIELDS``; the lengths from the host
+copies; one asynchronous host-to-device copy of the packed offsets) through vLLM's loop,
+each hit's continuation over its cached prefix. Runs of
 consecutive hits stay whole, so the gather is one ``torch.cat`` per tensor (none for one run)
 and the scatter one copy per run. Why split: sent whole to the loop, every first chunk costs
 its own FlashAttention call, and each request a pass of the loop's host work. Any other
@@ -71,6 +73,7 @@ from types import ModuleType
 from typing import Any
 
 from .. import compat, patching
+from . import prefix_hits
 from .gate import install_where_needed
 
 __all__ = [
@@ -282,9 +285,9 @@ def _host_lengths(meta: Any) -> tuple[list[int], list[int]] | None:
     return _host_list(qsl), _host_list(seqs)
 
 
-def _split(meta: Any, backend: ModuleType) -> SubBatch | None:
-    """The hits' packed batch where a denied batch is split: the release has
-    FlashAttention (else vLLM's fast path is its loop too), the host lengths, a known
+def _split(meta: Any, backend: ModuleType) -> tuple[list[int], list[int], list[int]] | None:
+    """The host lengths and the hits of a denied batch where it is split: the release
+    has FlashAttention (else vLLM's fast path is its loop too), the host lengths, a known
     metadata class, ``MIN_FRESH`` first chunks and at least one hit."""
     lengths = _host_lengths(meta)
     if lengths is None or not getattr(backend, "_HAS_FLASH_ATTN", False) or not _splittable(meta):
@@ -292,7 +295,7 @@ def _split(meta: Any, backend: ModuleType) -> SubBatch | None:
     fresh, hits = split_batch(*lengths)
     if len(fresh) < MIN_FRESH or not hits:
         return None
-    return pack(*lengths, hits)
+    return lengths[0], lengths[1], hits
 
 
 def _cat(parts: list[Any]) -> Any:
@@ -331,18 +334,29 @@ def sub_metadata(meta: Any, sub: SubBatch) -> Any:
 
 def _serve_split(
     original: Callable[..., Any],
-    sub: SubBatch,
+    split: tuple[list[int], list[int], list[int]],
     self: Any,
     tensors: tuple[Any, Any, Any, Any],
     meta: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    call: tuple[tuple[Any, ...], dict[str, Any], ModuleType],
 ) -> Any:
     """vLLM's fast path over the whole batch (one FlashAttention call: right for every
-    first chunk, whose keys are its own tokens), then vLLM's loop over the hits packed
-    (their continuation over the cached prefix), their rows written over the first."""
+    first chunk, whose keys are its own tokens), then the hits' rows written over it:
+    the short ones together (``prefix_hits``), the rest by vLLM's loop over them packed
+    (their continuation over the cached prefix)."""
     query, key, value, kv_cache = tensors
+    args, kwargs, backend = call
     out = original(self, query, key, value, kv_cache, meta, *args, **kwargs)
+    qsl, seqs, hits = split
+    launch = prefix_hits.launcher(backend, self)
+    if launch is not None:
+        short, hits = prefix_hits.short_hits(qsl, seqs, hits)
+        named = prefix_hits.prefill_args(args, kwargs)
+        for group in prefix_hits.groups(short):
+            prefix_hits.serve(launch, self, (query, kv_cache, meta.block_table), group, named, out)
+    if not hits:
+        return out
+    sub = pack(qsl, seqs, hits)
     hit_out = original(
         self,
         _cat([query[a:b] for a, b in sub.rows]),
@@ -377,10 +391,11 @@ def _guard(original: Callable[..., Any], backend: ModuleType) -> Callable[..., A
         if meta.max_query_len == meta.max_seq_len and not _capturing():
             layer = kwargs.get("layer", args[3] if len(args) > 3 else None)
             if not keeps_fast_path(meta, layer):
-                sub = _split(meta, backend)
-                if sub is not None:
+                split = _split(meta, backend)
+                if split is not None:
                     tensors = (query, key, value, kv_cache)
-                    return _serve_split(original, sub, self, tensors, meta, args, kwargs)
+                    call = (args, kwargs, backend)
+                    return _serve_split(original, split, self, tensors, meta, call)
                 meta = copy.copy(meta)
                 meta.max_seq_len = meta.max_query_len + 1
         return original(self, query, key, value, kv_cache, meta, *args, **kwargs)
