@@ -24,7 +24,7 @@ import pytest
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.once_per_triton]
 
-HITS = [(2, 20), (3, 33)]  # (new tokens, cached tokens): two hits, one launch
+HITS = [(1, 20), (2, 33)]  # (new tokens, cached tokens): two hits, one launch
 D, HQ, HK, BS, WIDTH = 64, 2, 1, 16, 5
 
 
@@ -119,7 +119,7 @@ def test_the_shared_launch_gives_each_row_the_loops_result_with_the_real_kernels
     )
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert got["rows"] == 5 and got["scale"] > 0.05
+    assert got["rows"] == 3 and got["scale"] > 0.05
     # the shared launch within float32 rounding of the loop; a wrong length far outside it
     assert got["max_diff"] <= 1e-2 * got["scale"] < got["wrong_diff"], got
 
