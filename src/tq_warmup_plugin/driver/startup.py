@@ -31,8 +31,10 @@ hit from a read-only cache (the same launch over a read-only bind mount was no h
 110 s on the H200), so a copy is needed anyway. ``CUDA_CACHE_MAXSIZE`` is raised to 4 GiB
 unless set (the default 256 MiB may evict). A ``CUDA_CACHE_PATH`` already set is kept (one
 WARNING) unless ``TQ_WARMUP_DRIVER_CACHE_OVERRIDE`` is on; one that equals the choice was
-set by this process's parent and is silently kept. A mismatch, or a setting that names
-no entry at all, is one WARNING and the driver JITs as before. Nothing here raises."""
+set by this process's parent and is silently kept. Each process holds the copy it uses,
+and the copies of entries no process uses any more are removed (``copies``). A mismatch,
+or a setting that names no entry at all, is one WARNING and the driver JITs as before.
+Nothing here raises."""
 
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ from typing import NamedTuple
 
 from ..settings import Settings
 from ..shipped import pins
-from . import compiled, host
+from . import compiled, copies, host
 from . import entry as driver_cache
 
 __all__ = [
@@ -250,6 +252,18 @@ def _place(entry: Path, shipped: driver_cache.DriverManifest, path: Path) -> str
     return "copied"
 
 
+def _place_and_hold(entry: Path, shipped: driver_cache.DriverManifest, path: Path) -> str:
+    """``_place``, then this process's hold on the copy (``copies.hold``); placed again
+    once where another process's sweep took it in between."""
+    try:
+        how = _place(entry, shipped, path)
+        copies.hold(path)
+    except OSError:
+        how = _place(entry, shipped, path)
+        copies.hold(path)
+    return how
+
+
 def _cuda_started() -> bool:
     """Whether this process already has CUDA (torch imported and initialised): the
     setting then reaches only the processes it starts. Imports nothing."""
@@ -313,14 +327,18 @@ def _apply(
     if decision.action == "keep":
         if decision.entry is not None and decision.manifest is not None:
             compiled.remember(decision.entry, decision.manifest)
+        if decision.path is not None:  # the parent's copy: held while this process uses it
+            with contextlib.suppress(OSError):
+                copies.hold(decision.path)
         return decision
     if decision.action == "warn":
         logger.warning(decision.line)
         return decision
     assert decision.path and decision.entry and decision.manifest
     t = time.perf_counter()
+    path = Path(decision.path)
     try:
-        how = _place(decision.entry, decision.manifest, Path(decision.path))
+        how = _place_and_hold(decision.entry, decision.manifest, path)
     except (driver_cache.EntryError, OSError) as exc:
         where = decision.path
         line = f"{_head(settings.driver_cache)}: not used, copy to {where} failed ({exc}): {TAIL}"
@@ -330,6 +348,9 @@ def _apply(
     env.setdefault("CUDA_CACHE_MAXSIZE", MAXSIZE)
     compiled.remember(decision.entry, decision.manifest)
     line = f"{decision.line}; {how} in {time.perf_counter() - t:.2f} s"
+    removed = copies.sweep(path.parent, keep=path.name)
+    if removed:
+        line += f"; removed {len(removed)} copies no process uses ({', '.join(removed)})"
     if _cuda_started():
         line += "; CUDA is already initialised here: it applies to the processes this one starts"
     logger.info(line)
