@@ -114,3 +114,32 @@ def test_register_holds_its_copy_and_removes_the_unheld_old_ones(
     fd = atomic.abandoned(mine)
     assert fd is not None
     os.close(fd)
+
+
+KILLED_MID_INSTALL = (
+    "import os, shutil, signal, sys\n"
+    "from pathlib import Path\n"
+    "from tq_warmup_plugin.driver import stages\n"
+    "shutil.rmtree = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
+    "stages.install(Path(sys.argv[1]), Path(sys.argv[2]))\n"
+)
+
+
+def test_a_copy_replaced_by_a_process_killed_before_removing_the_old_one(tmp_path: Path) -> None:
+    """The old copy, renamed aside, is left by the kill; ``verify`` names it and the next
+    copy's ``stage()`` removes it."""
+    from tq_warmup_plugin.driver import stages
+
+    final = old_copy(tmp_path, "entry-999999999999", marked=False)
+    staged = tmp_path / "new"
+    (staged / "ab").mkdir(parents=True)
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED_MID_INSTALL, str(staged), str(final)],
+        env={**os.environ, "PYTHONPATH": SRC},
+    )
+    assert done.returncode == -signal.SIGKILL
+    (left,) = [p for p in tmp_path.iterdir() if p.name.startswith(stages.STAGE_PREFIX)]
+    assert (left / "ab" / "index").is_file() and (final / "ab").is_dir()  # the new one is in
+    assert stages.stale_stages(tmp_path) == [left]  # verify names it
+    stages.discard(stages.stage(tmp_path))
+    assert not left.exists() and sorted(p.name for p in tmp_path.iterdir()) == [final.name]

@@ -83,7 +83,8 @@ def install(staged: Path, final: Path) -> Path:
     ``final`` is first renamed away and removed (``atomic.replace_dir``)."""
 
     def aside() -> Path:
-        return final.with_name(f"{STAGE_PREFIX}replaced-{uuid.uuid4().hex}")
+        # held-prefixed: a kill before the removal below leaves it to the next stage()
+        return final.with_name(f"{HELD_PREFIX}replaced-{uuid.uuid4().hex}")
 
     for old in replace_dir(staged, final, aside):
         shutil.rmtree(old, ignore_errors=True)
