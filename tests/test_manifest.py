@@ -351,3 +351,39 @@ def test_a_layer_reached_through_a_current_link_serves_its_listed_files(tmp_path
     (layer / K1).symlink_to(tmp_path / "elsewhere")
     data, problems = manifest.load_key_dir(tmp_path / "current", K1, listed)
     assert data == {} and "found a symlink" in str(problems[0])
+
+
+READS_PINS = (
+    "import logging, sys\n"
+    "logging.basicConfig(level=logging.WARNING, format='%(message)s', stream=sys.stdout)\n"
+    "from tq_warmup_plugin.shipped import pins\n"
+    "if sys.argv[1] == 'register':\n"
+    "    import tq_warmup_plugin\n"
+    "    tq_warmup_plugin.register()\n"
+    "for _ in range(3):  # every lookup reads the pins\n"
+    "    assert pins.current() == frozenset({'a' * 64})\n"
+)
+
+
+@pytest.mark.parametrize("process", ["no-register", "register"])
+def test_a_malformed_pin_is_one_warning_in_every_process_that_reads_it(process: str) -> None:
+    """A process that only inherits the cache manager (Triton's compile workers) never runs
+    ``register()``: its first read of the pins says the malformed item, once; a vLLM
+    process says it in ``register()`` and not again."""
+    import subprocess
+    import sys
+
+    src = str(Path(manifest.__file__).resolve().parents[2])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TQ_WARMUP")}
+    env.update(
+        PYTHONPATH=src, TQ_WARMUP_CACHE_PIN="sha256:" + "a" * 64 + ",md5:beef", TQ_WARMUP="0"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", READS_PINS, process], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stdout.splitlines() if "TQ_WARMUP_CACHE_PIN" in line]
+    assert said == [
+        "tq-warmup: TQ_WARMUP_CACHE_PIN item 'md5:beef' is not sha256:<64 hex digits>: "
+        "it pins nothing"
+    ]

@@ -21,6 +21,7 @@ metadata (``importlib.metadata`` alone is ~10 ms), neither of which ``register()
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from .settings import Settings, parse
@@ -73,6 +74,10 @@ def register() -> None:
     logger = logging.getLogger("vllm.tq_warmup_plugin")
     for problem in problems:
         logger.warning(problem)
+    if os.environ.get("TQ_WARMUP_CACHE_PIN"):  # its problems said: not again at each read
+        from .shipped import pins
+
+        pins.said(os.environ["TQ_WARMUP_CACHE_PIN"])
     if not settings.enabled:
         logger.info("tq-warmup: disabled by TQ_WARMUP")
         return

@@ -73,7 +73,6 @@ from types import ModuleType
 from typing import Any
 
 from .. import compat, patching
-from . import prefix_hits
 from .gate import install_where_needed
 
 __all__ = [
@@ -344,6 +343,8 @@ def _serve_split(
     first chunk, whose keys are its own tokens), then the hits' rows written over it:
     the short ones together (``prefix_hits``), the rest by vLLM's loop over them packed
     (their continuation over the cached prefix)."""
+    from . import prefix_hits  # on a split step only: register() stays small
+
     query, key, value, kv_cache = tensors
     args, kwargs, backend = call
     out = original(self, query, key, value, kv_cache, meta, *args, **kwargs)

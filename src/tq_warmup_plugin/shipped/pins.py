@@ -15,11 +15,14 @@ workers read layers without ever running ``register()``.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Iterable, Mapping
 
-__all__ = ["PIN_ENV", "Pins", "current", "describe", "digest", "line", "parse", "refusal"]
+__all__ = ["PIN_ENV", "Pins", "current", "describe", "digest", "line", "parse", "refusal", "said"]
+
+logger = logging.getLogger("vllm.tq_warmup_plugin")
 
 PIN_ENV = "TQ_WARMUP_CACHE_PIN"
 _ITEM = re.compile(r"^sha256:([0-9a-f]{64})$")
@@ -64,9 +67,28 @@ def describe(pinned: Pins, unverified: bool = False) -> str:
     return f"only the {len(pinned)} manifest(s) {PIN_ENV} names"
 
 
+_said: set[tuple[int, str]] = set()
+"""(process, value) whose problems this process said: one WARNING per item, each process."""
+
+
+def said(text: str | None) -> None:
+    """Note that this process said the problems of ``text`` (``register()`` says every
+    setting's), so that ``current`` does not say them again."""
+    if text is not None:
+        _said.add((os.getpid(), text))
+
+
 def current(env: Mapping[str, str] | None = None) -> Pins:
-    """The pins set in the environment now."""
-    return parse((os.environ if env is None else env).get(PIN_ENV))[0]
+    """The pins set in the environment now. A malformed item is one WARNING in each
+    process that reads the pins, ``register()`` or not (a process that only inherits the
+    cache manager): it pins nothing, so the layer serves nothing, never silently."""
+    text = (os.environ if env is None else env).get(PIN_ENV)
+    pinned, problems = parse(text)
+    if problems and text is not None and (os.getpid(), text) not in _said:
+        said(text)
+        for line in problems:
+            logger.warning(line)
+    return pinned
 
 
 def digest(data: bytes) -> str:
