@@ -107,10 +107,10 @@ def _run() -> dict[str, Any]:
 def test_the_shared_launch_gives_each_row_the_loops_result_with_the_real_kernels() -> None:
     import triton
 
-    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
-        pytest.skip(
-            "Triton 3.6's interpreter cannot run vLLM's decode kernel (a loop bound it loads)"
-        )
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 8):
+        # 3.6's interpreter cannot run the kernel (a loop bound it loads); 3.7's can, but
+        # the kernel is every release's (compat.KERNEL_MODULES): the newest Triton's is enough
+        pytest.skip("runs with Triton 3.8+, the newest release's")
     here = Path(__file__).resolve()
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     env["PYTHONPATH"] = os.pathsep.join([str(here.parents[1]), str(here.parents[2] / "src")])
