@@ -231,3 +231,36 @@ def test_a_profiled_stretch_names_its_host_work() -> None:
     mm = [row for row in got["host"] if row["name"] == "aten::mm"]
     assert mm and mm[0]["calls"] == 3 and got["cpu_us"] >= mm[0]["us"] > 0
     assert len(got["host"]) <= 5
+
+
+def test_the_prefix_attention_batches_meet_vllms_fast_path_test() -> None:
+    """Each random batch is upstream #46460's trigger: its longest query is its longest
+    sequence, with short hits (the shared launches), one long hit and fresh prompts."""
+    import random
+
+    from benchmarks.tqbench import prefix_attention
+
+    rng = random.Random(0)
+    for _ in range(50):
+        reqs = prefix_attention.batch(rng)
+        assert max(q for q, _ in reqs) == max(q + c for q, c in reqs)
+        hits = [q for q, c in reqs if c]
+        assert sum(q <= 128 for q in hits) >= 2 and sum(q > 128 for q in hits) == 1
+        assert sum(c == 0 for _, c in reqs) >= 2 and len(reqs) <= prefix_attention.MAX_SEQS
+        assert max(q + c for q, c in reqs) <= prefix_attention.MAX_LEN
+
+
+def test_the_prefix_attention_summary_takes_the_worst_difference() -> None:
+    from benchmarks.tqbench import prefix_attention
+
+    rows = [
+        {"guarded": 0.0, "floor": 0.01, "unguarded": 0.5, "us_loop": 900.0,
+         "us_guarded": 330.0, "us_unguarded": 300.0},
+        {"guarded": 0.002, "floor": 0.02, "unguarded": 0.7, "us_loop": 1100.0,
+         "us_guarded": 420.0, "us_unguarded": 400.0},
+    ]  # fmt: skip
+    got = prefix_attention.summary(rows)
+    assert (got["guarded"], got["floor"], got["unguarded"], got["cases"]) == (0.002, 0.02, 0.7, 2)
+    assert got["us_loop"] == 1000.0 and got["guarded_over_unguarded"] == pytest.approx(1.075)
+    text = prefix_attention.table(got)
+    assert "| 2 | 0.002 | 0.02 | 0.7 |" in text and "| 1000 | 375 | 350 | 1.07" in text

@@ -36,7 +36,7 @@ from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
-__all__ = ["main"]
+__all__ = ["command", "main", "max_diff", "median_us"]
 
 PRESET, D, HQ, HK, BS, SPLITS = "turboquant_4bit_nc", 128, 32, 8, 16, 32
 MAX_SEQS, MAX_LEN = 16, 4096
@@ -141,11 +141,13 @@ def _batch(rng: random.Random, k: int, mixed: bool, uniform: bool) -> list[tuple
     return reqs
 
 
-def _diff(a: Any, b: Any) -> float:
+def max_diff(a: Any, b: Any) -> float:
+    """The largest absolute difference of two outputs, in float32."""
     return float((a.float() - b.float()).abs().max().item())
 
 
-def _time(torch: Any, fn: Callable[[], Any], repeats: int) -> float:
+def median_us(torch: Any, fn: Callable[[], Any], repeats: int) -> float:
+    """The median of ``repeats`` synchronized runs of ``fn``, in microseconds."""
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
@@ -174,7 +176,7 @@ def _timings(
         graph.replay()
 
     return {
-        f"us_{n}": _time(torch, f, repeats)
+        f"us_{n}": median_us(torch, f, repeats)
         for n, f in (("loop", loop), ("batched", batched), ("graph", replay))
     }
 
@@ -208,12 +210,12 @@ def run(out: Path, seed: int, cases: int, repeats: int) -> dict[str, Any]:
             L.q_buf[:tokens].normal_()
             ref = L.forward(plain.build(0, L.common(reqs)), tokens).clone()
             row: dict[str, Any] = {"k": k, "kind": kind, "requests": len(reqs), "tokens": tokens}
-            row["batched"] = _diff(L.forward(ours.build(0, L.common(reqs)), tokens), ref)
+            row["batched"] = max_diff(L.forward(ours.build(0, L.common(reqs)), tokens), ref)
             meta = ours.build(0, L.common(reqs))
             meta.seq_lens.sub_(1).clamp_(min=1)
-            row["off-by-one"] = _diff(L.forward(meta, tokens), ref)
+            row["off-by-one"] = max_diff(L.forward(meta, tokens), ref)
             L.impl.max_num_kv_splits = SPLITS // 2  # the same attention, summed in 16 splits
-            row["floor"] = _diff(L.forward(ours.build(0, L.common(reqs)), tokens), ref)
+            row["floor"] = max_diff(L.forward(ours.build(0, L.common(reqs)), tokens), ref)
             L.impl.max_num_kv_splits = SPLITS
             if kind == "uniform":
                 for name, builder in (("graph", ours), ("graph-unguarded", plain)):
@@ -225,7 +227,7 @@ def run(out: Path, seed: int, cases: int, repeats: int) -> dict[str, Any]:
                     builder.build(0, L.common(reqs))  # the step's metadata, as at replay
                     graph.replay()
                     torch.cuda.synchronize()
-                    row[name] = _diff(got, ref)
+                    row[name] = max_diff(got, ref)
                     if name == "graph" and case == 0:
                         row.update(_timings(torch, L, (plain, ours), graph, reqs, repeats))
             rows.append(row)
@@ -279,16 +281,26 @@ def _table(summary: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="verify-attention", description=__doc__)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cases", type=int, default=12, help="batches per k")
-    parser.add_argument("--repeats", type=int, default=50)
-    args = parser.parse_args(argv)
-    run(args.out, args.seed, args.cases, args.repeats)
-    return 0
+def command(
+    prog: str, doc: str | None, run: Callable[[Path, int, int, int], Any], cases: str, repeats: int
+) -> Callable[[list[str] | None], int]:
+    """A GPU check's ``main``: ``--out``, ``--seed``, ``--cases``, ``--repeats`` to ``run``."""
+
+    def main(argv: list[str] | None = None) -> int:
+        parser = argparse.ArgumentParser(prog=prog, description=doc)
+        parser.add_argument("--out", type=Path, required=True)
+        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--cases", type=int, default=12, help=cases)
+        parser.add_argument("--repeats", type=int, default=repeats)
+        args = parser.parse_args(argv)
+        run(args.out, args.seed, args.cases, args.repeats)
+        return 0
+
+    return main
+
+
+main = command("verify-attention", __doc__, run, "batches per k", 50)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(None))
