@@ -264,3 +264,23 @@ def test_the_prefix_attention_summary_takes_the_worst_difference() -> None:
     assert got["us_loop"] == 1000.0 and got["guarded_over_unguarded"] == pytest.approx(1.075)
     text = prefix_attention.table(got)
     assert "| 2 | 0.002 | 0.02 | 0.7 |" in text and "| 1000 | 375 | 350 | 1.07" in text
+
+
+def test_serve_ends_when_a_request_is_dropped_without_a_final_output() -> None:
+    """An engine that aborts a request says nothing more of it: the loop still ends."""
+
+    class Dropping(FakeEngine):
+        def add_request(self, name: str, prompt: dict[str, Any], params: Turn) -> str | None:
+            got = super().add_request(name, prompt, params)
+            if name == "t0":
+                self.running.pop(got or name)
+            return got
+
+        def step(self) -> list[_Out]:
+            assert now[0] < 100, "the loop spins on a request the engine dropped"
+            return super().step()
+
+    turns = [Turn(f"t{i}", [1], 2) for i in range(6)]
+    now = [0.0]
+    got = serve(Dropping(False, now), turns, 1, lambda t: t, clock=lambda: now[0])
+    assert got["out_tokens"] == 10 and len(got["ttft_s"]) == 5

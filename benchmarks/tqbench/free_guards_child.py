@@ -61,6 +61,8 @@ def serve(
                 first[name] = clock()
             if out.finished:
                 finished += 1
+        if not llm_engine.has_unfinished_requests():  # none left running, whatever was said
+            finished = len(added)
         top_up()
     wall = clock() - start
     ttft = [first[n] - added[n] for n in first]
