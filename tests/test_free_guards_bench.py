@@ -175,7 +175,7 @@ def _args(**over: Any) -> argparse.Namespace:
     return args
 
 
-def test_the_verify_part_is_a_spec_command_line_spec_accepts() -> None:
+def test_the_verify_part_is_a_spec_command_line_spec_accepts(tmp_path: Path) -> None:
     from benchmarks.tqbench import spec
 
     argv = free_guards.verify_argv(_args(), Path("/tmp/x"))
@@ -183,7 +183,10 @@ def test_the_verify_part_is_a_spec_command_line_spec_accepts() -> None:
     spec.check(parsed)  # refuses, in one line, options no child could run
     assert parsed.configs == "full-batched,full-noguard" and parsed.ks == "1,2,3,4"
     assert parsed.batch == "1,8,16" and parsed.max_num_seqs == 16
-    assert parsed.model_size == "llama3-8b" and parsed.method == "ngram"
+    assert parsed.model_size == "llama3-8b" and parsed.method == "ngram" and parsed.no_reference
+    parsed.work_dir = str(tmp_path)
+    names = {c.name for c in spec.SpecBench(parsed).configs}  # no reference engine
+    assert names == {f"ngram{k}-full-{x}" for k in (1, 2, 3, 4) for x in ("batched", "noguard")}
 
 
 def test_a_saved_run_is_summarized_again(tmp_path: Path) -> None:

@@ -65,6 +65,7 @@ def verify_argv(args: argparse.Namespace, out: Path) -> list[str]:
     """The ``spec`` command line of the verify part (the Llama-3-8B shape by default)."""
     argv = ["spec", "--model-size", args.model_size, "--method", "ngram"]
     argv += ["--configs", "full-batched,full-noguard", "--ks", args.ks, "--batch", args.batch]
+    argv += ["--no-reference"]  # dummy weights: both accept every draft, the same tokens
     argv += ["--prompts", str(max(int(b) for b in args.batch.split(",")))]
     argv += ["--prompt-len", "1000", "--max-tokens", "256", "--repeats", "3"]
     argv += ["--max-num-seqs", str(max(16, *(int(b) for b in args.batch.split(","))))]

@@ -77,6 +77,7 @@ from benchmarks.tqbench.spec_configs import (
     MODEL_SIZES,
     PERIOD,
     PROMPT_KINDS,
+    REFERENCE,
     SPEC_KINDS,
     ModelSize,
     SpecConfig,
@@ -131,6 +132,8 @@ class SpecBench:
         self.deadline = Deadline(args.deadline_s)
         self.children = Children()
         self.configs = build_configs(args.configs, _ints(args.ks), args.method)
+        if args.no_reference:  # a speed run: no tokens compared, one engine fewer
+            self.configs = [c for c in self.configs if c.name != REFERENCE]
         lens = (args.prompt_len, args.prompt_len) if args.prompt_len else (150, 430)
         kind = args.prompt_kind
         self.prompts = spec_prompts(args.prompts, args.prompt_seed, lens, kind=kind)
@@ -349,6 +352,7 @@ OPTIONS: tuple[Option, ...] = (
     ("--batch", "", "comma list of batch sizes: each timed generate runs this many prompts "
      "together (default: all --prompts)"),
     ("--repeats", 1, "timed generates per batch size after an untimed one; the best counts"),
+    ("--no-reference", False, "run no reference engine (a speed run: tokens not compared)"),
     ("--profile", False, "one more generate per batch size under torch's profiler: the "
      "top kernels by GPU time and host names by CPU time, in the raw row"),
     ("--logprobs", 2, "logprobs per position (2: also the top-1/top-2 margin)"),
