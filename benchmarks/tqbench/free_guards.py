@@ -205,7 +205,7 @@ def write(args: argparse.Namespace, summary: dict[str, Any], run_id: str) -> int
     summary["run"] = {
         "run_id": run_id,
         "date": dt.date.today().isoformat(),
-        "command": "python -m benchmarks.tqbench " + " ".join(sys.argv[2:] or ["free-guards"]),
+        "command": "python -m benchmarks.tqbench " + " ".join(sys.argv[1:] or ["free-guards"]),
         "model_size": args.model_size,
         "preset": args.preset,
     }
