@@ -255,10 +255,10 @@ def _place(entry: Path, shipped: driver_cache.DriverManifest, path: Path) -> str
 def _place_and_hold(entry: Path, shipped: driver_cache.DriverManifest, path: Path) -> str:
     """``_place``, then this process's hold on the copy (``copies.hold``); placed again
     once where another process's sweep took it in between."""
+    how = _place(entry, shipped, path)
     try:
-        how = _place(entry, shipped, path)
         copies.hold(path)
-    except OSError:
+    except OSError:  # removed between the two: placed again, once
         how = _place(entry, shipped, path)
         copies.hold(path)
     return how
