@@ -143,3 +143,30 @@ def test_a_copy_replaced_by_a_process_killed_before_removing_the_old_one(tmp_pat
     assert stages.stale_stages(tmp_path) == [left]  # verify names it
     stages.discard(stages.stage(tmp_path))
     assert not left.exists() and sorted(p.name for p in tmp_path.iterdir()) == [final.name]
+
+
+def test_a_copy_swept_before_it_was_held_is_placed_again(
+    tmp_path: Path,
+    layer: tuple[Path, Path, Path],  # noqa: F811 (test_driver_startup's fixture)
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another process's sweep may remove a reused copy between this process's check of it
+    and its hold: the hold fails, the copy is placed again and held."""
+    import shutil
+
+    root, proc, fa2 = layer
+    settings = Settings(driver_cache=str(root), driver_cache_copy_to=str(tmp_path / "nv"))
+    real_hold, tries = copies.hold, []
+
+    def swept_first(path: str | os.PathLike[str]) -> None:
+        tries.append(path)
+        if len(tries) == 1:
+            shutil.rmtree(path)  # the other process's sweep
+            raise FileNotFoundError(path)
+        real_hold(path)
+
+    monkeypatch.setattr(copies, "hold", swept_first)
+    decision = driver_startup.apply(settings, {}, proc, fa2)
+    assert decision.action == "copy" and len(tries) == 2
+    assert (Path(str(decision.path)) / "ab/cd/1234").read_bytes() == b"sass" * 100
+    assert atomic.abandoned(str(decision.path)) is None  # held
