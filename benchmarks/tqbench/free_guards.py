@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import shutil
 import sys
@@ -43,7 +42,7 @@ from benchmarks.tqbench.free_guards_workload import (
     verify_ratios,
     workload,
 )
-from benchmarks.tqbench.spec_child import child_env
+from benchmarks.tqbench.spec_child import child_env, read_json
 from benchmarks.tqbench.spec_configs import MODEL_SIZES, SpecConfig
 
 __all__ = ["PARTS", "add_parser", "summarize", "verify_argv"]
@@ -163,7 +162,7 @@ class FreeGuards:
         print(f"[free-guards] prefix engine (log {log})", flush=True)
         limit = self.deadline.limit(self.args.timeout, margin=5)
         ended = self.children.run([*argv, "--child", str(work / "spec.json")], log, env, limit)
-        result = _read(self.out / "prefix.json")
+        result = read_json(self.out / "prefix.json")
         if result.get("status") != "ok":
             text = log.read_text(errors="replace") if log.is_file() else ""
             result["error_line"] = logs.last_error_line(text) or str(result.get("error", ""))
@@ -190,14 +189,6 @@ class FreeGuards:
                 shutil.rmtree(self.work, ignore_errors=True)
         records.write_json_atomic(self.out / "parts.json", {"prefix": prefix, "spec": spec})
         return write(self.args, summarize(prefix, spec), self.run_id)
-
-
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        got = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return got if isinstance(got, dict) else {}
 
 
 def write(args: argparse.Namespace, summary: dict[str, Any], run_id: str) -> int:
@@ -230,7 +221,7 @@ def cmd_free_guards(args: argparse.Namespace) -> int:
         print(f"free-guards: {e}", file=sys.stderr)
         return 2
     if args.from_result:
-        parts = _read(Path(args.from_result))
+        parts = read_json(Path(args.from_result))
         return write(args, summarize(parts.get("prefix"), parts.get("spec")), "from-result")
     entry_point.require("free-guards", args.entry_point_stub)
     return FreeGuards(args).run()

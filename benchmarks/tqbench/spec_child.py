@@ -45,6 +45,7 @@ __all__ = [
     "child_env",
     "engine_kwargs",
     "generate_all",
+    "read_json",
     "read_result",
     "run_child",
     "started",
@@ -342,7 +343,14 @@ def child_argv(spec_file: Path) -> list[str]:
 
 def read_result(work: Path) -> dict[str, Any]:
     """A child's result file, or ``{}`` when it wrote none (killed, or failed at import)."""
+    return read_json(work / "result.json")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``, or ``{}`` where there is none (missing, cut short, not
+    an object)."""
     with contextlib.suppress(OSError, ValueError):
-        result: dict[str, Any] = json.loads((work / "result.json").read_text())
-        return result
+        found = json.loads(path.read_text())
+        if isinstance(found, dict):
+            return found
     return {}
