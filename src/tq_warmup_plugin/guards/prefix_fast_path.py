@@ -368,10 +368,7 @@ def _serve_split(
         *args,
         **kwargs,
     )
-    at = 0
-    for a, b in sub.rows:
-        out[a:b] = hit_out[at : at + b - a]
-        at += b - a
+    prefix_hits.write_back(out, hit_out, sub.rows)
     return out
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "runs",
     "serve",
     "short_hits",
+    "write_back",
 ]
 
 ROWS_PER_CALL = compat.CONTINUATION_DECODE_THRESHOLD
@@ -160,9 +161,15 @@ def serve(
         norm_correction=cfg.norm_correction,
         PiT=named.get("PiT"),
     )
+    write_back(out, result, runs(group))
+
+
+def write_back(out: Any, packed: Any, rows: Sequence[tuple[int, int]]) -> None:
+    """``packed``'s rows, in order, over ``out``'s row ranges ``[(start, stop), ...]``:
+    one copy per range (it casts to ``out``'s dtype)."""
     at = 0
-    for start, stop in runs(group):  # one copy per run of adjacent hits
-        out[start:stop] = result[at : at + stop - start].to(out.dtype)
+    for start, stop in rows:
+        out[start:stop] = packed[at : at + stop - start]
         at += stop - start
 
 
