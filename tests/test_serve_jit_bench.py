@@ -196,3 +196,13 @@ def test_the_shipped_torch_compile_artifacts_load_counts_in_the_plugins_cost() -
     facts = serve_jit_facts.row_facts([failed])
     assert "compiled_ms" not in facts and "not loaded" in facts["compiled_line"]
     assert facts["plugin_ms"] == 69 + 120
+
+
+def test_a_row_whose_engine_logged_no_plugin_line_is_not_the_plugins_row() -> None:
+    served = {"row": "tq", "status": "ok", "plugin_lines": []}
+    assert serve_jit.plugin_checked(served, {"TQ_WARMUP": "1"})["status"] == "no-plugin"
+    assert serve_jit.plugin_checked(served, {"TQ_WARMUP": "0"})["status"] == "ok"
+    line = ["tq-warmup: 12 TurboQuant layers, 6 distinct kernel keys"]
+    assert serve_jit.plugin_checked({**served, "plugin_lines": line}, {})["status"] == "ok"
+    failed = {"row": "tq", "status": "startup-failed", "plugin_lines": []}
+    assert serve_jit.plugin_checked(failed, {})["status"] == "startup-failed"

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 import types
+from importlib.metadata import distributions
 from pathlib import Path
 from typing import Any
 
@@ -208,16 +210,34 @@ def test_the_weight_scaler_wraps_vllms_dummy_loader_once(monkeypatch: pytest.Mon
     assert model.loaded and p.scaled == 100.0
 
 
+def _declared(root: Path) -> list[str]:
+    """The ``vllm.general_plugins`` names found with ``root`` first on the path and a
+    plugin-only stub after it (as a GPU call's environment has), the first distribution
+    of a name only, as ``importlib.metadata.entry_points`` keeps them from Python 3.12."""
+    other = entry_point.write_stub(root.parent / "plugin-only")
+    seen: set[str] = set()
+    names: list[str] = []
+    for dist in distributions(path=[str(root), str(other)]):
+        name = re.sub(r"[-_.]+", "_", dist.metadata["Name"]).lower()
+        if name not in seen:
+            seen.add(name)
+            names += [e.name for e in dist.entry_points if e.group == "vllm.general_plugins"]
+    return sorted(names)
+
+
 def test_the_stub_declares_the_weight_scaler_only_when_asked(tmp_path: Path) -> None:
-    text = (
-        entry_point.write_stub(tmp_path / "a")
-        / "tq_warmup_plugin_stub-0.dist-info"
-        / "entry_points.txt"
-    ).read_text()
-    assert "tq_warmup =" in text and "tqbench" not in text
-    root = entry_point.write_stub(tmp_path / "b", plugin=False, weight_scale=True)
-    text = (root / "tq_warmup_plugin_stub-0.dist-info" / "entry_points.txt").read_text()
-    assert "tq_warmup =" not in text and "dummy_scale:register" in text
+    assert _declared(entry_point.write_stub(tmp_path / "a")) == ["tq_warmup"]
+    scaler = entry_point.write_stub(tmp_path / "b", plugin=False, weight_scale=True)
+    # A scaler-only stub first on the path hid a plugin stub after it while both had one
+    # distribution name: the plugin must stay found beside it.
+    assert _declared(scaler) == ["tq_warmup", "tqbench_weight_scale"]
+    assert not (scaler / "tq_warmup_plugin_stub-0.dist-info").exists()
+
+
+def test_a_reused_stub_root_declares_only_what_it_is_asked(tmp_path: Path) -> None:
+    root = entry_point.write_stub(tmp_path / "c", weight_scale=True)
+    entry_point.write_stub(root, plugin=False, weight_scale=True)
+    assert sorted(d.name for d in root.iterdir()) == ["tqbench_weight_scale_stub-0.dist-info"]
 
 
 def test_a_spawned_server_is_stopped_with_its_group(tmp_path: Path) -> None:

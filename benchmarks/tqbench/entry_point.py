@@ -25,22 +25,37 @@ def found() -> bool:
     return False
 
 
+_STUBS = {
+    "plugin": ("tq-warmup-plugin-stub", "tq_warmup = tq_warmup_plugin:register"),
+    "weight_scale": (
+        "tqbench-weight-scale-stub",
+        "tqbench_weight_scale = benchmarks.tqbench.dummy_scale:register",
+    ),
+}
+"""One distribution per entry point. ``importlib.metadata`` keeps only the first
+distribution of a name on the path, so one shared name let a scaler-only stub hide
+another stub's plugin entry point: every ``serve-jit`` row ran without the plugin
+(H100, 0.34.0, 2026-12-07, ``benchmarks/results/serve-jit``)."""
+
+
 def write_stub(root: Path, plugin: bool = True, weight_scale: bool = False) -> Path:
-    """A dist-info under ``root`` that declares the plugin's entry point (for a tree where
+    """Dist-infos under ``root`` that declare the plugin's entry point (for a tree where
     the plugin is importable from ``src`` but not installed); put ``root`` on the path.
     ``weight_scale``: also the benchmark's dummy-weight scaler (``dummy_scale``), for
-    engines in processes the benchmark does not run (``vllm serve``'s engine core)."""
-    info = root / "tq_warmup_plugin_stub-0.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: tq-warmup-plugin-stub\nVersion: 0\n"
-    )
-    lines = ["[vllm.general_plugins]"]
-    if plugin:
-        lines.append("tq_warmup = tq_warmup_plugin:register")
-    if weight_scale:
-        lines.append("tqbench_weight_scale = benchmarks.tqbench.dummy_scale:register")
-    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    engines in processes the benchmark does not run (``vllm serve``'s engine core).
+    A distribution not asked for is removed, so a reused ``root`` declares what it says."""
+    wanted = {"plugin": plugin, "weight_scale": weight_scale}
+    for role, (name, line) in _STUBS.items():
+        info = root / f"{name.replace('-', '_')}-0.dist-info"
+        if not wanted[role]:
+            for f in (info / "METADATA", info / "entry_points.txt"):
+                f.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                info.rmdir()
+            continue
+        info.mkdir(parents=True, exist_ok=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0\n")
+        (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{line}\n")
     return root
 
 

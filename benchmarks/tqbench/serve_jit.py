@@ -73,6 +73,7 @@ __all__ = [
     "build_layer",
     "in_process_row",
     "pin_of",
+    "plugin_checked",
     "prepare_row",
 ]
 
@@ -247,7 +248,10 @@ def run_row(args: argparse.Namespace, name: str, port: int, work: Path, out: Pat
     suffix = "" if start == 1 else f"-start{start}"
     if args.in_process:
         row_result = in_process_row(args, p, out / f"inproc-{name}{suffix}.log", result)
-        return {**row_result, **row_facts(row_result.get("plugin_lines") or [])}
+        return {
+            **plugin_checked(row_result, p.env),
+            **row_facts(row_result.get("plugin_lines") or []),
+        }
     argv = serve_argv(args, p.model_dir, port, p.kv, args.jit_mode) + p.extra
     log = out / f"serve-{name}{suffix}.log"
     srv = Server(port, args.request_timeout)
@@ -258,7 +262,17 @@ def run_row(args: argparse.Namespace, name: str, port: int, work: Path, out: Pat
 
     row_result = served_row(srv, children, (argv, log, p.env, args.startup_timeout), result,
                             workload)  # fmt: skip
-    return {**row_result, **row_facts(row_result.get("plugin_lines") or [])}
+    return {**plugin_checked(row_result, p.env), **row_facts(row_result.get("plugin_lines") or [])}
+
+
+def plugin_checked(row: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    """``row``, its status ``no-plugin`` where the plugin was to run (``TQ_WARMUP`` not 0)
+    and its engine logged no ``tq-warmup:`` line: what it served, it served without the
+    plugin, and the table must not count it as the plugin's row."""
+    started = row.get("status") not in (None, "startup-failed")
+    if started and env.get("TQ_WARMUP", "1") != "0" and not row.get("plugin_lines"):
+        return {**row, "status": "no-plugin", "status_served": row.get("status")}
+    return row
 
 
 def in_process_row(args: argparse.Namespace, p: Prepared, log: Path,
