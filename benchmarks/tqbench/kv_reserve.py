@@ -5,12 +5,17 @@ after its warmup, keeping free the allocator peak that warmup reached. Scratch t
 plugin allocates once (first launches, the engine warmers' inputs) would be kept free
 for the server's lifetime unless it runs outside that window. Each engine here starts
 with vLLM's defaults (no ``kv_cache_memory_bytes``: that turns the extensible cache off),
-one at a time, in its own child process, in three modes:
+one at a time, in its own child process, in these modes:
 
 * ``off``: ``TQ_WARMUP=0``, the baseline;
 * ``unwrapped``: the plugin, its warmup inside vLLM's transient window (as before the
   plugin kept it out);
-* ``on``: the plugin as shipped.
+* ``on``: the plugin as shipped;
+* ``no-launch``, ``no-vllm-kernels``, ``no-ahead``, ``no-guards``: the plugin less one
+  part (``PARTS_OFF``), to find which part the blocks ``on`` loses go to.
+
+Each child also prints torch's allocated and reserved memory and the device's free
+memory once serving, so a difference between modes splits into torch's and the rest's.
 
 The KV block count is vLLM's own log line ("N KV cache blocks ... fit", 0.34), read
 from each child's log; a release without that line reports vLLM's "GPU KV cache size".
@@ -37,9 +42,23 @@ from benchmarks.tqbench.children import Children, child_pythonpath
 from benchmarks.tqbench.cli import add_options, new_parser
 from benchmarks.tqbench.engine import REPO_ROOT, installed_vllm_version, nvidia_smi_name
 
-__all__ = ["MODES", "add_parser", "child", "parse_log", "ratios", "table"]
+__all__ = ["MODES", "PARTS_OFF", "add_parser", "child", "mode_env", "parse_log", "ratios", "table"]
 
 MODES = ("off", "unwrapped", "on")
+PARTS_OFF: dict[str, dict[str, str]] = {
+    "no-launch": {"TQ_WARMUP_LAUNCH": "0"},
+    "no-vllm-kernels": {"TQ_WARMUP_VLLM_KERNELS": "0"},
+    "no-ahead": {"TQ_WARMUP_AHEAD": "0"},
+    "no-guards": {"TQ_WARMUP_PREFIX_GUARD": "0", "TQ_WARMUP_SPEC_GUARD": "0"},
+}
+"""The plugin as shipped less one part: where the blocks it costs go (``--modes``)."""
+
+
+def mode_env(mode: str) -> dict[str, str]:
+    """The plugin's variables of one mode (every mode but ``off`` runs the plugin)."""
+    return {"TQ_WARMUP": "0" if mode == "off" else "1", **PARTS_OFF.get(mode, {})}
+
+
 _BLOCKS = re.compile(
     r"([\d.]+) GiB kept for transient activations \(([\d.]+) GiB allocated at peak.*?"
     r"(\d+) KV cache blocks \(([\d.]+) GiB\) fit"
@@ -85,6 +104,8 @@ def parse_log(text: str) -> dict[str, Any]:
     workspace = re.findall(r'"workspace_mib": ([\d.]+)', text)
     if workspace:
         out["workspace_mib"] = float(workspace[-1])
+    for fact in re.findall(r'"(torch_allocated_mib|torch_reserved_mib|free_mib)": ([\d.]+)', text):
+        out[fact[0]] = float(fact[1])
     plugin = _PLUGIN.findall(text)
     if plugin:
         out["plugin_line"] = plugin[-1][:400]
@@ -111,15 +132,19 @@ def ratios(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as a text table."""
     head = (
-        f"{'max_model_len':>13} {'mode':<10}{'KV blocks':>10}{'kept GiB':>10}{'peak GiB':>10}"
-        f"{'workspace MiB':>15}"
+        f"{'max_model_len':>13} {'mode':<16}{'KV blocks':>10}{'kept GiB':>10}{'peak GiB':>10}"
+        f"{'workspace MiB':>15}{'torch MiB':>11}{'free MiB':>10}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
+        torch_mib = r.get("torch_reserved_mib")
+        free_mib = r.get("free_mib")
         lines.append(
-            f"{r['max_model_len']:>13} {r['mode']:<10}{r.get('kv_blocks', '-')!s:>10}"
+            f"{r['max_model_len']:>13} {r['mode']:<16}{r.get('kv_blocks', '-')!s:>10}"
             f"{r.get('kept_gib', '-')!s:>10}{r.get('peak_gib', '-')!s:>10}"
             f"{r.get('workspace_mib', '-')!s:>15}"
+            f"{'-' if torch_mib is None else f'{torch_mib:.0f}':>11}"
+            f"{'-' if free_mib is None else f'{free_mib:.0f}':>10}"
         )
     return "\n".join(lines)
 
@@ -149,7 +174,22 @@ def child(args: argparse.Namespace) -> int:
     out = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
     print(json.dumps({"served_tokens": len(out[0].outputs[0].token_ids)}), flush=True)
     print(json.dumps({"workspace_mib": _workspace_bytes() / 2**20}), flush=True)
+    print(json.dumps(_memory()), flush=True)
     return 0
+
+
+def _memory() -> dict[str, float]:
+    """The device's memory once serving, in MiB: what torch holds (allocated, reserved)
+    and what is free, so two modes' difference splits into torch's and the rest's."""
+    import torch
+
+    free, _ = torch.cuda.mem_get_info()
+    mib = 2**20
+    return {
+        "torch_allocated_mib": torch.cuda.memory_allocated() / mib,
+        "torch_reserved_mib": torch.cuda.memory_reserved() / mib,
+        "free_mib": free / mib,
+    }
 
 
 def _workspace_bytes() -> int:
@@ -182,7 +222,7 @@ def cmd_kv_reserve(args: argparse.Namespace) -> int:
         for mode in args.modes.split(","):
             env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
             env["PYTHONPATH"] = child_pythonpath([str(REPO_ROOT / "src")], env)
-            env["TQ_WARMUP"] = "0" if mode == "off" else "1"
+            env.update(mode_env(mode))
             log = work / f"{length}-{mode}.log"
             argv = [sys.executable, "-m", "benchmarks.tqbench", "kv-reserve", "--child", mode]
             argv += ["--model-dir", str(model), "--preset", args.preset]
