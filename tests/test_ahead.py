@@ -433,7 +433,7 @@ def test_a_turboquant_plan_that_fails_costs_its_line_not_the_engine_jobs(
     monkeypatch.setattr(ahead_child, "die_with_parent", lambda: None)  # not this process
     engines: list[EngineRequest] = []
     monkeypatch.setattr(engine_plan, "cpu_engine", lambda request: engines.append(request))
-    monkeypatch.setattr(engine_plan, "jobs", lambda pm, engine: ([engine_job], [], []))
+    monkeypatch.setattr(engine_plan, "jobs", lambda pm, engine, sms=0: ([engine_job], [], []))
 
     def build(todo: list[Job], **kwargs: Any) -> tuple[list[Job], list[str]]:
         built.append([f"{job.family}: {job.what}" for job in todo])

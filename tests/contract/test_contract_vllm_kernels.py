@@ -21,7 +21,7 @@ from realvllm import activate_compile_only_driver, block_table, recorded_keys
 from tq_warmup_plugin import compat
 from tq_warmup_plugin.vllm_kernels import run as engine_warmup
 from tq_warmup_plugin.vllm_kernels.jobs import Engine
-from tq_warmup_plugin.warmers import vllm_rejection
+from tq_warmup_plugin.warmers import vllm_rejection, vllm_top_k_top_p
 from tq_warmup_plugin.worker.warmup import plugin_manager
 
 pytestmark = pytest.mark.real_vllm
@@ -83,6 +83,7 @@ def engine(runner: Any, v2: bool = False, k: int = 3) -> Engine:
         spec_tokens=k,
         draft_probs=False,
         max_logprobs=20,
+        vocab_size=VOCAB,
         device=runner.device,
         runner=runner,
     )
@@ -211,7 +212,11 @@ def test_v1_logprobs_job_runs_the_real_sampler() -> None:
     assert seen and result.kernels >= len(seen)
     assert result.errors == []
     assert result.jobs.get("logprobs") == 1
-    assert result.jobs.get("top-k/top-p") == 6  # 3 variants x 2 batch classes, float32
+    # 3 variants x 2 batch classes, float32, and top-p with and without top-k at the
+    # fewest rows of each split count 16 and 17 rows do not reach (none before 0.30)
+    found = compat.topp_split_count(None)
+    split = vllm_top_k_top_p.split_rows(lambda r: found[0](r, VOCAB), found[1]) if found else []
+    assert result.jobs.get("top-k/top-p") == 6 + 2 * len(split)
 
 
 def serve_top_k_top_p(rows: int, top_k: bool, top_p: bool) -> set[Any]:
@@ -301,3 +306,47 @@ def test_the_engine_reads_moe_and_hybrid_from_vllms_model_config(
     worker = SimpleNamespace(vllm_config=config, model_runner=SimpleNamespace())
     engine = Engine(**compat.engine_of(worker, vllm_env))
     assert (engine.moe, engine.hybrid) == (moe, hybrid)
+
+
+def split_counts() -> tuple[Any, int]:
+    """vLLM's split count of its split-row top-p pipeline (0.30+) for this test's 132 SMs."""
+    found = compat.topp_split_count(None)
+    if found is None:
+        pytest.skip("this release has no split-row top-p pipeline (0.26 and before)")
+    return found
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, 128256])
+def test_top_k_top_p_warmer_reaches_every_split_count(vocab: int) -> None:
+    count, most = split_counts()
+    served = {count(rows, vocab) for rows in range(1, most + 1)}
+    warmed_rows = [
+        *vllm_top_k_top_p.ROWS,
+        *vllm_top_k_top_p.split_rows(lambda r: count(r, vocab), most),
+    ]
+    assert {count(rows, vocab) for rows in warmed_rows} == served
+    if vocab == VOCAB:  # 16 and 17 rows alone miss the small batches' counts (the bug)
+        assert {count(rows, vocab) for rows in vllm_top_k_top_p.ROWS} < served
+
+
+def serve_topp_split(rows: int, top_k: bool) -> set[Any]:
+    """The keys of vLLM's split-row top-p pipeline for one batch: what a GPU batch of
+    ``rows`` top-p rows runs (a CPU tensor never takes it, so it is called directly)."""
+    import torch
+    import vllm.v1.sample.ops.topk_topp_triton as topk_topp
+
+    logits = torch.randn(rows, VOCAB, dtype=torch.float32)
+    k = torch.randint(1, 50, (rows,), dtype=torch.int32) if top_k else None
+    p = torch.rand(rows, dtype=torch.float32)
+    with recorded_keys() as seen:
+        topk_topp._apply_topp_split(logits, k, p, float("-inf"), 132)
+    return seen
+
+
+def test_split_top_p_keys_follow_the_split_count_alone() -> None:
+    count, _ = split_counts()
+    assert count(9, VOCAB) == count(16, VOCAB) != count(17, VOCAB)
+    for top_k in (False, True):
+        # one batch size per split count builds every binary of that count
+        assert serve_topp_split(9, top_k) == serve_topp_split(16, top_k)
+        assert serve_topp_split(16, top_k) != serve_topp_split(17, top_k)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import vllm_paths as paths
@@ -42,6 +42,7 @@ __all__ = [
     "speculative_of",
     "top_k_top_p_function",
     "topk_logprobs_function",
+    "topp_split_count",
     "zero_blocks_launch",
 ]
 
@@ -54,8 +55,8 @@ class CompatError(RuntimeError):
 def engine_of(worker: Any, feats: Features) -> dict[str, Any]:
     """The fields of a live worker's ``engine.Engine`` (``worker_uses_v2``; all releases:
     ``model_runner``, ``vllm_config.speculative_config``,
-    ``model_config.max_logprobs``, ``is_moe``, ``is_hybrid`` and ``is_pooling_model``
-    under the same names)."""
+    ``model_config.max_logprobs``, ``get_vocab_size``, ``is_moe``, ``is_hybrid`` and
+    ``is_pooling_model`` under the same names)."""
     config = worker.vllm_config
     method, tokens, probs = speculative_of(config)
     runner = worker.model_runner
@@ -67,6 +68,7 @@ def engine_of(worker: Any, feats: Features) -> dict[str, Any]:
         spec_tokens=tokens,
         draft_probs=probs,
         max_logprobs=int(getattr(config.model_config, "max_logprobs", 20)),
+        vocab_size=_vocab_size(config.model_config),
         moe=bool(getattr(config.model_config, "is_moe", False)),
         hybrid=bool(getattr(config.model_config, "is_hybrid", False)),
         # 0.25+ (``ObservabilityConfig.jit_monitor_mode``); before, no monitor: False.
@@ -83,6 +85,12 @@ def engine_of(worker: Any, feats: Features) -> dict[str, Any]:
         device=getattr(runner, "device", None),
         runner=runner,
     )
+
+
+def _vocab_size(model_config: Any) -> int:
+    """``ModelConfig.get_vocab_size()`` (all releases); 0 for a config without it."""
+    get = getattr(model_config, "get_vocab_size", None)
+    return int(get()) if callable(get) else 0
 
 
 _SPEC_FIELDS = (
@@ -354,6 +362,29 @@ def top_k_top_p_function() -> Any:
     (all releases), which the V2 sampler calls, and V1's samplers (0.20-0.33); on a GPU
     it takes ``_topk_topp_kernel`` from 8 rows (0.26:351)."""
     return importlib.import_module(paths.TOPK_TOPP_MODULE).apply_top_k_top_p
+
+
+def topp_split_count(device_index: int | None) -> tuple[Callable[[int, int], int], int] | None:
+    """vLLM's split-row top-p pipeline (``_apply_topp_split``, 0.30-0.34; none on 0.26):
+    a batch of at most ``_SPLIT_MAX_BATCH`` rows with top-p goes through three kernels
+    whose constexpr ``S`` is ``_topp_split_count(rows, vocab, SMs)``, so each batch size
+    class compiles its own binaries. Returns ``(rows, vocab) -> S`` for this device (its
+    SM count as the launcher reads it, ``num_compute_units``) and that most rows; None
+    where the release has no such pipeline or the platform no SM count."""
+    try:
+        module = importlib.import_module(paths.TOPK_TOPP_TRITON_MODULE)
+    except ImportError:  # 0.20-0.25: no Triton top-k/top-p module
+        return None
+    count = getattr(module, "_topp_split_count", None)
+    most = getattr(module, "_SPLIT_MAX_BATCH", None)
+    sms = getattr(module, "num_compute_units", None)
+    if not (callable(count) and callable(sms) and isinstance(most, int)):
+        return None
+    try:
+        num_sm = int(sms(device_index))
+    except (NotImplementedError, RuntimeError):  # a platform without an SM count
+        return None
+    return (lambda rows, vocab: int(count(rows, vocab, num_sm))), most
 
 
 def topk_logprobs_function() -> Any:

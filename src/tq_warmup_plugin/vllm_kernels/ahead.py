@@ -140,6 +140,19 @@ def _arch() -> int | None:
     return int(major) * 10 + int(minor)
 
 
+def _sms() -> int | None:
+    """The current GPU's SM count: the top-k/top-p launchers key their split-row top-p
+    kernels on it (``compat.topp_split_count``); None where torch cannot say (the child
+    then builds for an H100's)."""
+    import torch
+
+    try:
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    except (AssertionError, RuntimeError):  # no CUDA in this torch or process
+        return None
+    return int(props.multi_processor_count)
+
+
 def start(worker: Any) -> None:
     """Start this worker's child, once; any failure is its one line, never an exception."""
     global _child
@@ -154,12 +167,19 @@ def start(worker: Any) -> None:
         arch = _arch() if request is not None else None
         if request is None or arch is None:
             return
+        sms = _sms()
         processes = max(1, min(PROCESSES, (os.cpu_count() or 1) // 2))
         verify = _verify_rows()
     except Exception as exc:
         _child = Child(None, None, started, f"did not start: {error_line(exc)}")
         return
-    given = {"request": request.to_dict(), "arch": arch, "processes": processes, "verify": verify}
+    given = {
+        "request": request.to_dict(),
+        "arch": arch,
+        "sms": sms,
+        "processes": processes,
+        "verify": verify,
+    }
     spawn(given, worker.vllm_config)
 
 
@@ -173,7 +193,7 @@ def _verify_rows() -> bool:
 
 
 def spawn(given: dict[str, Any], config: Any = None) -> None:
-    """Fork this process's child for ``given`` (``{"request", "arch", "processes",
+    """Fork this process's child for ``given`` (``{"request", "arch", "sms", "processes",
     "verify"}``) and the worker's ``config`` (what ``ahead_child.run_child`` takes);
     ``wait`` reaps it. A fork that fails is its one line.
 

@@ -97,7 +97,7 @@ def _compile(pm: pluggy.PluginManager, key: Any) -> None:
 
 
 def run_child(given: Mapping[str, Any], out: int, config: Any = None) -> int:
-    """Build ``given``'s jobs (``{"request", "arch", "processes", "verify"}``) and write
+    """Build ``given``'s jobs (``{"request", "arch", "sms", "processes", "verify"}``) and write
     the result line to file descriptor ``out``; the exit code (1 where a job failed).
     ``config``: the worker's ``VllmConfig``, which a fork shares: its TurboQuant keys come
     first, as the worker's own warmup compiles them first; None (``python -m``): the
@@ -110,7 +110,7 @@ def run_child(given: Mapping[str, Any], out: int, config: Any = None) -> int:
     try:
         from ..shipped.precompile import use_compile_only_target
         from ..worker.plugins import plugin_manager
-        from .offline import EngineRequest, build, cpu_engine, jobs
+        from .offline import H100_SMS, EngineRequest, build, cpu_engine, jobs
 
         use_compile_only_target(int(given["arch"]))
         request = EngineRequest.from_dict(given["request"])
@@ -124,14 +124,15 @@ def run_child(given: Mapping[str, Any], out: int, config: Any = None) -> int:
                 request = dataclasses.replace(request, zeroing=planned.zeroing)
         engine = cpu_engine(request)  # vLLM's import, if new
         pm = plugin_manager()
-        todo, _, errors = jobs(pm, engine)
+        sms = int(given.get("sms") or H100_SMS)
+        todo, _, errors = jobs(pm, engine, sms=sms)
         errors = unplanned + errors
         if planned is not None:
             ours = key_jobs(pm, planned)
             keys, todo = len(ours), ours + todo
         phases["plan"] = time.perf_counter() - began
         processes = int(given["processes"])
-        done, failed = build(todo, processes=processes, each=die_with_parent)
+        done, failed = build(todo, sms=sms, processes=processes, each=die_with_parent)
         result: dict[str, Any] = {"built": len(done), "errors": errors + failed, "keys": keys}
     except Exception as exc:  # one line, as the worker's own errors are
         result = {"built": 0, "errors": [error_line(exc)]}

@@ -77,6 +77,9 @@ class Engine:
     gpu_name: str = ""
     """The GPU an offline plan builds for, by vLLM's name (``compat.device_name``): the
     fused MoE config lookup reads that GPU's tuned JSONs."""
+    vocab_size: int = 0
+    """``model_config.get_vocab_size()``: the logits' width, which sets the split count of
+    the split-row top-p kernels (``compat.topp_split_count``); 0 where not known."""
     device: Any = field(compare=False, default=None)
     runner: Any = field(compare=False, default=None)
     """The live model runner: its block tables and model are what serving launches with."""

@@ -284,16 +284,21 @@ def cpu_engine(request: EngineRequest) -> Engine:
         kv_zeroing=request.zeroing,
         planned=True,
         gpu_name=request.gpu_name,
+        vocab_size=request.vocab_size,
         max_tokens=request.max_num_batched_tokens,
         device=runner.device,
         runner=runner,
     )
 
 
-def jobs(pm: pluggy.PluginManager, engine: Engine) -> tuple[list[Job], list[Declined], list[str]]:
-    """The warmers' offline jobs for ``engine``; a job that needs the worker is one
+def jobs(
+    pm: pluggy.PluginManager, engine: Engine, sms: int = H100_SMS
+) -> tuple[list[Job], list[Declined], list[str]]:
+    """The warmers' offline jobs for ``engine`` on a GPU of ``sms`` SMs (the top-k/top-p
+    warmer's split-row batch sizes follow from it); a job that needs the worker is one
     decline per family (it runs at startup)."""
-    planned, declined, errors = engine_warmup.plan(pm, engine)
+    with _sm_count(sms):
+        planned, declined, errors = engine_warmup.plan(pm, engine)
     offline = [job for job in planned if job.offline and not job.real]
     later = Counter(job.family for job in planned if job.real or not job.offline)
     declined += [
