@@ -335,15 +335,15 @@ def test_effective_block_size_rule() -> None:
     from tq_warmup_plugin import compat
     from tq_warmup_plugin.plan import rules as plan_rules
 
-    new, old = compat.features((0, 26)), compat.features((0, 24))
-    assert [plan_rules.effective_block_size(new, b, 2) for b in (16, 32, 64, 128)] == [
-        32,
-        32,
-        64,
-        128,
-    ]
-    assert plan_rules.effective_block_size(new, 16, 4) == 64
-    assert plan_rules.effective_block_size(old, 16, 2) == 16
+    # turboquant_4bit_nc, head size 128: a packed slot of 134 bytes a KV head (0.28+)
+    packed, uint8, old = (compat.features(v) for v in ((0, 34), (0, 26), (0, 24)))
+    rule = plan_rules.effective_block_size
+    assert [rule(uint8, b, 2, 128, 134) for b in (16, 32, 64, 128)] == [32, 32, 64, 128]
+    assert rule(uint8, 16, 4, 128, 134) == 64
+    assert [rule(packed, b, 2, 128, 134) for b in (16, 32, 64, 128)] == [64, 64, 64, 128]
+    assert rule(packed, 16, 2, 128, 196) == 48  # turboquant_k8v4
+    assert rule(packed, 16, 2, 128, 512) == 16  # equal pages: the requested block
+    assert rule(old, 16, 2, 128, 134) == 16
 
 
 @pytest.mark.real_vllm

@@ -179,6 +179,12 @@ class Features(NamedTuple):
     """0.25+: ``Platform._align_heterogeneous_kv_block_size`` grows TurboQuant's block
     until its page covers a boundary layer's (``plan.rules.effective_block_size``);
     0.20-0.24 keep the requested size."""
+    tq_page_packed: bool
+    """0.28+: that alignment sizes TurboQuant's page by its packed slot
+    (``TurboQuantAttentionBackend.customize_spec``: ``slot_size_aligned`` bytes a KV head),
+    read in the 0.28.0, 0.30.0, 0.33.0 and 0.34.0 wheels; 0.25-0.27 as uint8 K+V, two bytes
+    a head dimension. Seen on the H100 with 0.34.0: 64-token blocks for
+    ``turboquant_4bit_nc`` where the uint8 rule gives 32."""
     v1_block_table_aligned: bool
     """0.21+: the V1 block table's row (``MultiGroupBlockTable``) is rounded up to a
     multiple of ``128 // block_size`` blocks where ``block_size <= 128`` ("as required by
@@ -237,6 +243,7 @@ def features(version: Version) -> Features:
         jit_registry_collects=version >= (0, 29),
         hybrid_turboquant=version >= (0, 21),
         tq_block_aligned=version >= (0, 25),
+        tq_page_packed=version >= (0, 28),
         v1_block_table_aligned=version >= (0, 21),
         block_table_rounded=version >= (0, 27),
         v2_runner_default=version >= (0, 25),

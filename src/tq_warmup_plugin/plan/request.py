@@ -201,8 +201,11 @@ def plan_shape(request: PlanRequest, shape: ModelShape | None) -> Planned:
     method, tokens, _ = compat.speculative_fields(request.speculative_config)
     bs = request.block_size
     hybrid = shape is not None and shape.hybrid
+    layout = preset(request.kv_cache_dtype, head_size)
     if not hybrid:  # a hybrid has no boundary layers to cover
-        bs = effective_block_size(feats, bs, DTYPE_BYTES[dtype])
+        bs = effective_block_size(
+            feats, bs, DTYPE_BYTES[dtype], head_size, layout.slot_size_aligned
+        )
     with quiet_vllm():  # vLLM's platform says what it cannot import (0.33), the CLI not
         if hybrid and shape is not None and shape.config is not None:
             try:
@@ -214,7 +217,6 @@ def plan_shape(request: PlanRequest, shape: ModelShape | None) -> Planned:
             except compat.CompatError as exc:
                 note += f"; hybrid: block {bs} ({exc}), --geometry-json is exact"
         kernel = compat.kernel_block_size(bs)
-    layout = preset(request.kv_cache_dtype, head_size)
     moe = bool(shape and shape.moe)  # vLLM runs a MoE model on V1 where it has one
     runner = "v2" if compat.runs_v2(feats, method, moe, request.runner) else "v1"
     width = block_table_width(feats, max_model_len, bs, runner == "v2", kernel)

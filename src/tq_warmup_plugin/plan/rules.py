@@ -87,21 +87,30 @@ def kv_view_strides(
     return (page, num_kv_heads * slot_size, slot_size)
 
 
-def effective_block_size(feats: Features, requested: int, model_dtype_bytes: int) -> int:
+def effective_block_size(
+    feats: Features, requested: int, model_dtype_bytes: int, head_size: int, slot_bytes: int
+) -> int:
     """The block size vLLM settles on for TurboQuant layers, for planning without a
     worker (a worker's real KV tensor says it directly).
 
-    ``Features.tq_block_aligned`` (0.25+): TurboQuant leaves boundary layers in the model dtype, and
-    ``Platform._align_heterogeneous_kv_block_size`` grows the block until a
-    TurboQuant page, sized there as uint8 K+V per token, covers a 16-token page of
-    those layers: ``align * ceil(16 * dtype_bytes / align)`` with
-    ``align = max(16, requested)`` (32 for a bf16 model at the default 16; seen on
-    the H200 with 0.26.0). 0.20-0.24 keep the requested size.
+    ``Features.tq_block_aligned`` (0.25+): TurboQuant leaves boundary layers in the model
+    dtype, and ``Platform._align_heterogeneous_kv_block_size`` grows the block, in steps of
+    ``align = max(16, requested)``, until a TurboQuant page covers a 16-token page of those
+    layers (``2 * head_size * model_dtype_bytes`` bytes a KV head a token). A TurboQuant
+    token is ``slot_bytes`` a KV head (``slot_size_aligned``, ``Features.tq_page_packed``,
+    0.28+), before that ``2 * head_size`` (uint8 K+V): 32 for a bf16 model at the default
+    16 on 0.25-0.27 (seen on the H200 with 0.26.0), 64 for ``turboquant_4bit_nc`` on 0.28+
+    (seen on the H100 with 0.34.0). Equal pages keep the requested size; 0.20-0.24 keep it
+    always.
     """
     if not feats.tq_block_aligned:
         return requested
+    padded = 2 * head_size * model_dtype_bytes
+    primary = slot_bytes if feats.tq_page_packed else 2 * head_size
+    if padded == primary:
+        return requested
     align = max(16, requested)
-    return align * -(-16 * model_dtype_bytes // align)
+    return max(requested, align * -(-16 * padded // (align * primary)))
 
 
 def block_table_width(
