@@ -76,6 +76,7 @@ GATE_COLUMNS = (
     "prefill_buffers_cached",
     "draft_cpu_seq_lens_stale",
     "v2_ubatches",
+    "v2_draft_prefill_kernel",
     "rocm_flydsl",
     "local_boundary_tq_backend",
     "local_tq_spec_plain",
@@ -89,6 +90,7 @@ GATE_COLUMNS = (
     "jit_registry_collects",
     "hybrid_turboquant",
     "tq_block_aligned",
+    "tq_page_packed",
     "v1_block_table_aligned",
     "block_table_rounded",
     "v2_runner_default",
@@ -99,17 +101,17 @@ GATE_COLUMNS = (
 T, F = True, False
 # fmt: off
 GATES = {
-    (0, 20): (F,F,F,F,F,F,T,F,F,F,F,F,F,T,T,T,F,F,F,F,F,F,F,F,F,F,F,F,F,F,T),
-    (0, 21): (F,F,T,T,T,T,T,T,F,T,T,F,F,T,T,T,T,T,F,F,F,F,F,T,F,T,F,F,F,F,T),
-    (0, 23): (F,F,T,T,T,T,T,T,F,T,T,F,F,T,T,T,T,T,F,F,F,F,F,T,F,T,F,F,F,F,T),
-    (0, 24): (F,F,T,T,T,T,T,T,F,T,T,F,F,T,T,T,T,T,F,F,F,F,F,T,F,T,F,F,F,F,T),
-    (0, 25): (F,F,T,T,T,T,T,T,T,T,T,F,F,T,T,T,T,T,F,F,F,F,F,T,T,T,F,T,F,F,T),
-    (0, 26): (T,T,T,T,T,T,T,T,T,T,T,F,F,T,T,T,T,T,F,T,F,F,F,T,T,T,F,T,F,F,T),
-    (0, 28): (T,T,T,T,T,T,T,T,F,T,T,F,T,T,F,T,T,T,F,F,F,F,F,T,T,T,T,T,F,F,T),
-    (0, 29): (T,F,T,T,T,T,T,T,F,T,T,F,T,T,F,T,T,T,T,F,F,F,T,T,T,T,T,T,F,F,T),
-    (0, 30): (T,F,T,T,T,T,T,T,F,T,T,T,T,T,F,T,T,F,T,F,T,T,T,T,T,T,T,T,F,F,T),
-    (0, 33): (T,F,T,T,T,T,T,T,F,T,T,T,T,T,F,T,T,F,T,F,T,T,T,T,T,T,T,T,F,F,T),
-    (0, 34): (T,F,T,T,T,T,T,T,F,T,F,T,T,T,F,T,T,F,T,F,T,T,T,T,T,T,T,T,T,T,F),
+    (0, 20): (F,F,F,F,F,F,T,F,F,F,F,F,F,F,T,T,T,F,F,F,F,F,F,F,F,F,F,F,F,F,F,F,T),
+    (0, 21): (F,F,T,T,T,T,T,T,F,T,T,F,F,F,T,T,T,T,T,F,F,F,F,F,T,F,F,T,F,F,F,F,T),
+    (0, 23): (F,F,T,T,T,T,T,T,F,T,T,F,F,F,T,T,T,T,T,F,F,F,F,F,T,F,F,T,F,F,F,F,T),
+    (0, 24): (F,F,T,T,T,T,T,T,F,T,T,F,F,F,T,T,T,T,T,F,F,F,F,F,T,F,F,T,F,F,F,F,T),
+    (0, 25): (F,F,T,T,T,T,T,T,T,T,T,F,F,F,T,T,T,T,T,F,F,F,F,F,T,T,F,T,F,T,F,F,T),
+    (0, 26): (T,T,T,T,T,T,T,T,T,T,T,F,F,F,T,T,T,T,T,F,T,F,F,F,T,T,F,T,F,T,F,F,T),
+    (0, 28): (T,T,T,T,T,T,T,T,F,T,T,F,F,T,T,F,T,T,T,F,F,F,F,F,T,T,T,T,T,T,F,F,T),
+    (0, 29): (T,F,T,T,T,T,T,T,F,T,T,F,F,T,T,F,T,T,T,T,F,F,F,T,T,T,T,T,T,T,F,F,T),
+    (0, 30): (T,F,T,T,T,T,T,T,F,T,T,T,T,T,T,F,T,T,F,T,F,T,T,T,T,T,T,T,T,T,F,F,T),
+    (0, 33): (T,F,T,T,T,T,T,T,F,T,T,T,T,T,T,F,T,T,F,T,F,T,T,T,T,T,T,T,T,T,F,F,T),
+    (0, 34): (T,F,T,T,T,T,T,T,F,T,F,T,T,T,T,F,T,T,F,T,F,T,T,T,T,T,T,T,T,T,T,T,F),
 }
 # fmt: on
 

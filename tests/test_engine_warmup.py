@@ -340,6 +340,24 @@ def test_hybrid_kernels_nobody_warms_are_named_in_one_line(error_mode: bool) -> 
     assert "FULL decode-graph capture ran their kernels" in full[0].why
 
 
+@pytest.mark.parametrize("error_mode", [False, True])
+def test_the_v2_draft_speculators_input_kernel_is_named_in_one_line(error_mode: bool) -> None:
+    """draft_model on the V2 runner from 0.30: one decline, a WARNING only in error mode;
+    another method, V1 or an older release: nothing said."""
+    pm = manager(vllm_unwarmed)
+    draft = {"runner_v2": True, "spec_method": "draft_model", "jit_monitor_error": error_mode}
+    jobs, declined = fakes.jobs_of(pm, engine((0, 34), **draft))
+    assert jobs == []
+    assert [(d.family, d.warn) for d in declined] == [("draft speculator inputs", error_mode)]
+    assert "_prepare_prefill_inputs_kernel" in declined[0].why and "\n" not in declined[0].why
+    assert ("error stops the engine core" in declined[0].why) is error_mode
+    assert fakes.jobs_of(pm, engine((0, 26), **draft)) == ([], [])
+    assert fakes.jobs_of(pm, engine((0, 34), **{**draft, "spec_method": "eagle"})) == ([], [])
+    assert fakes.jobs_of(pm, engine((0, 33), **{**draft, "runner_v2": False})) == ([], [])
+    _, both = fakes.jobs_of(pm, engine((0, 34), hybrid=True, **draft))
+    assert [d.family for d in both] == ["draft speculator inputs", "Mamba/GDN layers"]
+
+
 def test_real_jobs_run_first_on_the_callers_thread_with_launches_running() -> None:
     """A model forward (``Job.real``) runs serially before the compile-only pool, on the
     caller's thread, with Triton's launch unpatched; the others inside the patch."""

@@ -68,7 +68,7 @@ def engine_of(worker: Any, feats: Features) -> dict[str, Any]:
         spec_tokens=tokens,
         draft_probs=probs,
         max_logprobs=int(getattr(config.model_config, "max_logprobs", 20)),
-        vocab_size=_vocab_size(config.model_config),
+        vocab_size=int(getattr(config.model_config, "get_vocab_size", lambda: 0)()),
         moe=bool(getattr(config.model_config, "is_moe", False)),
         hybrid=bool(getattr(config.model_config, "is_hybrid", False)),
         # 0.25+ (``ObservabilityConfig.jit_monitor_mode``); before, no monitor: False.
@@ -85,12 +85,6 @@ def engine_of(worker: Any, feats: Features) -> dict[str, Any]:
         device=getattr(runner, "device", None),
         runner=runner,
     )
-
-
-def _vocab_size(model_config: Any) -> int:
-    """``ModelConfig.get_vocab_size()`` (all releases); 0 for a config without it."""
-    get = getattr(model_config, "get_vocab_size", None)
-    return int(get()) if callable(get) else 0
 
 
 _SPEC_FIELDS = (

@@ -144,11 +144,11 @@ def _sms() -> int | None:
     """The current GPU's SM count: the top-k/top-p launchers key their split-row top-p
     kernels on it (``compat.topp_split_count``); None where torch cannot say (the child
     then builds for an H100's)."""
-    import torch
-
     try:
+        import torch
+
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    except (AssertionError, RuntimeError):  # no CUDA in this torch or process
+    except (ImportError, AssertionError, RuntimeError):  # no torch, or no CUDA in it
         return None
     return int(props.multi_processor_count)
 

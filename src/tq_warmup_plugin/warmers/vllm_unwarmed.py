@@ -12,6 +12,10 @@ them after startup (``benchmarks/results/serve-jit/SUMMARY.md``): there the fami
 one INFO line. Elsewhere (``--enforce-eager``, PIECEWISE graphs), until a warmer derives their
 keys, it declines in one line: INFO, or a WARNING where ``--jit-monitor-mode error`` will stop
 the engine core on the first such compile. (MoE layers: ``vllm_fused_moe``.)
+
+The V2 draft_model speculator's first-pass input kernel (0.30+) is the other: its
+``BLOCK_SIZE`` follows the step's longest query, and a 0.34.0 error-mode server with
+draft_model died on it (H100); it declines the same way.
 """
 
 from __future__ import annotations
@@ -21,22 +25,40 @@ from collections.abc import Iterable
 from ..hookspecs import hookimpl
 from ..vllm_kernels.jobs import Declined, Engine, Job
 
-__all__ = ["HYBRID", "tq_warmup_engine_jobs"]
+__all__ = ["DRAFT_PREFILL", "HYBRID", "tq_warmup_engine_jobs"]
 
 HYBRID = "Mamba/GDN layers"
+DRAFT_PREFILL = "draft speculator inputs"
+
+
+def _draft_prefill(engine: Engine) -> list[Declined]:
+    """The V2 draft_model speculator's first-pass input kernel (0.30+), keyed by the step's
+    longest query: compiled after startup by a 0.34.0 error-mode server with draft_model,
+    which then served none of its requests (H100, ``benchmarks/results/serve-jit``)."""
+    if not (
+        engine.runner_v2
+        and engine.spec_method == "draft_model"
+        and engine.features.v2_draft_prefill_kernel
+    ):
+        return []
+    why = "_prepare_prefill_inputs_kernel compiles per power of two of a step's longest query"
+    if engine.jit_monitor_error:
+        why += ": --jit-monitor-mode error stops the engine core on the first; serve in warn mode"
+    return [Declined(DRAFT_PREFILL, why, warn=engine.jit_monitor_error)]
 
 
 @hookimpl
 def tq_warmup_engine_jobs(engine: Engine) -> Iterable[Job | Declined]:
+    drafts = _draft_prefill(engine)
     if not engine.hybrid:
-        return []
+        return drafts
     if engine.full_decode_graphs:
         # vLLM's own startup and FULL graph capture ran these layers' kernels: a Qwen3-Next
         # server with MTP compiled none after startup (benchmarks/results/serve-jit/SUMMARY.md).
-        return [Declined(HYBRID, "no warmer of their own: vLLM's startup and its FULL "
-                         "decode-graph capture ran their kernels (0 compiles after startup "
-                         "in a Qwen3-Next server, H200, 0.26.0)")]  # fmt: skip
+        return [*drafts, Declined(HYBRID, "no warmer of their own: vLLM's startup and its "
+                         "FULL decode-graph capture ran their kernels (0 compiles after "
+                         "startup in a Qwen3-Next server, H200, 0.26.0)")]  # fmt: skip
     why = "their conv1d and gated-delta-rule kernels compile on first use"
     if engine.jit_monitor_error:
         why += ": --jit-monitor-mode error stops the engine core on the first; serve in warn mode"
-    return [Declined(HYBRID, why, warn=engine.jit_monitor_error)]
+    return [*drafts, Declined(HYBRID, why, warn=engine.jit_monitor_error)]
