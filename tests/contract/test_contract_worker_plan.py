@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from realvllm import forget_compiled, has_v1_runner, layer_kv_cache, make_impl
 from test_contract_ahead import RUNNER, request
+from test_contract_block_size import vllms_block
 from test_contract_hybrid_block import vllm_kernel_block
 from test_contract_vllm_kernels import _driver as _driver  # autouse: sm90, the SM count
 from test_contract_vllm_kernels import feats
@@ -53,7 +54,7 @@ class Case:
     max_len: int
     block: int
     """The manager block the worker's ``CacheConfig`` holds; 0: TurboQuant's own for a bf16
-    model (32 where vLLM aligns it, 0.25+, as logged on the H200 with 0.26.0; else 16)."""
+    model (vLLM's alignment, 0.25+: 32 on 0.25-0.27, 64 for this preset on 0.28+; else 16)."""
     k: int = 0
 
 
@@ -75,7 +76,14 @@ def kernel_of(block: int) -> int:
 
 
 def block_of(case: Case) -> int:
-    return case.block or (32 if feats().tq_block_aligned else 16)
+    """The manager block a worker of ``case`` holds: vLLM's own alignment of the default 16
+    for the model's head size (``test_contract_block_size``), or the case's."""
+    if case.block or not feats().tq_block_aligned:
+        return case.block or 16
+    from vllm.config import ModelConfig
+
+    head = ModelConfig(model=str(MODELS / case.model), skip_tokenizer_init=True).get_head_size()
+    return vllms_block(PRESET, head, 16, "bfloat16")
 
 
 def worker_config(case: Case) -> Any:

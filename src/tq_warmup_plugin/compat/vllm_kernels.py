@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -378,7 +379,9 @@ def topp_split_count(device_index: int | None) -> tuple[Callable[[int, int], int
         num_sm = int(sms(device_index))
     except (NotImplementedError, RuntimeError):  # a platform without an SM count
         return None
-    return (lambda rows, vocab: int(count(rows, vocab, num_sm))), most
+    if "vocab_size" in inspect.signature(count).parameters:  # 0.33-0.34
+        return (lambda rows, vocab: int(count(rows, vocab, num_sm))), most
+    return (lambda rows, vocab: int(count(rows, num_sm))), most  # 0.30: (batch, SMs)
 
 
 def topk_logprobs_function() -> Any:
