@@ -248,21 +248,23 @@ def run_row(args: argparse.Namespace, name: str, port: int, work: Path, out: Pat
     suffix = "" if start == 1 else f"-start{start}"
     if args.in_process:
         row_result = in_process_row(args, p, out / f"inproc-{name}{suffix}.log", result)
-        return {
-            **plugin_checked(row_result, p.env),
-            **row_facts(row_result.get("plugin_lines") or []),
-        }
+    else:
+        row_result = _served(args, p, port, out / f"serve-{name}{suffix}.log", result, children)
+    return {**plugin_checked(row_result, p.env), **row_facts(row_result.get("plugin_lines") or [])}
+
+
+def _served(args: argparse.Namespace, p: Prepared, port: int, log: Path,
+            result: dict[str, Any], children: Children) -> dict[str, Any]:  # fmt: skip
+    """One row as ``vllm serve`` over the HTTP mix (``serve_prefix.served_row``)."""
     argv = serve_argv(args, p.model_dir, port, p.kv, args.jit_mode) + p.extra
-    log = out / f"serve-{name}{suffix}.log"
     srv = Server(port, args.request_timeout)
 
     def workload() -> dict[str, Any]:
         done = _workload(srv, str(p.model_dir), args)
         return {**done, "status": "ok" if done["failed"] == 0 else "requests-failed"}
 
-    row_result = served_row(srv, children, (argv, log, p.env, args.startup_timeout), result,
-                            workload)  # fmt: skip
-    return {**plugin_checked(row_result, p.env), **row_facts(row_result.get("plugin_lines") or [])}
+    return served_row(srv, children, (argv, log, p.env, args.startup_timeout), result,
+                      workload)  # fmt: skip
 
 
 def plugin_checked(row: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:

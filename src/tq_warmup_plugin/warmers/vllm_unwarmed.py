@@ -42,9 +42,15 @@ def _draft_prefill(engine: Engine) -> list[Declined]:
     ):
         return []
     why = "_prepare_prefill_inputs_kernel compiles per power of two of a step's longest query"
+    return [_compiled_late(DRAFT_PREFILL, why, engine)]
+
+
+def _compiled_late(family: str, why: str, engine: Engine) -> Declined:
+    """``family``'s decline for kernels that compile on first use: a WARNING, and says so,
+    where ``--jit-monitor-mode error`` will stop the engine core on the first."""
     if engine.jit_monitor_error:
         why += ": --jit-monitor-mode error stops the engine core on the first; serve in warn mode"
-    return [Declined(DRAFT_PREFILL, why, warn=engine.jit_monitor_error)]
+    return Declined(family, why, warn=engine.jit_monitor_error)
 
 
 @hookimpl
@@ -59,6 +65,4 @@ def tq_warmup_engine_jobs(engine: Engine) -> Iterable[Job | Declined]:
                          "FULL decode-graph capture ran their kernels (0 compiles after "
                          "startup in a Qwen3-Next server, H200, 0.26.0)")]  # fmt: skip
     why = "their conv1d and gated-delta-rule kernels compile on first use"
-    if engine.jit_monitor_error:
-        why += ": --jit-monitor-mode error stops the engine core on the first; serve in warn mode"
-    return [*drafts, Declined(HYBRID, why, warn=engine.jit_monitor_error)]
+    return [*drafts, _compiled_late(HYBRID, why, engine)]
