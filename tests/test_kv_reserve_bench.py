@@ -13,6 +13,7 @@ requested 79.18 GiB. Torch may reserve up to 13.05 GiB.
 INFO [kv_cache_utils.py:1168] GPU KV cache size: 2,366,976 tokens
 {"workspace_mib": 524.125}
 {"torch_allocated_mib": 66540.5, "torch_reserved_mib": 66600.0, "free_mib": 1024.0}
+{"phase": "warmup.compile_into", "delta_mib": {"torch_reserved_mib": 0.0, "free_mib": -42.0, "modules_loaded": 21}}
 """
 
 
@@ -21,6 +22,8 @@ def test_the_log_gives_blocks_reserve_and_memory() -> None:
     assert row["kv_blocks"] == 36984 and row["kept_gib"] == 2.35 and row["peak_gib"] == 1.69
     assert row["kv_tokens"] == 2366976 and row["workspace_mib"] == 524.125
     assert row["torch_reserved_mib"] == 66600.0 and row["free_mib"] == 1024.0
+    held = row["phases_mib"]["warmup.compile_into"]
+    assert held["free_mib"] == -42.0 and held["modules_loaded"] == 21
 
 
 def test_each_part_mode_runs_the_plugin_less_that_part_only() -> None:

@@ -104,8 +104,12 @@ def parse_log(text: str) -> dict[str, Any]:
     workspace = re.findall(r'"workspace_mib": ([\d.]+)', text)
     if workspace:
         out["workspace_mib"] = float(workspace[-1])
-    for fact in re.findall(r'"(torch_allocated_mib|torch_reserved_mib|free_mib)": ([\d.]+)', text):
-        out[fact[0]] = float(fact[1])
+    memory = re.findall(r'^\{"torch_allocated_mib".*\}$', text, re.MULTILINE)
+    if memory:
+        out.update(json.loads(memory[-1]))
+    phases = re.findall(r'"phase": "([\w.]+)", "delta_mib": (\{[^}]*\})', text)
+    if phases:
+        out["phases_mib"] = {name: json.loads(held) for name, held in phases}
     plugin = _PLUGIN.findall(text)
     if plugin:
         out["plugin_line"] = plugin[-1][:400]
@@ -157,6 +161,8 @@ def child(args: argparse.Namespace) -> int:
         from tq_warmup_plugin import compat
 
         compat.kv_warmup_window = lambda worker, feats: contextlib.nullcontext()
+    if args.child != "off":
+        _trace_phases()
     from vllm import LLM, SamplingParams
 
     length = args.max_model_len[0]
@@ -176,6 +182,60 @@ def child(args: argparse.Namespace) -> int:
     print(json.dumps({"workspace_mib": _workspace_bytes() / 2**20}), flush=True)
     print(json.dumps(_memory()), flush=True)
     return 0
+
+
+# The plugin's phases whose memory the trace reads: (module, attribute) of each.
+_PHASES = (
+    ("tq_warmup_plugin.worker.warmup", "run"),
+    ("tq_warmup_plugin.worker.workspace", "reserve"),
+    ("tq_warmup_plugin.worker.warmup", "compile_into"),
+    ("tq_warmup_plugin.worker.launches", "launch_all"),
+    ("tq_warmup_plugin.worker.warmup", "_load_compiled"),
+    ("tq_warmup_plugin.worker.warmup", "_warm_vllm_kernels"),
+)
+
+
+def _trace_phases() -> None:
+    """Wrap each of the plugin's phases (``_PHASES``) to print what it left held: torch's
+    reserved memory and the device's free memory, after a sync, before and after it. The
+    engine runs in this process, so the worker calls the wrapped functions."""
+    import functools
+    import importlib
+
+    import torch
+    from triton.compiler.compiler import CompiledKernel
+
+    loads = [0]
+    init_handles = CompiledKernel._init_handles
+
+    def counted(self: Any) -> None:
+        fresh = getattr(self, "module", None) is None
+        init_handles(self)
+        loads[0] += fresh and getattr(self, "module", None) is not None
+
+    CompiledKernel._init_handles = counted
+
+    def wrap(name: str, fn: Any) -> Any:
+        @functools.wraps(fn)
+        def traced(*a: Any, **kw: Any) -> Any:
+            torch.cuda.synchronize()
+            before, loaded = _memory(), loads[0]
+            try:
+                return fn(*a, **kw)
+            finally:
+                torch.cuda.synchronize()
+                after = _memory()
+                held = {k: round(after[k] - before[k], 1) for k in after}
+                held["modules_loaded"] = loads[0] - loaded
+                print(json.dumps({"phase": name, "delta_mib": held}), flush=True)
+
+        return traced
+
+    for module_name, attr in _PHASES:
+        module = importlib.import_module(module_name)
+        setattr(
+            module, attr, wrap(f"{module_name.rsplit('.', 1)[1]}.{attr}", getattr(module, attr))
+        )
 
 
 def _memory() -> dict[str, float]:
