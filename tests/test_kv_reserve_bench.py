@@ -13,7 +13,8 @@ requested 79.18 GiB. Torch may reserve up to 13.05 GiB.
 INFO [kv_cache_utils.py:1168] GPU KV cache size: 2,366,976 tokens
 {"workspace_mib": 524.125}
 {"torch_allocated_mib": 66540.5, "torch_reserved_mib": 66600.0, "free_mib": 1024.0}
-{"phase": "warmup.compile_into", "delta_mib": {"torch_reserved_mib": 0.0, "free_mib": -42.0, "modules_loaded": 21}}
+{"phase": "warmup.compile_into", "delta_mib": {"torch_reserved_mib": 0.0, "free_mib": -42.0, \
+"modules_loaded": 21}}
 """
 
 
