@@ -34,12 +34,9 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-# Distinct keys compile on threads: measured on the H200 (vLLM 0.26.0), 4 threads
-# cut a cold 6-key warmup from 1.4-1.6 s to 0.8-0.9 s (benchmarks/results/README.md). More threads
-# than CPUs only compete for them (issue 12: 6 threads on 2 CPUs were 3x slower), and more
-# than 4 did not help on 16 CPUs either: a cold V2 worker's vLLM-kernel compiles took 6.4 s on
-# 4 threads, 8.3 s on 8 and 7.3 s on 16 (H200, 0.26.0; Triton holds the GIL for most of a
-# compile; benchmarks/results/serve-jit/SUMMARY.md).
+# Distinct keys compile on threads, at most one per CPU (more only compete for them, issue
+# 12); more than 4 did not help, as Triton holds the GIL for most of a compile (vLLM 0.26.0,
+# benchmarks/results/serve-jit/SUMMARY.md).
 DEFAULT_THREADS = min(4, cpu_count())
 
 _FALSE = frozenset({"0", "false", "off", "no"})
@@ -86,9 +83,9 @@ class Settings(NamedTuple):
         logprobs; ``vllm_kernels.run``).
     ahead: ``TQ_WARMUP_AHEAD`` (default on): with ``vllm_kernels``, a CPU-only fork of the
         worker started at ``load_model`` builds those kernels' keys while the worker loads
-        its model (``ahead``), so a cold worker does not compile them in ``kernel_warmup``:
-        a V2 worker's vLLM-kernel warmers took 0.12 s with it and 10.8 s without (H200,
-        vLLM 0.26.0, ``benchmarks/results/serve-jit/SUMMARY.md``); ``0`` never starts it.
+        its model (``ahead``), so a cold worker does not compile them in ``kernel_warmup``
+        (over ten seconds of a V2 worker's startup on vLLM 0.26.0,
+        ``benchmarks/results/serve-jit/SUMMARY.md``); ``0`` never starts it.
     trusted: what a shipped cache (Triton layer or driver-cache entry) may serve, from
         ``TQ_WARMUP_CACHE_PIN`` and ``cache_unverified`` (``shipped.pins.describe``): what
         ``doctor`` shows. A pin closes every other door: with it set, a layer without a

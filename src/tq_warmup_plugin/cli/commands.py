@@ -176,9 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=1200,
         help="seconds the launches may take (and the engine, each)",
     )
-    # The engine is the default: the plan's launches alone filled 3 of the 4 FA2 modules a
-    # TurboQuant engine loads, and an engine given that entry was still JIT-compiling after
-    # 120 s (benchmarks/results/driver-cache/README.md).
+    # The engine is the default: the plan's launches alone miss an FA2 module a TurboQuant
+    # engine loads, and the driver JIT-compiles it at that engine's startup (vLLM 0.26.0,
+    # benchmarks/results/driver-cache/README.md).
     how = p_driver.add_mutually_exclusive_group()
     how.add_argument(
         "--engine",

@@ -169,8 +169,8 @@ class Features(NamedTuple):
     ``eagle_prepare_inputs_padded``, ``eagle_prepare_next_token_padded``,
     ``copy_and_expand_eagle_inputs``) register with vLLM's JIT warmup registry
     (``v1/spec_decode/utils.py`` 0.30:120-616, 0.33); 0.26-0.29 define them without
-    (0.29: no ``Warmup`` in the file), and they compiled on the first draft steps (H200,
-    0.26.0, draft_model k=3)."""
+    (0.29: no ``Warmup`` in the file), and they compiled on the first draft steps (vLLM
+    0.26.0, ``benchmarks/results/serve-jit``)."""
     jit_registry_collects: bool
     """0.29+: the model runner collects ``JitWarmupRegistry`` registrations (V1
     ``gpu_model_runner.py`` 0.29:757, V2 ``gpu/model_runner.py`` 0.30:202) and
@@ -188,8 +188,8 @@ class Features(NamedTuple):
     """0.28+: that alignment sizes TurboQuant's page by its packed slot
     (``TurboQuantAttentionBackend.customize_spec``: ``slot_size_aligned`` bytes a KV head),
     read in the 0.28.0, 0.30.0, 0.33.0 and 0.34.0 wheels; 0.25-0.27 as uint8 K+V, two bytes
-    a head dimension. Seen on the H100 with 0.34.0: 64-token blocks for
-    ``turboquant_4bit_nc`` where the uint8 rule gives 32."""
+    a head dimension. A vLLM 0.34.0 server ran 64-token blocks for ``turboquant_4bit_nc``
+    where the uint8 rule gives 32 (``benchmarks/results/serve-jit``)."""
     v1_block_table_aligned: bool
     """0.21+: the V1 block table's row (``MultiGroupBlockTable``) is rounded up to a
     multiple of ``128 // block_size`` blocks where ``block_size <= 128`` ("as required by

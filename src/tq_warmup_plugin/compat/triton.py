@@ -98,7 +98,7 @@ class Launches(list[str]):
     (the C launcher and the module's load on the GPU). What is left of a job's time is
     vLLM's own code around the launch. The split found that a hybrid worker's lookups,
     nothing compiled, were six times as long beside the warmers' graph traces as after
-    them (H100, 0.26.0, ``benchmarks/results/serve-jit/SUMMARY.md``)."""
+    them (vLLM 0.26.0, ``benchmarks/results/serve-jit/SUMMARY.md``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -164,10 +164,10 @@ def _one_compile_per_key() -> Iterator[None]:
     Why: ``JITFunction.run`` looks the key up in its in-memory cache and, on a miss, compiles
     (``_do_compile(key, signature, device, ...)``, Triton 3.6-3.8), with no lock between the
     two. The V2 sampler's 7 logprob jobs each launch ``_ranks_kernel`` with one key, so a cold
-    V2 worker compiled it 4 times on 4 threads and 7 times on 16: 3 of its 17 compiles, 6 of 20
-    (H200, vLLM 0.26.0, ``benchmarks/results/serve-jit/SUMMARY.md``). The lock is one per
-    (kernel, key, device) and lives as long as this context; distinct keys still compile side
-    by side. Where Triton has no ``_do_compile``, nothing changes.
+    V2 worker compiled it on several threads at once (vLLM 0.26.0,
+    ``benchmarks/results/serve-jit/SUMMARY.md``). The lock is one per (kernel, key, device)
+    and lives as long as this context; distinct keys still compile side by side. Where Triton
+    has no ``_do_compile``, nothing changes.
     """
     from triton.runtime.jit import JITFunction
 
@@ -196,7 +196,7 @@ def pin_to_callers_device() -> Callable[[], None] | None:
 
     Triton keys its in-memory kernel cache by the current device, and a new thread
     starts on device 0: without this, tensor-parallel rank 1 warmed device 0's cache
-    and still compiled at runtime (seen on two H200s with vLLM 0.26.0). Both thread
+    and still compiled at runtime (vLLM 0.26.0). Both thread
     pools use it: the TurboQuant keys' (``warmup.compile_all``) and the engine
     warmers' (``engine_warmup.run``).
     """
@@ -224,10 +224,10 @@ def build_host_launcher(kernel: Any) -> str | None:
 
     Why: Triton 3.6.0 (vLLM 0.20-0.26) compiles a C launcher per kernel signature with the
     host's C compiler on a kernel's first load (``CudaLauncher``, ``driver.py`` 3.6.0:676-689),
-    cached on disk under ``sha256(source + platform_key())``. A worker served 20 launches of
-    vLLM's own kernels from a shipped layer, 0 Triton compiles, in 0.98 s, where the same
-    worker over the Triton cache of an earlier start (launchers there) took 0.09 s (H200,
-    0.26.0, ``benchmarks/results/serve-jit/SUMMARY.md``). Building them where the kernels are
+    cached on disk under ``sha256(source + platform_key())``. From a shipped layer without them
+    a worker's launches of vLLM's own kernels, 0 Triton compiles, took ten times as long as
+    over the Triton cache of an earlier start (vLLM 0.26.0,
+    ``benchmarks/results/serve-jit/SUMMARY.md``). Building them where the kernels are
     built (the compile-ahead child, ``precompile``) leaves the worker a load. Triton 3.7.1 and
     3.8.0 launch through one generic launcher and build none (no ``make_launcher``). Linking
     needs ``libcuda.so.1`` (``libcuda_dirs``, or ``TRITON_LIBCUDA_PATH``) and a C compiler: a

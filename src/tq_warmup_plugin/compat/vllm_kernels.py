@@ -191,10 +191,10 @@ def hybrid_block_size(
     the block until a TurboQuant page covers the model's Mamba state, on a ``VllmConfig`` of
     the model (a CPU device: the method reads the model, cache, parallel and speculative
     configs only). The state grows with the draft tokens, and so does the block: 2096, 2160 and
-    2224 tokens at k = 0, 2 and 4 for the serve-jit Qwen3-Next (vLLM 0.22-0.33 on the CPU; the
-    H200 logged "Setting attention block size to 2160 tokens" with MTP k=2, 0.26.0,
-    ``benchmarks/results/serve-jit/SUMMARY.md``). A worker does this after loading its model,
-    so an offline plan that skipped it would plan such a model at TurboQuant's own 32.
+    2224 tokens at k = 0, 2 and 4 for the serve-jit Qwen3-Next (vLLM 0.22-0.33), as a 0.26.0
+    server logged with MTP k=2 (``benchmarks/results/serve-jit/SUMMARY.md``). A worker does
+    this after loading its model, so an offline plan that skipped it would plan such a model
+    at TurboQuant's own 32.
 
     Prefix caching (opt-in for hybrids, 0.22-0.33) picks the ``mamba_cache_mode`` first, by
     vLLM's own ``HybridAttentionMambaModelConfig`` as ``VllmConfig`` runs it: ``all`` for
@@ -238,7 +238,7 @@ def kernel_block_size(block_size: int) -> int:
     runner's ``prepare_kernel_block_sizes`` picks it for an attention group (0.22-0.33,
     ``vllm.v1.worker.utils``). The two differ for a hybrid model, whose attention pages vLLM
     sizes to the Mamba state: the serve-jit Qwen3-Next's block of 2160 tokens runs kernels of
-    16, 135 to a block (H200, 0.26.0, ``benchmarks/results/serve-jit/SUMMARY.md``), and its
+    16, 135 to a block (vLLM 0.26.0, ``benchmarks/results/serve-jit/SUMMARY.md``), and its
     drafter's helpers and slot mapping are keyed by those. Where the function or the backend is
     missing, the block itself: a miss costs the worker a compile, never a wrong result."""
     try:

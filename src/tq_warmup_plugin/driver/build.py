@@ -13,10 +13,9 @@ An existing entry of the same key that verifies seeds the stage, so a second pla
 With ``--engine`` a second child then starts a dummy-weight vLLM engine of the model
 (``engine_spec``: the plugin on, as in the fleet's pods) into the same cache and serves a
 one-token and a chunk-long prompt, so the entry also holds what vLLM's own warmup and
-first requests load. Why: on the H200 (vLLM 0.26.0, 2026-12-01) the plan's launches
-alone made a 44.5 MiB entry, while a fresh engine's startup filled 60.0 MiB and an
-engine given only the entry was still JIT-compiling after 120 s
-(``benchmarks/results/driver-cache/``).
+first requests load. Why: the plan's launches alone miss a module a fresh engine's startup
+loads, so an engine given only their entry was still JIT-compiling after two minutes
+(vLLM 0.26.0, ``benchmarks/results/driver-cache/README.md``).
 
 It needs the GPU kind and driver version it is for (the driver JIT-compiles for the GPU
 it runs on, and a new driver invalidates its cache): unlike ``precompile``, it runs on

@@ -14,7 +14,7 @@ Triton kernels bundled, and AOTAutograd's, each keyed by torch itself on the gra
 torch and Triton versions and the device. Loading writes them into this process's
 inductor caches, so the warmers' compiles of the same graphs are cache hits; an
 artifact of another stack or graph only misses. With them a MoE worker from a layer
-and an entry compiled nothing (H100, vLLM 0.26.0; the same record).
+and an entry compiled nothing (vLLM 0.26.0, the same record).
 
 Trust: artifacts are pickles, and loading one runs code, as the driver cache's GPU code
 is code the driver runs. They are read only from the entry ``driver.startup`` chose for

@@ -3,9 +3,10 @@
 vLLM 0.26.0's FlashAttention-2 library (``vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so``)
 holds sm_80 code only (``cuobjdump --list-elf``: 76 sm_80 entries, none for sm_90), and
 TurboQuant runs every layer on FA2, so on an H100/H200 the CUDA driver JIT-compiles each
-FA2 module's PTX the first time a process loads it (about 130 s of a fresh H200's first
-engine start, 0.26.0) and keeps the result only in its own cache (``CUDA_CACHE_PATH``,
-default ``~/.nv/ComputeCache``), which a container loses with the pod.
+FA2 module's PTX the first time a process loads it (minutes of a fresh machine's first engine
+start: vLLM 0.26.0, ``benchmarks/results/driver-cache/README.md``) and keeps the result only
+in its own cache (``CUDA_CACHE_PATH``, default ``~/.nv/ComputeCache``), which a container
+loses with the pod.
 
 ``tq-warmup driver-cache`` (``driver.build``) fills a fresh ``CUDA_CACHE_PATH`` on one GPU
 and installs it as one *entry* of ``LAYER/driver-cache``: ``<key>/cache/`` (what the
@@ -88,11 +89,12 @@ COMPILED_FILE = "torch-compile.bin"
 """What the engine child writes; the entry holds it as ``torch-compile-<sha256 16>.bin``,
 so a build seeded by an earlier entry keeps that build's artifacts beside its own."""
 MAX_COMPILED_BYTES = 256 << 20
-"""The most one ``compiled`` file holds: the engine child's artifacts were 0.2-2 MiB here."""
+"""The most one ``compiled`` file holds: far above the engine child's artifacts (a few MiB
+at most)."""
 _MAX_COMPILED = 16
 MAX_MANIFEST_BYTES = 1 << 20
-"""An entry's manifest: ~100 bytes a file, so 10,000 files; 64 of 8 MiB cost about 10 s
-in every vLLM process (issue 30), 64 of 1 MiB about 1 s."""
+"""An entry's manifest: ~100 bytes a file, so 10,000 files; every vLLM process reads the
+manifests, and 64 at this cap read in about 1 s (issue 30)."""
 MAX_FILES = 100_000
 MAX_DEPTH = 8
 MAX_ENTRIES = 64

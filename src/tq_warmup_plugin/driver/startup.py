@@ -1,15 +1,14 @@
 """At ``register()``: start this process's CUDA driver JIT cache from the shipped one.
 
 The driver reads ``CUDA_CACHE_PATH`` when CUDA initialises, so it must be set before any
-CUDA context (on the H200, driver 580.159.04, 2026-12-01: a launch whose module the cache
-held was a hit in 13 s with the variable set before CUDA, and was no hit within 110 s with
-it set after torch made a context): ``register()`` runs early in every vLLM process (the
-``vllm.general_plugins`` entry point; vLLM initialises CUDA in the worker, after loading its
-plugins), and the processes vLLM starts inherit what it set. Nothing here imports torch or
-starts CUDA: the node's driver and GPUs come from ``/proc/driver/nvidia``, the FA2 library
-is found without importing vLLM and compared by size (the build and ``tq-warmup verify``
-compare its sha256; a same-size other build would only miss, as the driver keys its
-entries).
+CUDA context (set after torch made one, it gave no hit: vLLM 0.26.0,
+``benchmarks/results/driver-cache/README.md``): ``register()`` runs early in every vLLM
+process (the ``vllm.general_plugins`` entry point; vLLM initialises CUDA in the worker, after
+loading its plugins), and the processes vLLM starts inherit what it set. Nothing here
+imports torch or starts CUDA: the node's driver and GPUs come from ``/proc/driver/nvidia``,
+the FA2 library is found without importing vLLM and compared by size (the build and
+``tq-warmup verify`` compare its sha256; a same-size other build would only miss, as the
+driver keys its entries).
 
 Where an entry of ``TQ_WARMUP_DRIVER_CACHE`` matches, the driver only ever gets a copy
 this process checked, made from hashed bytes, in a directory only this user can write
@@ -27,14 +26,13 @@ the entry's cache is checked to hold plain files and directories only, every lis
 symlinked sub-directory is refused, as ``verify`` refuses it; an unlisted plain file is
 never copied). An entry bigger than the driver's cache limit (``CUDA_CACHE_MAXSIZE``, 4
 GiB) is not copied (a reason in the WARNING, the next entry tried). The driver serves no
-hit from a read-only cache (the same launch over a read-only bind mount was no hit within
-110 s on the H200), so a copy is needed anyway. ``CUDA_CACHE_MAXSIZE`` is raised to 4 GiB
-unless set (the default 256 MiB may evict). A ``CUDA_CACHE_PATH`` already set is kept (one
-WARNING) unless ``TQ_WARMUP_DRIVER_CACHE_OVERRIDE`` is on; one that equals the choice was
-set by this process's parent and is silently kept. Each process holds the copy it uses,
-and the copies of entries no process uses any more are removed (``copies``). A mismatch,
-or a setting that names no entry at all, is one WARNING and the driver JITs as before.
-Nothing here raises."""
+hit from a read-only cache (vLLM 0.26.0, the same record), so a copy is needed anyway.
+``CUDA_CACHE_MAXSIZE`` is raised to 4 GiB unless set (the default 256 MiB may evict). A
+``CUDA_CACHE_PATH`` already set is kept (one WARNING) unless
+``TQ_WARMUP_DRIVER_CACHE_OVERRIDE`` is on; one that equals the choice was set by this
+process's parent and is silently kept. Each process holds the copy it uses, and the copies
+of entries no process uses any more are removed (``copies``). A mismatch, or a setting that
+names no entry at all, is one WARNING and the driver JITs as before. Nothing here raises."""
 
 from __future__ import annotations
 
@@ -70,8 +68,8 @@ logger = logging.getLogger("vllm.tq_warmup_plugin")
 # The most CUDA_CACHE_MAXSIZE accepts (CUDA programming guide, "JIT compilation": 4 GiB).
 MAXSIZE = str(4 << 30)
 READ_BUDGET_S = 2.0
-"""How long ``register()`` reads manifests before it stops, one WARNING: 64 manifests of
-8 MiB each cost about 10 s in every vLLM process (issue 30); 64 of 1 MiB (the cap) ~1 s."""
+"""How long ``register()`` reads manifests before it stops, one WARNING: every vLLM process
+pays it, and 64 manifests at the 1 MiB cap read in about 1 s (issue 30)."""
 
 
 class Decision(NamedTuple):

@@ -12,9 +12,9 @@ A guard is a module of this package with:
 
 Each patch is made with ``tq_warmup_plugin.patching`` (wrap, mark, rebind, restore, log
 once), and each guard's module docstring holds its bug's evidence: the releases, the
-files and lines, the measurement. Which guards a process gets is decided here, from the frozen
-settings; ``install.py`` applies them. A new guard joins ``every()`` and gets a
-``tests/test_guard_<name>.py``.
+files and lines, one sentence of what was seen and its record. Which guards a process gets
+is decided here, from the frozen settings; ``install.py`` applies them. A new guard joins
+``every()`` and gets a ``tests/test_guard_<name>.py``.
 """
 
 from __future__ import annotations

@@ -3,10 +3,9 @@
 Why: the PIECEWISE cap (``spec_graphs``) keeps verify tokens right, but each
 TurboQuant layer's verify attention then runs outside the graph through
 ``_prefill_attention``'s per-request loop (one decode launch, ``.tolist()`` reads and
-scratch per request and layer). On the H200 (vLLM 0.26.0, Llama-3-8B shape,
-``turboquant_4bit_nc``, ngram k=2, 1000-token prompts) that kept 51% of the unguarded
-FULL-graph throughput at batch 1 (175 vs 344 tok/s) and 28% at batch 8 (458 vs 1639),
-below no speculative decoding at all (1029). Upstream #40914 (a uniform-batch branch
+scratch per request and layer). That kept half the unguarded FULL-graph throughput or
+less, below no speculative decoding at all (vLLM 0.26.0,
+``benchmarks/results/spec/SUMMARY-batched.md``). Upstream #40914 (a uniform-batch branch
 that allocates during replay and lets mixed batches reach the loop) and #53410
 (spec-as-decode rows, unmerged) do not serve both needs in any release the gate names.
 

@@ -8,9 +8,9 @@ as they were (``spec_decode/utils.py`` 0.22:293-303, 0.33:413-423). TurboQuant's
 prefill loop takes each request's length from that bound (``turboquant_attn.py``
 0.22:238, 607-608), so a fresh prompt gets ``cached_len = seq_len - q_len = -1``: over
 128 tokens ``_continuation_prefill`` allocates 0 cached rows and raises "The expanded
-size of the tensor (191) must match the existing size (0)" (seen on an H200 with vLLM
-0.22.0, draft_model); at 128 or fewer it attends with every length one short. 0.20
-reads the GPU ``seq_lens`` (``turboquant_attn.py`` 0.20:571) and is not affected.
+size of the tensor (191) must match the existing size (0)" (vLLM 0.22.0, draft_model;
+``tests/test_guard_draft_seq_lens.py``); at 128 or fewer it attends with every length one
+short. 0.20 reads the GPU ``seq_lens`` (``turboquant_attn.py`` 0.20:571) and is not affected.
 
 Which setups reach it (``compat.Features.draft_cpu_seq_lens_stale``):
 draft_model runs on the V1 runner up to 0.30 (V2 refuses it, ``config/vllm.py``

@@ -8,8 +8,9 @@ config's dtype (``chunked_local_attention.py`` 0.20-0.26:102, 0.27.1-0.33:101) b
 list (``arg_utils.py``), so a boundary layer that is chunked local gets TurboQuant's
 backend with the dtype ``"auto"``, and ``TurboQuantAttentionImpl.__init__`` raises
 "Unknown TurboQuant cache dtype: 'auto'". Llama 4's layer 0 is chunked local: with any
-TurboQuant preset it did not start on an H200 (vLLM 0.26.0, 2026-12-01), with or
-without this plugin; the same construction raises on 0.22 and 0.33 (tests).
+TurboQuant preset it did not start, with or without this plugin (vLLM 0.26.0,
+``benchmarks/results/llama4/2026-12-01-h200-vllm0.26.0.md``); the same construction raises
+on 0.22 and 0.33 (tests).
 
 What: for a layer whose index is in the skip list while the cache dtype is
 ``turboquant_*``, ``ChunkedLocalAttention.__init__`` gets a copy of the cache config
@@ -24,7 +25,7 @@ layer's KV-cache spec is ``TQFullAttentionSpec`` (``attention.py`` 0.26:677, 0.2
 but a compressed chunked local layer's is ``ChunkedLocalAttentionSpec`` of uint8 at the
 full head size (``chunked_local_attention.py`` 0.20-0.26:122, 0.27.1:121): 32768 bytes a
 page beside 17152 at 128x8 heads, so the engine still fails a step later, in KV-cache
-grouping ("page size is not divisible by the maximum page size", H200, 0.26.0). The
+grouping ("page size is not divisible by the maximum page size", the same record). The
 guard says so in one WARNING when the first such layer is built, before vLLM's error;
 0.28+ give both kinds of TurboQuant layer the same spec with ``kv_quant_mode``.
 """

@@ -4,9 +4,9 @@ Why: ``TurboQuantMetadataBuilder`` reports ``UNIFORM_BATCH`` (all releases), so 
 speculative decoding vLLM captures FULL graphs of uniform 1+k-token verify batches.
 Capture runs TurboQuant's per-request prefill loop on dummy metadata whose sequence
 length equals the query length, and the graph keeps that branch, "attention over the
-new tokens only", for every replay: wrong tokens and no error (0.21 and later; on an H200
-with vLLM 0.22.0, ngram k=3 diverged at token 3-4 of every prompt and k=1 hit an
-illegal memory access), or a startup crash on 0.20 (``.tolist()`` during capture).
+new tokens only", for every replay: wrong tokens and no error (0.21 and later; ngram
+engines were WRONG on vLLM 0.22.0 and 0.26.0, ``benchmarks/results/spec/SUMMARY.md``), or a
+startup crash on 0.20 (``.tolist()`` during capture).
 Upstream: #40831, #52475, #53180 (wrong tokens), #40807 (0.20); the fixes (#43747,
 #53406) are unmerged in every release ``compat.Features.spec_graphs_unsafe`` names.
 

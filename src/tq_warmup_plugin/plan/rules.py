@@ -99,9 +99,9 @@ def effective_block_size(
     layers (``2 * head_size * model_dtype_bytes`` bytes a KV head a token). A TurboQuant
     token is ``slot_bytes`` a KV head (``slot_size_aligned``, ``Features.tq_page_packed``,
     0.28+), before that ``2 * head_size`` (uint8 K+V): 32 for a bf16 model at the default
-    16 on 0.25-0.27 (seen on the H200 with 0.26.0), 64 for ``turboquant_4bit_nc`` on 0.28+
-    (seen on the H100 with 0.34.0). Equal pages keep the requested size; 0.20-0.24 keep it
-    always.
+    16 on 0.25-0.27, 64 for ``turboquant_4bit_nc`` on 0.28+ (servers of vLLM 0.26.0 and
+    0.34.0, ``benchmarks/results/serve-jit``). Equal pages keep the requested size; 0.20-0.24
+    keep it always.
     """
     if not feats.tq_block_aligned:
         return requested

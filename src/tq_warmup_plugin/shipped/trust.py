@@ -70,8 +70,8 @@ def warn_once(problem: str, path: str, message: str, *args: object) -> None:
 _private_roots: dict[int, str] = {}  # pid -> this process's copies of served files
 
 SHM = "/dev/shm"
-"""Where the copies go first: memory (a key's copy took 0.7 ms against 2-3.8 ms on this
-CPU machine's disk ``/tmp``, 18 keys, 4.2 MiB); ``tempfile``'s directory when it fails."""
+"""Where the copies go first: memory, where a key is copied a few times faster than to a
+disk ``/tmp`` (commit 300e231); ``tempfile``'s directory when it fails."""
 PREFIX = "tq-warmup-layer-"
 OWNER = ".owner"
 """A private directory's marker: ``<pid namespace inode> <pid> flock`` of the process it
@@ -359,9 +359,9 @@ def _running_driver() -> Any | None:
     ``CudaUtils`` -> ``compile_module_from_src``, 3.6-3.8), so a lookup may come from
     inside ``driver.active``. Asking ``driver.active`` there created a second driver
     inside the first, whose utils build asked this cache again and waited on
-    ``_trust_lock`` forever: the first engine with the layer hung at startup on the
-    H200 (vLLM 0.26.0, Triton 3.6.0). ``DriverConfig`` keeps ``_active`` and
-    ``_default`` in 3.6.0, 3.7.1 and 3.8.0."""
+    ``_trust_lock`` forever: the first engine with the layer hung at startup (vLLM 0.26.0,
+    Triton 3.6.0, ``benchmarks/results/shipped/2026-12-01-h200-vllm0.26.0-hang.md``).
+    ``DriverConfig`` keeps ``_active`` and ``_default`` in 3.6.0, 3.7.1 and 3.8.0."""
     from triton.runtime.driver import driver as config
 
     return getattr(config, "_active", None) or getattr(config, "_default", None)

@@ -24,9 +24,9 @@ restart, a shipped layer) it finds everything built and ends. Nothing it does ca
 starting: a child that fails or cannot start costs its one line in the report.
 ``TQ_WARMUP_AHEAD=0`` turns it off.
 
-Evidence: with the child a V2 worker's vLLM-kernel warmers took 0.12 s where they took 10.8 s
-without it (H200, vLLM 0.26.0); the runs are in ``benchmarks/results/serve-jit/SUMMARY.md``
-and the child's CPU cost in ``benchmarks/results/ahead-cost.json``.
+Evidence: the child took a V2 worker's vLLM-kernel warmers from over ten seconds to about a
+tenth of one (vLLM 0.26.0, ``benchmarks/results/serve-jit/SUMMARY.md``; its CPU cost in
+``benchmarks/results/ahead-cost.json``).
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def spawn(given: dict[str, Any], config: Any = None) -> None:
     its pid and the pipe its result line comes on.
 
     Why a fork and not a fresh interpreter: a fresh child's own import of vLLM outlasted
-    the time a V2 worker takes from ``load_model`` to its warmup (15-29 s against 15 s,
+    the time a V2 worker takes from ``load_model`` to its warmup (vLLM 0.26.0,
     ``benchmarks/results/serve-jit/SUMMARY.md``); the worker has vLLM imported.
     The fork has the worker's memory and none of its threads or its CUDA context: it runs
     Triton's compiler on the compile-only target (``use_compile_only_target``) and vLLM's CPU

@@ -4,9 +4,9 @@ TurboQuant's kernels are keyed by the layers (``Geometry``). The kernels vLLM it
 launches around them (slot mapping, the rejection sampler, top-k/top-p, logprobs) are
 keyed by the engine: which model runner, the block tables it built, speculative
 decoding, the vocabulary. A TurboQuant server on vLLM 0.26.0 with ngram died in JIT-monitor
-``error`` mode on ``_compute_slot_mapping_kernel`` where ``--kv-cache-dtype auto``
-served (H200): vLLM's warmup compiles that kernel for block sizes 3 and 16 only, and
-TurboQuant's bf16 block size there is 32, a ``KV_CACHE_BLOCK_SIZE`` constexpr.
+``error`` mode on ``_compute_slot_mapping_kernel`` (``benchmarks/results/serve-jit``): vLLM's
+warmup compiles that kernel for block sizes 3 and 16 only, and TurboQuant's bf16 block size
+there is 32, a ``KV_CACHE_BLOCK_SIZE`` constexpr.
 
 An ``Engine`` is read once from the live worker (``compat.engine_of``). Warmers turn
 it into ``Job``s (a callable that runs vLLM's own launcher on a few bytes, under
@@ -105,11 +105,10 @@ class Job:
     """``run`` calls a ``torch.compile``d function (the V1 sampler's rank count, the async
     spec-decode correction). Such jobs run one at a time, after the others (Dynamo's
     traces beside them slowed their Triton lookups, ``vllm_kernels.run.run``): Dynamo and AOT
-    autograd keep process-global state (``torch.fx``'s tracing flag), and 3 of 4
-    correction graphs compiled on threads beside each other and the rank count failed
-    with "Detected that you are using FX to symbolically trace a dynamo-optimized
-    function" (H100, vLLM 0.26.0, torch 2.11, the serve-jit hybrid with MTP,
-    ``benchmarks/results/serve-jit/SUMMARY.md``); their graphs then compiled while serving."""
+    autograd keep process-global state (``torch.fx``'s tracing flag): compiled on threads
+    beside each other, such graphs failed with "Detected that you are using FX to symbolically
+    trace a dynamo-optimized function" and compiled while serving instead (vLLM 0.26.0,
+    ``benchmarks/results/serve-jit/SUMMARY.md``)."""
     offline: bool = True
     """Its keys can be built without the worker, on vLLM's CPU objects (``vllm_kernels.offline``:
     ``precompile``, the compile-ahead child): a launch of Triton kernels on a few bytes.

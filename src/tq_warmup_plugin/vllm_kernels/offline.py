@@ -248,9 +248,9 @@ def cpu_engine(request: EngineRequest) -> Engine:
     Its device, where the launchers' tensors live, is ``meta``: a GPU's tensor without the
     GPU. Not the CPU: vLLM's top-k/top-p launcher picks its tiles by the device type
     (``BLOCK_SIZE`` 256 on a CPU, 8192 on a GPU, ``topk_topp_triton.py`` 0.26:940), so CPU
-    logits built keys no GPU asks for (seen on the H200, 0.26.0: the child's 6 top-k/top-p
-    keys all compiled again in the worker). A meta tensor's address is 0, which Triton
-    classes as aligned, as a GPU allocation is."""
+    logits built keys no GPU asks for (the child's top-k/top-p keys all compiled again in
+    the worker, vLLM 0.26.0). A meta tensor's address is 0, which Triton classes as aligned,
+    as a GPU allocation is."""
     import torch
 
     dtype = getattr(torch, request.model_dtype)

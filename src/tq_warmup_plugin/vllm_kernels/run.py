@@ -71,10 +71,10 @@ def plan(pm: pluggy.PluginManager, engine: Engine) -> tuple[list[Job], list[Decl
 def run(pm: pluggy.PluginManager, engine: Engine, load: bool, threads: int = 1) -> EngineResult:
     """Run every job with launches compiled (``load``: and loaded on the GPU) instead,
     ``threads`` at a time: the compiles are Triton's, which the TurboQuant keys already
-    run concurrently (``warmup.compile_all``). Serially, the 17 launches of a V1 worker
-    with ngram took 10.3-11.9 s and a V2 worker's 26 took 35.6 s (H200, 0.26.0), most
-    of it ``_topk_topp_kernel``, whose every variant is a compile of the vocabulary's
-    loop (``VOCAB_SIZE`` is a constexpr)."""
+    run concurrently (``warmup.compile_all``). Serially they cost a cold worker ten seconds
+    or more, most of it ``_topk_topp_kernel``, whose every variant is a compile of the
+    vocabulary's loop (``VOCAB_SIZE`` is a constexpr; vLLM 0.26.0,
+    ``benchmarks/results/serve-jit/SUMMARY.md``)."""
     start = time.perf_counter()
     result = EngineResult()
     jobs, declined, result.errors = plan(pm, engine)  # a warmer that raised: its line
@@ -98,9 +98,8 @@ def run(pm: pluggy.PluginManager, engine: Engine, load: bool, threads: int = 1) 
         with pool_of as pool:
             outcomes += pool.map(_timed, others)
         # After the Triton jobs, not beside them: Dynamo's traces and Triton's cache hits
-        # are both Python under one GIL, so beside each other they cannot overlap, and on
-        # the GPU they slowed each other: a hybrid's warmers took 1.51 s beside and 1.10 s
-        # after (benchmarks/results/serve-jit/SUMMARY.md; ``warm-cost`` shows it on a CPU).
+        # are both Python under one GIL, so beside each other they cannot overlap and only
+        # slow each other (vLLM 0.26.0, benchmarks/results/serve-jit/SUMMARY.md).
         outcomes += [_timed(job) for job in graphs]
     result.compiled, result.compiled_names = counter.compiled, dict(counter.names)
     for job, (error, seconds) in zip(real + others + graphs, outcomes, strict=True):

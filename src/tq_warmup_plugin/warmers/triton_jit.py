@@ -65,8 +65,8 @@ def compile_key(key: KernelKey) -> None:
     A compiled kernel is loaded on its first launch (``CompiledKernel._init_handles``,
     Triton 3.x): the binary goes to the current device and Triton builds its C
     launcher with the host compiler, cached on disk. With a cold Triton cache that
-    build cost the first long request ~0.25 s on the H200 (vLLM 0.26.0) although
-    nothing was JIT-compiled any more. The compile-only driver (CLI, tests) is not
+    build cost the first long request ~0.25 s although nothing was JIT-compiled any more
+    (vLLM 0.26.0, commit 2ed4304). The compile-only driver (CLI, tests) is not
     active and loads nothing: there the launcher is built into the cache instead, where
     this Triton builds one (``compat.build_host_launcher``), for the GPU that loads it.
     """

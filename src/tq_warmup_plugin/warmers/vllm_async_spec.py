@@ -7,9 +7,9 @@ step's accepted counts: ``update_num_computed_tokens_for_batch_change``
 the first time each size is 1 or more than 1 (it specializes sizes 0 and 1): this step's
 requests and the previous step's. vLLM's startup never calls it (no step has a previous
 one), so an in-process Qwen3-Next with MTP k=2 compiled it 3 times over the serve-jit
-mix (``benchmarks/results/serve-jit/SUMMARY.md``). vLLM's JIT monitor does not see these:
-inductor compiles without a ``@triton.jit`` launch, so a server's log names none; Triton's
-compile listener does.
+mix (vLLM 0.26.0, ``benchmarks/results/serve-jit/SUMMARY.md``). vLLM's JIT monitor does
+not see these: inductor compiles without a ``@triton.jit`` launch, so a server's log names
+none; Triton's compile listener does.
 
 This warmer calls vLLM's own function with copies of the runner's own buffers (their
 dtypes, sizes and strides; nothing of the runner is written), in inference mode as

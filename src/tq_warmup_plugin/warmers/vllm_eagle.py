@@ -9,8 +9,8 @@ model, parallel drafting), and ``eagle_step_slot_mapping_metadata_kernel`` befor
 draft step past the first. vLLM's startup does not compile them before 0.30, where its
 JIT warmup registry takes them over (``compat.Features.registry_warms_eagle_helpers``):
 on 0.26.0 all four compiled on the first requests of a TurboQuant ``vllm serve`` with
-``draft_model`` k=3 (H200, ``benchmarks/results/serve-jit``), which a JIT monitor in
-``error`` mode turns into a dead engine core.
+``draft_model`` (``benchmarks/results/serve-jit``), which a JIT monitor in ``error`` mode
+turns into a dead engine core.
 
 Their keys: the integer arguments' Triton classes (1, a multiple of 16, other: the
 batch, the token count, the sampled width), the drafter's own constexprs (its block

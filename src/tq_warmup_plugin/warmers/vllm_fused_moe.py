@@ -6,8 +6,9 @@ and the down GEMM), with a config that follows the step's token count
 to a captured one, whose keys capture compiled; a longer step (a prefill chunk) runs
 eagerly at its own size and compiled on first use: ``fused_moe_kernel`` stopped an
 error-mode DeepSeek-V2-Lite (upstream #46167) and compiled late in a hybrid Qwen3-Next
-with MTP (H200, vLLM 0.26.0). vLLM's JIT warmup registry registers no
-``fused_moe_kernel`` key in any supported release (0.34 registers its router GEMMs only).
+with MTP (vLLM 0.26.0, ``benchmarks/results/serve-jit/SUMMARY.md``). vLLM's JIT warmup
+registry registers no ``fused_moe_kernel`` key in any supported release (0.34 registers its
+router GEMMs only).
 
 Which sizes: ``fused_moe_kernel``'s key depends on the step's ``tokens`` only through
 its config and two integer arguments, ``num_valid_tokens`` (tokens x top_k) and each
@@ -33,9 +34,8 @@ from a shipped layer, and the steps load the same keys in a fraction of it, with
 compiled after startup (``benchmarks/results/serve-jit/SUMMARY.md``).
 The forwards stay for a model whose experts run another backend than ``TritonExperts``
 (``compat.moe_runs_triton_experts``: FlashInfer's, a quantized method), whose kernels
-only a forward reaches. On the H200 (0.26.0) 11 such forwards compiled the serve-jit
-Mixtral's 10 keys in 13.9 s of a cold start, and an error-mode server then served its
-mix with 0 JIT events.
+only a forward reaches. Such forwards compiled a Mixtral's keys at startup, and an
+error-mode server then served its mix with no JIT event (vLLM 0.26.0, the same record).
 """
 
 from __future__ import annotations
@@ -135,9 +135,9 @@ def tq_warmup_engine_jobs(engine: Engine) -> Iterable[Job | Declined]:
         why = f"every step fits a CUDA graph (up to {engine.graph_tokens} tokens): capture compiles"
         return [Declined(FAMILY, why)]
     config_of = compat.moe_config_function()
-    # offline, the target GPU's configs: named once, not per lookup (vLLM's config cache
-    # is emptied on the way in; Mixtral-8x7B's 7,680 sizes: 7.4 s per lookup, 4.8 s once,
-    # this 2-CPU host, vLLM 0.26.0)
+    # offline, the target GPU's configs: named once, not per lookup, as naming empties
+    # vLLM's config cache and each lookup would re-read its tuned JSON (vLLM 0.26.0,
+    # commit 78a901d)
     with compat.named_gpu(engine.gpu_name) if offline else contextlib.nullcontext():
         sizes = token_counts(first, engine.max_tokens, partial(signature, experts=experts,
                                                                 config_of=config_of))  # fmt: skip

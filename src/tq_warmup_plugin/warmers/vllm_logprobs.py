@@ -4,11 +4,12 @@ The V2 sampler gathers logprobs with ``_topk_log_softmax_kernel`` (and ranks wit
 ``_ranks_kernel``, ``v1/worker/gpu/sample/logprob.py`` all releases), whose
 ``TOPK_BLOCK_SIZE`` constexpr is the next power of two of ``1 + logprobs`` and whose
 ``topk`` argument is keyed as 1, a multiple of 16 or other. V2's warmup steps ask for
-no logprobs, so the first request with ``logprobs`` compiled it (H200, 0.26.0). This
-warmer calls the live sampler's launcher once per distinct key, on two rows of the
-model's own logits. The V1 sampler counts ranks with ``batched_count_greater_than``
-(``v1/sample/ops/logprobs.py``, ``torch.compile``: static at its first shape, dynamic
-from the second), so there it samples two batches of different shapes with logprobs.
+no logprobs, so the first request with ``logprobs`` compiled it (vLLM 0.26.0,
+``benchmarks/results/README.md``). This warmer calls the live sampler's launcher once per
+distinct key, on two rows of the model's own logits. The V1 sampler counts ranks with
+``batched_count_greater_than`` (``v1/sample/ops/logprobs.py``, ``torch.compile``: static at
+its first shape, dynamic from the second), so there it samples two batches of different
+shapes with logprobs.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ def warm_v1(engine: Engine) -> None:
     mode, as ``execute_model`` samples. Dynamo keys a graph on its inputs' dispatch keys,
     and the graph this warmer compiled outside it was compiled again by serving: the
     first batch with logprobs of an in-process Qwen3-Next with MTP
-    (``triton_red_fused_ge_sum_0``, ``benchmarks/results/serve-jit/SUMMARY.md``); on the
-    CPU, 1 graph of 1 (``tests/contract/test_contract_v1_rank_count.py``)."""
+    (``triton_red_fused_ge_sum_0``, vLLM 0.26.0, ``benchmarks/results/serve-jit/SUMMARY.md``);
+    on the CPU, 1 graph of 1 (``tests/contract/test_contract_v1_rank_count.py``)."""
     import torch
 
     runner = engine.runner

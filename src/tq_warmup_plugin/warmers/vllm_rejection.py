@@ -4,9 +4,9 @@ vLLM's own warmup (``_dummy_sampler_run``, 0.20-0.29) verifies one mixed batch: 
 greedy, not all random. An all-greedy batch passes ``is_greedy=None`` and
 ``uniform_probs=None`` to ``rejection_greedy_sample_kernel``, another binary (vLLM's
 own FIXME there, ``rejection_sampler.py`` 0.26:729), and an all-random one skips it:
-the first greedy request with ngram compiled it (H200, 0.26.0, k = 1 and 3). This
-warmer runs the live ``RejectionSampler`` as ``_dummy_sampler_run`` does, once per
-mode, under ``compat.compile_only_launches``.
+the first greedy request with ngram compiled it (vLLM 0.26.0,
+``benchmarks/results/serve-jit``). This warmer runs the live ``RejectionSampler`` as
+``_dummy_sampler_run`` does, once per mode, under ``compat.compile_only_launches``.
 """
 
 from __future__ import annotations

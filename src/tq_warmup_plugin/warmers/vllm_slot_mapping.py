@@ -4,10 +4,11 @@
 KV slots on every step of the V1 runner. vLLM 0.26 warms it for block sizes 3 and 16
 (``v1_block_table_warmup.py``) with ``KV_CACHE_BLOCK_SIZE`` a constexpr; TurboQuant's
 bf16 block size there is 32, so the first request compiled it, and a JIT monitor in
-``error`` mode killed the engine core on it (H200, ngram k=3). 0.20-0.25 warm it not at
-all and also specialize ``num_tokens`` (no ``do_not_specialize``). This warmer calls each
-live table's own ``compute_slot_mapping`` under ``compat.compile_only_launches``: the
-table's constexprs, stride and block size are serving's, and nothing is written.
+``error`` mode killed the engine core on it (``benchmarks/results/serve-jit``). 0.20-0.25
+warm it not at all and also specialize ``num_tokens`` (no ``do_not_specialize``). This
+warmer calls each live table's own ``compute_slot_mapping`` under
+``compat.compile_only_launches``: the table's constexprs, stride and block size are
+serving's, and nothing is written.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 ``TOPP_ENABLED`` constexprs and ``BATCH_SIZE`` keyed as a multiple of 16 or not
 (0.26). vLLM's own sampler warmup sets both top-k and top-p; the first random batch
 asking for top-p alone compiled another binary and killed an error-mode server with
-TurboQuant and ngram (H200, 0.26.0, after the slot-mapping warmer). This warmer calls
+TurboQuant and ngram (vLLM 0.26.0, ``benchmarks/results/serve-jit``). This warmer calls
 vLLM's function for each of the three on 16 and 17 rows of the model's own logits: in
 float32 as the samplers pass them, and on 0.26 also in the model's dtype, which the V2
 sampler keeps there (``compat.Features.v2_top_k_top_p_model_dtype``).
@@ -14,7 +14,7 @@ From 0.30 a batch of up to 64 rows asking for top-p also runs vLLM's split-row p
 whose split count ``S`` (a constexpr) follows from the batch size, the vocabulary and the
 SM count (``compat.topp_split_count``): 16 and 17 rows reach one or two of its values, and
 the first small top-p batch compiled three more kernels and killed an error-mode server
-(H100, 0.34.0, ``benchmarks/results/serve-jit``). So top-p, alone and with top-k, is also
+(vLLM 0.34.0, ``benchmarks/results/serve-jit``). So top-p, alone and with top-k, is also
 warmed at the fewest rows of every other ``S`` (``split_rows``).
 """
 

@@ -3,19 +3,19 @@
 A hybrid model's Mamba or gated-delta-net layers run their own Triton kernels (causal conv1d,
 the gated delta rule, their layer norms), keyed by each step's batch shape. vLLM's JIT warmup
 registry registers none of them on 0.30-0.33 (read in 0.30.0 and 0.33.0); 0.34 registers the
-layer norm (``layernorm_guard.py``) and not the others. Seen after startup:
-``_causal_conv1d_*``, ``fused_sigmoid_gating_delta_rule_update_kernel`` and
-``layer_norm_fwd_kernel`` in a hybrid Qwen3-Next with MTP (H200, vLLM 0.26.0: one in-process
-engine, whose graph mode the record does not give; another, with FULL graphs, compiled none of
-them). Served with vLLM's default FULL_AND_PIECEWISE graphs the same model compiled none of
-them after startup (``benchmarks/results/serve-jit/SUMMARY.md``): there the family declines in
-one INFO line. Elsewhere (``--enforce-eager``, PIECEWISE graphs), until a warmer derives their
-keys, it declines in one line: INFO, or a WARNING where ``--jit-monitor-mode error`` will stop
-the engine core on the first such compile. (MoE layers: ``vllm_fused_moe``.)
+layer norm (``layernorm_guard.py``) and not the others. An in-process hybrid Qwen3-Next
+with MTP compiled ``_causal_conv1d_*``, ``fused_sigmoid_gating_delta_rule_update_kernel`` and
+``layer_norm_fwd_kernel`` after startup, where served with vLLM's default FULL_AND_PIECEWISE
+graphs it compiled none of them (vLLM 0.26.0, ``benchmarks/results/serve-jit/SUMMARY.md``):
+there the family declines in one INFO line. Elsewhere (``--enforce-eager``, PIECEWISE
+graphs), until a warmer derives their keys, it declines in one line: INFO, or a WARNING where
+``--jit-monitor-mode error`` will stop the engine core on the first such compile. (MoE
+layers: ``vllm_fused_moe``.)
 
 The V2 draft_model speculator's first-pass input kernel (0.30+) is the other: its
-``BLOCK_SIZE`` follows the step's longest query, and a 0.34.0 error-mode server with
-draft_model died on it (H100); it declines the same way.
+``BLOCK_SIZE`` follows the step's longest query, and an error-mode server with draft_model
+died on it (vLLM 0.34.0, ``benchmarks/results/serve-jit/SUMMARY.md``); it declines the same
+way.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ DRAFT_PREFILL = "draft speculator inputs"
 
 def _draft_prefill(engine: Engine) -> list[Declined]:
     """The V2 draft_model speculator's first-pass input kernel (0.30+), keyed by the step's
-    longest query: compiled after startup by a 0.34.0 error-mode server with draft_model,
-    which then served none of its requests (H100, ``benchmarks/results/serve-jit``)."""
+    longest query: compiled after startup by an error-mode server with draft_model, which
+    then served none of its requests (vLLM 0.34.0, ``benchmarks/results/serve-jit``)."""
     if not (
         engine.runner_v2
         and engine.spec_method == "draft_model"

@@ -4,19 +4,18 @@ CUDA loads a kernel's module on the kernel's first launch in a process
 (``CUDA_MODULE_LOADING=LAZY``, PyTorch's default), and TurboQuant's long
 continuation runs kernels that nothing before the first such request launches:
 a GEMM in a dtype the model does not use (the MSE key un-rotation: fp16 from
-0.21, fp32 in 0.20) and FlashAttention-2 over more keys than queries. On an
-H200 (vLLM 0.26.0, eager, warm Triton cache) the first long request spent
-~85 ms in the GEMM and ~87 ms in FlashAttention's module loading
-(``python -m benchmarks.tqbench run --profile-phases long``). Launching each
-shape class once on zero tensors during warmup moves that cost to startup.
+0.21, fp32 in 0.20) and FlashAttention-2 over more keys than queries. The first
+long request paid for both module loads (vLLM 0.26.0, eager,
+``benchmarks/results/README.md``). Launching each shape class once on zero tensors
+during warmup moves that cost to startup.
 
 TurboQuant also keeps the first and last layers in the model dtype on vLLM's
 FlashAttention backend and forces FlashAttention 2 there, and FA2 splits a
 long-context decode over the keys with a kernel that eager mode first launches on
-the first decode after a long prompt: ~90-110 ms of module loading per process on
-the H200 (0.26.0, eager), and on a fresh machine the CUDA driver compiling that
-kernel's PTX for sm90 first (a 102.8 s first long request, 0.26.0 eager, head size 64).
-One paged decode launch per head shape moves it to startup.
+the first decode after a long prompt: a module load per process, and on a fresh
+machine the CUDA driver compiling that kernel's PTX for sm90 first (a first long
+request of over 100 s on vLLM 0.26.0, ``benchmarks/results/README.md``). One paged decode
+launch per head shape moves it to startup.
 
 Nothing here writes the KV cache: the tensors are scratch, the outputs dropped.
 """
@@ -67,8 +66,8 @@ PAGE_TOKENS = 16
 # on a x8 ladder from 1 (1, 8, 64, ...: cuBLAS's heuristics switch tiles at size classes
 # of M, not at every M) plus the longest, and the exact lengths a fresh chunked prompt
 # runs (every multiple of the chunk budget: cuBLAS also pays its heuristic once per exact
-# shape; on the H200, 0.26.0, the first long prompt of a warm engine still spent +2.5 ms
-# in aten::mm over the next one, with 8192 rows off the ladder). Rows are capped where the
+# shape, and a warm engine's first long prompt still paid for a length off the ladder on
+# vLLM 0.26.0, benchmarks/results/README.md). Rows are capped where the
 # scratch operand reaches GEMM_SCRATCH_BYTES (16 MiB: 65536 rows at D=128 in fp16): by
 # then the grid is many waves of the largest tile on any GPU, and beyond it the kernel is
 # assumed not to change.
@@ -102,12 +101,9 @@ def unrotate_rows(g: Geometry) -> list[int]:
 # The fp32 rotations run outside CUDA graphs at each step's shape: the store rotates
 # ``tokens x KV heads`` key rows, decode and short continuations ``tokens x query heads``
 # query rows. cuBLAS pays a few microseconds per new exact shape for its heuristics, but
-# milliseconds when a shape needs a kernel whose module is not loaded yet. On the H200
-# (torch 2.11.0+cu130, ``python -m benchmarks.tqbench gemm-shapes``, fp32, D=128), the
-# 192 shapes of requests up to 128 tokens (16 query, 8 KV heads) paid +13.5 / +14.0 ms on
-# their first calls (two runs) after launching 16 and 512 rows only, 11.5-11.8 ms of it
-# at 24 rows; +1.7 / +1.7 ms after a powers-of-two ladder from 1; +0.2 ms with every one
-# of the 192 shapes launched first. So: the ladder, not every shape.
+# milliseconds when a shape needs a kernel whose module is not loaded yet. A powers-of-two
+# ladder from 1 row cut what the first requests' shapes pay to about a tenth (torch 2.11,
+# benchmarks/results/gemm-shapes/SUMMARY.md). So: the ladder, not every shape.
 
 
 def rotation_rows(g: Geometry) -> list[int]:

@@ -41,11 +41,10 @@ def spec_decode_problem(
     async cause: the rows take every verify request's length from the device
     ``seq_lens``, which vLLM corrects after a rejected draft, and the requests still in
     the loop are prefill chunks, whose bound is exact. What is left of the bound is a
-    drafter's own pass, which can cost acceptance, never a verified token. Shown on an
-    H200 (vLLM 0.26.0, async on, weights x100, 0-0.2% of drafts accepted, so nearly every
-    step follows rejected drafts): draft_model on the V1 runner and EAGLE and MTP on V2,
-    k = 1, 2, 4, every batched engine within the no-spec FULL noise (max |dlogprob|
-    0.0040), guard off WRONG in the same runs (0.039, 0.016).
+    drafter's own pass, which can cost acceptance, never a verified token. With nearly
+    every draft rejected, batched engines of draft_model on V1 and EAGLE and MTP on V2 stayed
+    within the no-spec noise while guard off was WRONG (vLLM 0.26.0,
+    ``benchmarks/results/spec/SUMMARY-batched.md``).
     """
     if method is None or not feats.prefill_host_copies:
         return None
