@@ -415,6 +415,59 @@ def test_engine_warmer_threads_run_on_the_callers_device(monkeypatch: pytest.Mon
     assert seen and set(seen.values()) == {1} and threading.get_ident() not in seen
 
 
+def test_the_models_logits_are_computed_once_on_the_callers_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Jobs on the pool read ``Engine.model_logits``; the model's GEMM behind them
+    (``compat.logits_of``) runs once, on the caller's thread, before the pool starts: a
+    GEMM on a pool thread gives that thread a cuBLAS workspace torch keeps for the
+    process's life, which vLLM 0.34 counts against the KV cache."""
+    pytest.importorskip("triton")
+    import threading
+
+    computed: list[tuple[int, int]] = []
+
+    def logits_of(runner: Any, rows: int) -> object:
+        computed.append((threading.get_ident(), rows))
+        return object()
+
+    monkeypatch.setattr(compat, "logits_of", logits_of)
+    got: list[object] = []
+
+    class Sampling:
+        @hookimpl
+        def tq_warmup_engine_jobs(self, engine: Engine) -> list[Job]:
+            return [
+                Job("sampler", str(i), lambda: got.append(engine.model_logits)) for i in range(4)
+            ]
+
+    result = engine_warmup.run(manager(Sampling()), engine(), False, threads=4)
+    assert result.errors == [] and result.jobs == {"sampler": 4}
+    assert computed == [(threading.get_ident(), 2)]
+    assert len(got) == 4 and len({id(x) for x in got}) == 1
+
+
+def test_rows_like_the_sample_are_what_the_model_gives_for_that_many_rows() -> None:
+    """dtype, width, row stride and values as ``compute_logits`` returns them, here a
+    padded vocabulary trimmed to its width (row stride 136, width 130)."""
+    torch = pytest.importorskip("torch")
+    from tq_warmup_plugin.vllm_kernels import logits as warm_logits
+
+    class Model:
+        def compute_logits(self, hidden: Any) -> Any:
+            padded = torch.full((hidden.shape[0], 136), 1.5, dtype=torch.bfloat16)
+            return padded[:, :130]
+
+    config = SimpleNamespace(get_hidden_size=lambda: 8, dtype=torch.bfloat16)
+    runner = SimpleNamespace(model=Model(), model_config=config, device="cpu")
+    sample = warm_logits.sample(runner)
+    for rows in (1, 2, 17):
+        got = warm_logits.rows_like(sample, rows)
+        want = runner.model.compute_logits(torch.zeros(rows, 8))
+        assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride())
+        assert torch.equal(got, want) and got.data_ptr() != sample.data_ptr()
+
+
 def test_the_engine_reads_the_step_sizes_and_microbatching_from_the_config() -> None:
     """``max_num_batched_tokens``, the largest captured size and ``use_ubatching``: what
     the fused MoE warmer's eager range and its microbatch decline read."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from ..compat import Features, KvZeroing, MoeExperts
@@ -83,6 +84,16 @@ class Engine:
     device: Any = field(compare=False, default=None)
     runner: Any = field(compare=False, default=None)
     """The live model runner: its block tables and model are what serving launches with."""
+
+    @cached_property
+    def model_logits(self) -> Any:
+        """Two rows of the model's logits (``logits.sample``), computed once, on the thread
+        that first reads them: the host reads them on its own thread before its pool starts
+        (``vllm_kernels.run``), so jobs copy rows of them (``logits.rows_like``) and no pool
+        thread runs the model's GEMM."""
+        from . import logits
+
+        return logits.sample(self.runner)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ fails startup on it, any other mode starts.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterable
@@ -93,6 +94,9 @@ def run(pm: pluggy.PluginManager, engine: Engine, load: bool, threads: int = 1) 
         result.forwards = (len(real), counter.compiled, time.perf_counter() - forwards_start)
     graphs = [job for job in skipped if job.graphs]  # one after another (``Job.graphs``)
     others = [job for job in skipped if not job.graphs]
+    if others and not engine.pooling:  # the model's GEMM on this thread (``logits``)
+        with contextlib.suppress(Exception):  # a job that reads them names what failed
+            _ = engine.model_logits
     pool_of = ThreadPoolExecutor(max(1, threads), initializer=compat.pin_to_callers_device())
     with CompileCounter() as counter, compat.compile_only_launches(load) as met:
         with pool_of as pool:

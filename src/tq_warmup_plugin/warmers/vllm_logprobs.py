@@ -20,6 +20,7 @@ from functools import partial
 from .. import compat
 from ..hookspecs import hookimpl
 from ..keys import Int, next_pow2
+from ..vllm_kernels import logits as warm_logits
 from ..vllm_kernels.jobs import Declined, Engine, Job
 
 __all__ = ["FAMILY", "TOPK_BLOCK_CAP", "logprob_counts", "tq_warmup_engine_jobs"]
@@ -46,7 +47,7 @@ def logprob_counts(max_logprobs: int) -> list[int]:
 def warm_count(engine: Engine, logprobs: int) -> None:
     import torch
 
-    logits = compat.logits_of(engine.runner, 2)
+    logits = warm_logits.rows_like(engine.model_logits, 2)
     sampled = torch.zeros(2, dtype=torch.int64, device=engine.device)  # V2 samples int64
     compat.topk_logprobs_function()(logits, logprobs, sampled)
 

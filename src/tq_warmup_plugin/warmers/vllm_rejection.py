@@ -16,6 +16,7 @@ from functools import partial
 
 from .. import compat
 from ..hookspecs import hookimpl
+from ..vllm_kernels import logits as warm_logits
 from ..vllm_kernels.jobs import Declined, Engine, Job
 
 __all__ = ["FAMILY", "MODES", "tq_warmup_engine_jobs", "warm_mode"]
@@ -37,7 +38,7 @@ def warm_mode(engine: Engine, all_greedy: bool, all_random: bool) -> None:
     drafts = [[0] * max(1, engine.spec_tokens), [0]]
     tokens = sum(len(d) for d in drafts)
     runner = engine.runner
-    logits = compat.logits_of(runner, tokens + len(drafts))
+    logits = warm_logits.rows_like(engine.model_logits, tokens + len(drafts))
     draft_probs = None
     if engine.draft_probs:
         draft_probs = torch.softmax(
@@ -57,6 +58,10 @@ def tq_warmup_engine_jobs(engine: Engine) -> Iterable[Job | Declined]:
     if engine.features.registry_warms_rejection_sampler:
         return [Declined(FAMILY, "vLLM's JIT warmup registry warms it (0.30+)")]
     return [
-        Job(FAMILY, f"{mode} batch, k={engine.spec_tokens}", partial(warm_mode, engine, *flags))
+        Job(
+            FAMILY,
+            f"{mode} batch, k={engine.spec_tokens}",
+            partial(warm_mode, engine, *flags),
+        )
         for mode, flags in MODES.items()
     ]

@@ -25,6 +25,7 @@ from functools import partial
 
 from .. import compat
 from ..hookspecs import hookimpl
+from ..vllm_kernels import logits as warm_logits
 from ..vllm_kernels.jobs import Declined, Engine, Job
 
 __all__ = ["FAMILY", "ROWS", "VARIANTS", "split_rows", "tq_warmup_engine_jobs", "warm"]
@@ -40,9 +41,10 @@ VARIANTS: dict[str, tuple[bool, bool]] = {
 
 
 def warm(engine: Engine, float32: bool, rows: int, top_k: bool, top_p: bool) -> None:
+    """One call of vLLM's function on ``rows`` rows like the model's logits."""
     import torch
 
-    logits = compat.logits_of(engine.runner, rows)
+    logits = warm_logits.rows_like(engine.model_logits, rows)
     if float32:
         logits = logits.to(torch.float32)
     k = torch.full((rows,), 5, dtype=torch.int32, device=engine.device)
@@ -97,7 +99,11 @@ def tq_warmup_engine_jobs(engine: Engine) -> Iterable[Job | Declined]:
         dtypes = {"model dtype": False, **({"float32": True} if engine.spec_method else {})}
     return [
         *(
-            Job(FAMILY, f"{name}, {what}, {rows} rows", partial(warm, engine, f32, rows, *flags))
+            Job(
+                FAMILY,
+                f"{name}, {what}, {rows} rows",
+                partial(warm, engine, f32, rows, *flags),
+            )
             for name, f32 in dtypes.items()
             for what, flags in VARIANTS.items()
             for rows in ROWS
