@@ -99,11 +99,7 @@ def tq_warmup_engine_jobs(engine: Engine) -> Iterable[Job | Declined]:
         dtypes = {"model dtype": False, **({"float32": True} if engine.spec_method else {})}
     return [
         *(
-            Job(
-                FAMILY,
-                f"{name}, {what}, {rows} rows",
-                partial(warm, engine, f32, rows, *flags),
-            )
+            Job(FAMILY, f"{name}, {what}, {rows} rows", partial(warm, engine, f32, rows, *flags))
             for name, f32 in dtypes.items()
             for what, flags in VARIANTS.items()
             for rows in ROWS
