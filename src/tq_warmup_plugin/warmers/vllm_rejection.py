@@ -58,10 +58,6 @@ def tq_warmup_engine_jobs(engine: Engine) -> Iterable[Job | Declined]:
     if engine.features.registry_warms_rejection_sampler:
         return [Declined(FAMILY, "vLLM's JIT warmup registry warms it (0.30+)")]
     return [
-        Job(
-            FAMILY,
-            f"{mode} batch, k={engine.spec_tokens}",
-            partial(warm_mode, engine, *flags),
-        )
+        Job(FAMILY, f"{mode} batch, k={engine.spec_tokens}", partial(warm_mode, engine, *flags))
         for mode, flags in MODES.items()
     ]
