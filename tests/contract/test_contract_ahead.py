@@ -19,7 +19,7 @@ from pathlib import Path
 import fakes
 import pytest
 import stub_libcuda
-from realvllm import block_table, clear_vllm_kernel_caches, has_v1_runner
+from realvllm import V1_RUNNER_ONLY, block_table, clear_vllm_kernel_caches, has_v1_runner
 from test_contract_vllm_kernels import VOCAB, engine, fake_runner, feats
 from test_contract_vllm_kernels import _driver as _driver  # autouse: sm90, the SM count
 
@@ -222,3 +222,29 @@ def test_precompile_ships_them_and_the_worker_compiles_none(
     counter = warm_in_process(32, 3)
     assert counter.compiled == 0 and counter.loaded > 0
     assert counter.dirs <= set(listed.files)  # every key it loaded, the manifest vouches for
+
+
+@pytest.mark.once_per_triton
+@pytest.mark.skipif(not has_v1_runner(), reason=V1_RUNNER_ONLY)
+def test_the_child_ends_after_the_worker_ran_a_parallel_cpu_operator(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker whose OpenMP team has run forks the child, whose request's V1 block tables
+    (512 rows of 4,096 blocks: a parallel zero-fill) are then built. Without
+    ``ahead_child.serial_cpu_ops`` the fork waits forever on the team it did not inherit,
+    and ``wait`` kills it at its timeout."""
+    import dataclasses
+
+    import torch
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    served = dataclasses.replace(request(16, 0), max_num_seqs=512, max_model_len=65536)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.ones(1 << 22).add_(1)  # the worker's team runs a parallel region
+        ahead.spawn({"request": served.to_dict(), "arch": 90, "processes": 2})
+        line = ahead.wait(240)
+    finally:
+        torch.set_num_threads(threads)
+    assert line.startswith("compile-ahead child: ") and "failed" not in line, line

@@ -197,7 +197,7 @@ def test_the_childs_keys_are_found_by_the_workers_warmup(
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     ahead.spawn(given, config)
-    line = ahead.wait(900)
+    line = ahead.wait(300)
     assert f"({len(keys)} TurboQuant keys)" in line and "failed" not in line, line
     forget_compiled(compat.kernel_function(key.kernel) for key in keys)
     warm = Report()

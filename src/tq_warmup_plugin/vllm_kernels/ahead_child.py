@@ -42,6 +42,7 @@ __all__ = [
     "key_jobs",
     "main",
     "run_child",
+    "serial_cpu_ops",
     "worker_plan",
 ]
 
@@ -63,6 +64,19 @@ def die_with_parent() -> None:
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+
+
+def serial_cpu_ops() -> None:
+    """Run torch's CPU operators on the calling thread alone, here and in the compile
+    processes forked from here. A fork keeps the worker's OpenMP state but none of its
+    thread team, and GNU OpenMP's next parallel region then waits for those threads
+    forever: the V1 block tables a worker's request sizes (``cpu_block_tables``, millions
+    of entries) are zero-filled in parallel, so the child hung whenever the worker had run a
+    parallel CPU operator before the fork. With one thread, ATen runs every operator
+    inline; the child's parallelism is its processes (``offline.build``)."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def worker_plan(config: Any, given: Mapping[str, Any], feats: Features) -> Planned:
@@ -106,6 +120,7 @@ def run_child(given: Mapping[str, Any], out: int, config: Any = None) -> int:
     began = time.perf_counter()
     phases: dict[str, float] = {}
     die_with_parent()
+    serial_cpu_ops()
     keys = 0
     try:
         from ..shipped.precompile import use_compile_only_target
