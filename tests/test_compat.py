@@ -109,7 +109,7 @@ GATES = {
     (0, 26): (T,T,T,T,T,T,T,T,T,T,T,F,F,F,T,T,T,T,T,F,T,F,F,F,T,T,F,T,F,T,F,F,T),
     (0, 28): (T,T,T,T,T,T,T,T,F,T,T,F,F,T,T,F,T,T,T,F,F,F,F,F,T,T,T,T,T,T,F,F,T),
     (0, 29): (T,F,T,T,T,T,T,T,F,T,T,F,F,T,T,F,T,T,T,T,F,F,F,T,T,T,T,T,T,T,F,F,T),
-    (0, 30): (T,F,T,T,T,T,T,T,F,T,T,T,T,T,T,F,T,T,F,T,F,T,T,T,T,T,T,T,T,T,F,F,T),
+    (0, 30): (T,F,T,T,T,T,T,T,F,T,T,T,F,T,T,F,T,T,F,T,F,T,T,T,T,T,T,T,T,T,F,F,T),
     (0, 33): (T,F,T,T,T,T,T,T,F,T,T,T,T,T,T,F,T,T,F,T,F,T,T,T,T,T,T,T,T,T,F,F,T),
     (0, 34): (T,F,T,T,T,T,T,T,F,T,F,T,T,T,T,F,T,T,F,T,F,T,T,T,T,T,T,T,T,T,T,T,F),
 }

@@ -14,10 +14,12 @@ import pytest
 
 from tq_warmup_plugin import compat, install
 from tq_warmup_plugin.hookspecs import hookimpl
+from tq_warmup_plugin.keys import next_pow2
 from tq_warmup_plugin.settings import Settings
 from tq_warmup_plugin.vllm_kernels import run as engine_warmup
 from tq_warmup_plugin.vllm_kernels.jobs import Declined, Engine, Job
 from tq_warmup_plugin.warmers import (
+    vllm_draft_prefill,
     vllm_eagle,
     vllm_logprobs,
     vllm_rejection,
@@ -340,22 +342,92 @@ def test_hybrid_kernels_nobody_warms_are_named_in_one_line(error_mode: bool) -> 
     assert "FULL decode-graph capture ran their kernels" in full[0].why
 
 
+def test_the_draft_prefill_blocks_are_each_power_of_two_a_step_reaches() -> None:
+    """``min(512, next_power_of_2(longest query + 2))``: a query of 1 gives 4, a budget of
+    126 tokens reaches 128 but not 256, and 2,048 reaches the cap."""
+    assert vllm_draft_prefill.blocks(1) == vllm_draft_prefill.blocks(2) == [4]
+    assert vllm_draft_prefill.blocks(6) == [4, 8]
+    assert vllm_draft_prefill.blocks(126) == [4, 8, 16, 32, 64, 128]
+    assert vllm_draft_prefill.blocks(127) == [4, 8, 16, 32, 64, 128, 256]
+    assert vllm_draft_prefill.blocks(2048) == [4, 8, 16, 32, 64, 128, 256, 512]
+
+
+def test_the_v2_draft_speculators_inputs_are_warmed_per_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """draft_model on the V2 runner (0.31+): one job per block, each calling vLLM's launcher
+    with one request whose longest query lands in that block (the launcher's own rule), on
+    the speculator's buffers and constants."""
+    torch = pytest.importorskip("torch")
+
+    calls: list[dict[str, Any]] = []
+    i32, i64 = torch.int32, torch.int64
+    buffers = SimpleNamespace(
+        input_ids=torch.zeros(100, dtype=i32),
+        positions=torch.zeros(100, dtype=i64),
+        query_start_loc=torch.zeros(9, dtype=i32),
+        seq_lens=torch.zeros(8, dtype=i32),
+    )
+    speculator = SimpleNamespace(
+        input_buffers=buffers,
+        expanded_input_ids=torch.zeros(108, dtype=i32),
+        expanded_positions=torch.zeros(108, dtype=i64),
+        last_token_indices=torch.zeros(8, dtype=i64),
+        max_num_tokens=100,
+        max_num_reqs=8,
+        max_model_len=4096,
+    )
+    monkeypatch.setattr(compat, "draft_prefill", lambda runner: (calls.append, speculator))
+    monkeypatch.setattr(
+        vllm_draft_prefill, "warm_block", _keyword_call(vllm_draft_prefill.warm_block)
+    )
+    pm = manager(vllm_draft_prefill)
+    jobs, declined = fakes.jobs_of(pm, engine((0, 34), runner_v2=True, spec_method="draft_model"))
+    assert declined == [] and not any(j.offline for j in jobs)
+    assert [j.what for j in jobs] == [f"block {b}" for b in (4, 8, 16, 32, 64, 128)]
+    for job in jobs:
+        job.run()
+    launched = []
+    for call in calls:
+        batch = call["input_batch"]
+        query = int(batch.query_start_loc_np[1] - batch.query_start_loc_np[0])
+        assert batch.num_reqs == 1 and batch.num_tokens == query <= 100
+        assert batch.input_ids.data_ptr() == buffers.input_ids.data_ptr()
+        assert (call["max_num_reqs"], call["max_model_len"]) == (8, 4096)
+        assert call["expanded_input_ids"] is speculator.expanded_input_ids
+        launched.append(min(512, next_pow2(query + 2)))
+    assert launched == [4, 8, 16, 32, 64, 128]
+
+
+def _keyword_call(warm_block: Any) -> Any:
+    """``warm_block`` with a launcher that takes its keywords as one dict."""
+
+    def call(launcher: Any, speculator: Any, block: int) -> None:
+        warm_block(lambda **kw: launcher(kw), speculator, block)
+
+    return call
+
+
 @pytest.mark.parametrize("error_mode", [False, True])
-def test_the_v2_draft_speculators_input_kernel_is_named_in_one_line(error_mode: bool) -> None:
-    """draft_model on the V2 runner from 0.30: one decline, a WARNING only in error mode;
-    another method, V1 or an older release: nothing said."""
-    pm = manager(vllm_unwarmed)
+def test_the_draft_prefill_warmer_declines_in_one_line(
+    error_mode: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No draft_model speculator on a live runner: one decline, a WARNING in error mode; an
+    offline plan: one INFO decline (the worker warms it); another method, the V1 runner or
+    0.30 and older: nothing said."""
+    monkeypatch.setattr(compat, "draft_prefill", lambda runner: None)
+    pm = manager(vllm_draft_prefill)
     draft = {"runner_v2": True, "spec_method": "draft_model", "jit_monitor_error": error_mode}
     jobs, declined = fakes.jobs_of(pm, engine((0, 34), **draft))
-    assert jobs == []
-    assert [(d.family, d.warn) for d in declined] == [("draft speculator inputs", error_mode)]
-    assert "_prepare_prefill_inputs_kernel" in declined[0].why and "\n" not in declined[0].why
-    assert ("error stops the engine core" in declined[0].why) is error_mode
-    assert fakes.jobs_of(pm, engine((0, 26), **draft)) == ([], [])
+    assert jobs == [] and [(d.family, d.warn) for d in declined] == [
+        ("draft speculator inputs", error_mode)
+    ]
+    assert "\n" not in declined[0].why
+    _, planned = fakes.jobs_of(pm, engine((0, 34), planned=True, **draft))
+    assert [(d.family, d.warn) for d in planned] == [("draft speculator inputs", False)]
+    assert fakes.jobs_of(pm, engine((0, 30), **draft)) == ([], [])
     assert fakes.jobs_of(pm, engine((0, 34), **{**draft, "spec_method": "eagle"})) == ([], [])
     assert fakes.jobs_of(pm, engine((0, 33), **{**draft, "runner_v2": False})) == ([], [])
-    _, both = fakes.jobs_of(pm, engine((0, 34), hybrid=True, **draft))
-    assert [d.family for d in both] == ["draft speculator inputs", "Mamba/GDN layers"]
 
 
 def test_real_jobs_run_first_on_the_callers_thread_with_launches_running() -> None:

@@ -19,6 +19,7 @@ from .releases import Features
 
 __all__ = [
     "block_table",
+    "draft_prefill",
     "fa2_stand_in",
     "flash_attn_available",
     "flash_attn_paged",
@@ -313,6 +314,25 @@ def worker_uses_v2(worker: Any, feats: Features) -> bool:
     """``Worker.use_v2_model_runner`` (0.20-0.33); 0.34 removed it with the V1 runner, and
     every worker runs V2 (``Features.v1_runner``)."""
     return not feats.v1_runner or bool(getattr(worker, "use_v2_model_runner", False))
+
+
+def draft_prefill(runner: Any) -> tuple[Any, Any] | None:
+    """vLLM's ``prepare_prefill_inputs`` and the V2 runner's draft_model speculator
+    (``runner.speculator``) that calls it with its own buffers and constants
+    (``input_buffers``, ``expanded_input_ids``, ``expanded_positions``,
+    ``last_token_indices``, ``max_num_reqs``, ``max_model_len``, ``max_num_tokens``; the same
+    signature in 0.31-0.34, ``vllm_paths.DRAFT_PREFILL_MODULES``); None for any other
+    speculator, runner or release."""
+    speculator = getattr(runner, "speculator", None)
+    needed = ("input_buffers", "expanded_input_ids", "expanded_positions", "last_token_indices")
+    if speculator is None or not all(hasattr(speculator, name) for name in needed):
+        return None
+    for module in paths.DRAFT_PREFILL_MODULES:
+        with contextlib.suppress(ImportError):
+            launcher = getattr(importlib.import_module(module), paths.DRAFT_PREFILL_LAUNCHER, None)
+            if launcher is not None:
+                return launcher, speculator
+    return None
 
 
 def ubatching(vllm_config: Any) -> bool:

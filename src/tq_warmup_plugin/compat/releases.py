@@ -122,10 +122,10 @@ class Features(NamedTuple):
     v2_ubatches: bool
     """0.30+: the V2 runner makes its own microbatches (live.ubatch_sliced)."""
     v2_draft_prefill_kernel: bool
-    """0.30+: the V2 draft_model speculator prepares its first pass with
-    ``_prepare_prefill_inputs_kernel``, whose ``BLOCK_SIZE`` follows the step's longest query
-    (``autoregressive/speculator.py`` 0.30, ``standalone_ar/speculator.py`` 0.33-0.34);
-    no warmer derives its keys yet (``warmers.vllm_unwarmed``)."""
+    """0.31+: the V2 runner has a draft_model speculator, which prepares its first pass with
+    ``_prepare_prefill_inputs_kernel``, its ``BLOCK_SIZE`` following the step's longest query
+    (``draft_model/speculator.py`` 0.31, ``standalone_ar/speculator.py`` 0.32-0.34;
+    ``warmers.vllm_draft_prefill``). 0.30's V2 runner runs no draft_model."""
     rocm_flydsl: bool
     """0.28+: ROCm gfx950 runs the SoA/FlyDSL kernels instead (live.flydsl_layer)."""
     local_boundary_tq_backend: bool
@@ -249,7 +249,7 @@ def features(version: Version) -> Features:
         hybrid_turboquant=version >= (0, 21),
         tq_block_aligned=version >= (0, 25),
         tq_page_packed=version >= (0, 28),
-        v2_draft_prefill_kernel=version >= (0, 30),
+        v2_draft_prefill_kernel=version >= (0, 31),
         v1_block_table_aligned=version >= (0, 21),
         block_table_rounded=version >= (0, 27),
         v2_runner_default=version >= (0, 25),

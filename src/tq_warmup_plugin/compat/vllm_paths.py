@@ -25,6 +25,8 @@ __all__ = [
     "DECODE_LAUNCHER",
     "DECODE_MODULE",
     "DRAFT_CALL_SITE_MODULES",
+    "DRAFT_PREFILL_LAUNCHER",
+    "DRAFT_PREFILL_MODULES",
     "ELASTIC_MODULE",
     "EXTEND_QUERIES_FUNCTION",
     "FLASH_ATTN_MODULE",
@@ -142,6 +144,13 @@ SPEC_UTILS_MODULE = "vllm.v1.spec_decode.utils"
 """Defines ``extend_all_queries_by_N`` and the EAGLE helper kernels (0.20-0.33; 0.34
 removed the module with the V1 runner)."""
 EXTEND_QUERIES_FUNCTION = "extend_all_queries_by_N"
+DRAFT_PREFILL_MODULES = (
+    "vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator",
+    "vllm.v1.worker.gpu.spec_decode.draft_model.speculator",
+)
+"""The V2 draft_model speculator's module, which defines ``prepare_prefill_inputs`` (0.32-0.34:
+``standalone_ar``; 0.31: ``draft_model``; 0.30's V2 runner has no draft_model speculator)."""
+DRAFT_PREFILL_LAUNCHER = "prepare_prefill_inputs"
 DRAFT_CALL_SITE_MODULES = ("vllm.v1.spec_decode.llm_base_proposer",)
 """Modules that import ``extend_all_queries_by_N`` by name (0.20-0.33: only this one)."""
 

@@ -74,8 +74,10 @@ def serial_cpu_ops() -> None:
     of entries) are zero-filled in parallel, so the child hung whenever the worker had run a
     parallel CPU operator before the fork. With one thread, ATen runs every operator
     inline; the child's parallelism is its processes (``offline.build``)."""
-    import torch
-
+    try:
+        import torch
+    except ImportError:  # nothing of torch's to run
+        return
     torch.set_num_threads(1)
 
 

@@ -14,6 +14,7 @@ from ..warmers import (
     triton_jit,
     turboquant,
     vllm_async_spec,
+    vllm_draft_prefill,
     vllm_eagle,
     vllm_fused_moe,
     vllm_logprobs,
@@ -42,6 +43,7 @@ def plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
         vllm_fused_moe,
         vllm_zero_blocks,
         vllm_async_spec,
+        vllm_draft_prefill,
         vllm_unwarmed,
     ):
         pm.register(warmer)
