@@ -39,8 +39,22 @@ def test_each_part_mode_runs_the_plugin_less_that_part_only() -> None:
 def test_ratios_are_over_the_off_engine_of_the_same_length() -> None:
     rows = [
         {"max_model_len": 4096, "mode": "off", "kv_blocks": 37200},
-        {"max_model_len": 4096, "mode": "on", "kv_blocks": 36984},
-        {"max_model_len": 65536, "mode": "on", "kv_blocks": 36984},
+        {"max_model_len": 4096, "mode": "on", "kv_blocks": 36984, "plugin_line": "x"},
+        {"max_model_len": 65536, "mode": "on", "kv_blocks": 36984, "plugin_line": "x"},
     ]
     assert kv_reserve.ratios(rows) == {"4096": {"on": 36984 / 37200}}
     assert "36984" in kv_reserve.table(rows)
+
+
+def test_a_plugin_mode_without_the_plugins_line_has_no_ratio() -> None:
+    """vLLM started an ``on`` engine without the plugin (not installed, no stub): its
+    blocks equal the baseline's, which would read as no cost; the table says so instead."""
+    rows = [
+        {"max_model_len": 4096, "mode": "off", "kv_blocks": 37200},
+        {"max_model_len": 4096, "mode": "on", "kv_blocks": 37200},
+        {"max_model_len": 4096, "mode": "no-launch", "kv_blocks": 37000, "plugin_line": "x"},
+    ]
+    assert kv_reserve.without_plugin(rows[1]) and not kv_reserve.without_plugin(rows[0])
+    assert kv_reserve.ratios(rows) == {"4096": {"no-launch": 37000 / 37200}}
+    assert "on (no plugin)" in kv_reserve.table(rows)
+    assert kv_reserve.parse_log(LOG + "tq-warmup: 12 TurboQuant layers, 6 keys\n")["plugin_line"]

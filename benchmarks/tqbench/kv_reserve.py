@@ -17,6 +17,10 @@ one at a time, in its own child process, in these modes:
 Each child also prints torch's allocated and reserved memory and the device's free
 memory once serving, so a difference between modes splits into torch's and the rest's.
 
+Plugin modes need vLLM to find the plugin's entry point (installed, or
+``--entry-point-stub``); an engine of a plugin mode that logged no plugin report is
+marked ``(no plugin)`` and given no ratio, since its blocks are the baseline's.
+
 The KV block count is vLLM's own log line ("N KV cache blocks ... fit", 0.34), read
 from each child's log; a release without that line reports vLLM's "GPU KV cache size".
 
@@ -38,11 +42,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.tqbench import entry_point
 from benchmarks.tqbench.children import Children, child_pythonpath
 from benchmarks.tqbench.cli import add_options, new_parser
 from benchmarks.tqbench.engine import REPO_ROOT, installed_vllm_version, nvidia_smi_name
 
-__all__ = ["MODES", "PARTS_OFF", "add_parser", "child", "mode_env", "parse_log", "ratios", "table"]
+__all__ = [
+    "MODES",
+    "PARTS_OFF",
+    "add_parser",
+    "child",
+    "mode_env",
+    "parse_log",
+    "ratios",
+    "table",
+    "without_plugin",
+]
 
 MODES = ("off", "unwrapped", "on")
 PARTS_OFF: dict[str, dict[str, str]] = {
@@ -116,10 +131,19 @@ def parse_log(text: str) -> dict[str, Any]:
     return out
 
 
+def without_plugin(row: dict[str, Any]) -> bool:
+    """A plugin mode's engine that logged no plugin report: vLLM started it without the
+    plugin (not installed, no stub), so its blocks are the baseline's, not the plugin's."""
+    return row["mode"] != "off" and not row.get("plugin_line")
+
+
 def ratios(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per ``max_model_len``: each plugin mode's KV blocks over the ``off`` engine's."""
+    """Per ``max_model_len``: each plugin mode's KV blocks over the ``off`` engine's; an
+    engine that ran without the plugin (``without_plugin``) has none."""
     result: dict[str, dict[str, float]] = {}
     for row in rows:
+        if without_plugin(row):
+            continue
         base = next(
             (
                 r.get("kv_blocks")
@@ -143,8 +167,9 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     for r in rows:
         torch_mib = r.get("torch_reserved_mib")
         free_mib = r.get("free_mib")
+        mode = f"{r['mode']} (no plugin)" if without_plugin(r) else r["mode"]
         lines.append(
-            f"{r['max_model_len']:>13} {r['mode']:<16}{r.get('kv_blocks', '-')!s:>10}"
+            f"{r['max_model_len']:>13} {mode:<16}{r.get('kv_blocks', '-')!s:>10}"
             f"{r.get('kept_gib', '-')!s:>10}{r.get('peak_gib', '-')!s:>10}"
             f"{r.get('workspace_mib', '-')!s:>15}"
             f"{'-' if torch_mib is None else f'{torch_mib:.0f}':>11}"
@@ -275,13 +300,17 @@ def cmd_kv_reserve(args: argparse.Namespace) -> int:
     model = work / "model"
     model.mkdir(parents=True, exist_ok=True)
     (model / "config.json").write_text(json.dumps(MODEL, indent=1))
+    modes = args.modes.split(",")
+    if modes != ["off"]:
+        entry_point.require("kv-reserve", args.entry_point_stub)
+    stub = entry_point.stub_path(work / "entry-point", args.entry_point_stub)
     children = Children()
     children.stop_on_sigterm()
     rows: list[dict[str, Any]] = []
     for length in args.max_model_len:
-        for mode in args.modes.split(","):
+        for mode in modes:
             env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-            env["PYTHONPATH"] = child_pythonpath([str(REPO_ROOT / "src")], env)
+            env["PYTHONPATH"] = child_pythonpath([*stub, str(REPO_ROOT / "src")], env)
             env.update(mode_env(mode))
             log = work / f"{length}-{mode}.log"
             argv = [sys.executable, "-m", "benchmarks.tqbench", "kv-reserve", "--child", mode]
@@ -298,7 +327,7 @@ def cmd_kv_reserve(args: argparse.Namespace) -> int:
     summary = _write(args, rows)
     print(table(rows))
     print(json.dumps(summary["kv_blocks_ratio"], indent=1))
-    return 0 if all(r["rc"] == 0 and r["served"] for r in rows) else 1
+    return 0 if all(r["rc"] == 0 and r["served"] and not without_plugin(r) for r in rows) else 1
 
 
 def _write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -328,6 +357,12 @@ def add_parser(sub: Any) -> None:
             ("--work-dir", "benchmarks/results/raw/kv-reserve", "model and logs"),
             ("--out", "benchmarks/results/raw/kv-reserve", "where summary.json goes"),
             ("--timeout", 900.0, "seconds per engine"),
+            (
+                "--entry-point-stub",
+                False,
+                "if the plugin's entry point is not installed, declare it "
+                "in a dist-info put on the children's PYTHONPATH",
+            ),
             ("--child", "", "internal: run one engine in this mode"),
             ("--model-dir", "", "internal: the child's model"),
         ],
