@@ -130,3 +130,25 @@ def test_the_keys_follow_the_longest_query() -> None:
     big = serve(speculator(), [(1, 127)])
     assert not big <= warmed(small)
     assert serve(small, [(1, 126)]) <= warmed(small)
+
+
+def test_the_offline_speculator_builds_what_serving_launches() -> None:
+    """``precompile`` and the compile-ahead child rebuild the speculator from the engine
+    arguments (``offline_speculator``, meta tensors): their jobs cover the keys the served
+    batches above launch on the worker's buffers."""
+    from tq_warmup_plugin.vllm_kernels import offline as engine_plan
+
+    request = engine_plan.EngineRequest(
+        features=feats(), runner_v2=True, vocab_size=1000, model_dtype="bfloat16",
+        block_size=16, max_model_len=MAX_LEN, max_num_seqs=REQS,
+        max_num_batched_tokens=TOKENS, spec_method="draft_model", spec_tokens=3,
+    )  # fmt: skip
+    offline = engine_plan.cpu_engine(request)
+    jobs, declined = fakes.jobs_of(fakes.bare_manager(vllm_draft_prefill), offline)
+    assert declined == [] and all(job.offline for job in jobs)
+    with recorded_keys() as built:
+        for job in jobs:
+            with compat.compile_only_launches(load=False):
+                job.run()
+    served = serve(speculator(), STEPS)
+    assert served <= built, sorted(served - built)

@@ -59,6 +59,7 @@ __all__ = [
     "TQ_DTYPE_PREFIX",
     "TRITON_EXPERTS_MODULE",
     "UBATCH_VIEWS_V1",
+    "V2_INPUT_BATCH_MODULE",
     "V2_LOGPROB_MODULE",
     "WARMUP_MODULE",
     "WORKER_MODULE",
@@ -151,6 +152,8 @@ DRAFT_PREFILL_MODULES = (
 """The V2 draft_model speculator's module, which defines ``prepare_prefill_inputs`` (0.32-0.34:
 ``standalone_ar``; 0.31: ``draft_model``; 0.30's V2 runner has no draft_model speculator)."""
 DRAFT_PREFILL_LAUNCHER = "prepare_prefill_inputs"
+V2_INPUT_BATCH_MODULE = "vllm.v1.worker.gpu.input_batch"
+"""Defines the V2 runner's ``InputBuffers`` (read in 0.31-0.34)."""
 DRAFT_CALL_SITE_MODULES = ("vllm.v1.spec_decode.llm_base_proposer",)
 """Modules that import ``extend_all_queries_by_N`` by name (0.20-0.33: only this one)."""
 

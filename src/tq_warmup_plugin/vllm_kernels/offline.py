@@ -39,6 +39,7 @@ __all__ = [
     "cpu_engine",
     "jobs",
     "offline_drafter",
+    "offline_speculator",
     "planned_request",
     "request_for",
     "runs_v2",
@@ -241,6 +242,33 @@ def offline_drafter(request: EngineRequest, device: Any) -> SimpleNamespace | No
     )
 
 
+def offline_speculator(request: EngineRequest, device: Any) -> SimpleNamespace | None:
+    """The V2 draft_model speculator's state that its first-pass input kernel's keys read
+    (``warmers/vllm_draft_prefill``), as its ``__init__`` sets it (0.31-0.34): vLLM's own
+    ``InputBuffers`` of ``max_num_seqs`` requests and ``max_num_batched_tokens`` tokens,
+    int32 and int64 expanded inputs one slot longer per request, int64 last-token indices.
+    None for any other drafter or runner, or a release without that speculator."""
+    if not (
+        request.runner_v2
+        and request.spec_method == "draft_model"
+        and request.features.v2_draft_prefill_kernel
+    ):
+        return None
+    import torch
+
+    buffers_cls = importlib.import_module(compat.V2_INPUT_BATCH_MODULE).InputBuffers
+    reqs, tokens = request.max_num_seqs, request.max_num_batched_tokens
+    return SimpleNamespace(
+        input_buffers=buffers_cls(reqs, tokens, device),
+        expanded_input_ids=torch.zeros(tokens + reqs, dtype=torch.int32, device=device),
+        expanded_positions=torch.zeros(tokens + reqs, dtype=torch.int64, device=device),
+        last_token_indices=torch.zeros(reqs, dtype=torch.int64, device=device),
+        max_num_reqs=reqs,
+        max_model_len=request.max_model_len,
+        max_num_tokens=tokens,
+    )
+
+
 def cpu_engine(request: EngineRequest) -> Engine:
     """The ``Engine`` a worker of these arguments reads, on a runner of vLLM's own CPU
     objects and the drafter's state (``offline_drafter``).
@@ -273,6 +301,7 @@ def cpu_engine(request: EngineRequest) -> Engine:
         model_config=SimpleNamespace(get_hidden_size=lambda: 1, dtype=dtype),
         device=torch.device("meta"),
         drafter=offline_drafter(request, torch.device("meta")),
+        speculator=offline_speculator(request, torch.device("meta")),
     )
     shared = ("features", "runner_v2", "spec_method", "spec_tokens", "draft_probs", "max_logprobs")
     return Engine(

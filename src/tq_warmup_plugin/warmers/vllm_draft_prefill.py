@@ -12,8 +12,10 @@ the runner's and the speculator's own buffers, or fresh ``.int()`` copies (all a
 and ``max_num_reqs`` and ``max_model_len`` are the speculator's. So one job per block
 calls vLLM's own launcher with one request of a query that lands in that block, on the
 speculator's buffers, under ``compat.compile_only_launches``: nothing runs and nothing
-is written. ``tests/contract/test_contract_draft_prefill.py`` checks the keys against
-vLLM's launcher over batches built by vLLM's ``InputBatch.make_dummy``.
+is written. Offline (``precompile``, the compile-ahead child) the speculator is rebuilt from
+the engine arguments on meta tensors (``vllm_kernels.offline.offline_speculator``).
+``tests/contract/test_contract_draft_prefill.py`` checks both against vLLM's launcher over
+batches built by vLLM's ``InputBatch.make_dummy``.
 """
 
 from __future__ import annotations
@@ -87,14 +89,12 @@ def tq_warmup_engine_jobs(engine: Engine) -> Iterable[Job | Declined]:
         and engine.features.v2_draft_prefill_kernel
     ):
         return []
-    if engine.planned:
-        return [Declined(FAMILY, "the worker's speculator holds its inputs: warmed at startup")]
     found = compat.draft_prefill(engine.runner)
     if found is None:
         why = "this runner has no draft_model speculator with vLLM's prepare_prefill_inputs"
         return [Declined(FAMILY, why, warn=engine.jit_monitor_error)]
     launcher, speculator = found
     return [
-        Job(FAMILY, f"block {b}", partial(warm_block, launcher, speculator, b), offline=False)
+        Job(FAMILY, f"block {b}", partial(warm_block, launcher, speculator, b))
         for b in blocks(int(speculator.max_num_tokens))
     ]
