@@ -11,6 +11,7 @@ the buffers and constants its ``__init__`` makes.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
@@ -94,17 +95,19 @@ def serve(spec: Any, steps: list[tuple[int, int]]) -> set[tuple[str, str]]:
     return seen
 
 
-def warmed(spec: Any) -> set[tuple[str, str]]:
-    eng = Engine(
-        features=feats(),
-        runner_v2=True,
-        pooling=False,
-        spec_method="draft_model",
-        spec_tokens=3,
-        draft_probs=False,
-        max_logprobs=20,
-        runner=SimpleNamespace(speculator=spec),
-    )
+def request() -> Any:
+    """The engine arguments of the served batches: V2, draft_model k=3."""
+    from tq_warmup_plugin.vllm_kernels import offline as engine_plan
+
+    return engine_plan.EngineRequest(
+        features=feats(), runner_v2=True, vocab_size=1000, model_dtype="bfloat16",
+        block_size=16, max_model_len=MAX_LEN, max_num_seqs=REQS,
+        max_num_batched_tokens=TOKENS, spec_method="draft_model", spec_tokens=3,
+    )  # fmt: skip
+
+
+def built(eng: Engine) -> set[tuple[str, str]]:
+    """The keys the warmer's jobs for ``eng`` launch."""
     jobs, declined = fakes.jobs_of(fakes.bare_manager(vllm_draft_prefill), eng)
     assert declined == [] and jobs
     with recorded_keys() as seen:
@@ -112,6 +115,14 @@ def warmed(spec: Any) -> set[tuple[str, str]]:
             with compat.compile_only_launches(load=False):
                 job.run()
     return seen
+
+
+def warmed(spec: Any) -> set[tuple[str, str]]:
+    """The worker's warmup: the engine of ``request()`` on a runner holding ``spec``."""
+    from tq_warmup_plugin.vllm_kernels import offline as engine_plan
+
+    live = SimpleNamespace(speculator=spec)
+    return built(dataclasses.replace(engine_plan.cpu_engine(request()), runner=live, planned=False))
 
 
 def test_the_warmer_covers_every_first_pass_a_step_launches() -> None:
@@ -138,17 +149,9 @@ def test_the_offline_speculator_builds_what_serving_launches() -> None:
     batches above launch on the worker's buffers."""
     from tq_warmup_plugin.vllm_kernels import offline as engine_plan
 
-    request = engine_plan.EngineRequest(
-        features=feats(), runner_v2=True, vocab_size=1000, model_dtype="bfloat16",
-        block_size=16, max_model_len=MAX_LEN, max_num_seqs=REQS,
-        max_num_batched_tokens=TOKENS, spec_method="draft_model", spec_tokens=3,
-    )  # fmt: skip
-    offline = engine_plan.cpu_engine(request)
-    jobs, declined = fakes.jobs_of(fakes.bare_manager(vllm_draft_prefill), offline)
-    assert declined == [] and all(job.offline for job in jobs)
-    with recorded_keys() as built:
-        for job in jobs:
-            with compat.compile_only_launches(load=False):
-                job.run()
+    offline = engine_plan.cpu_engine(request())
+    jobs, _ = fakes.jobs_of(fakes.bare_manager(vllm_draft_prefill), offline)
+    assert all(job.offline for job in jobs)
     served = serve(speculator(), STEPS)
-    assert served <= built, sorted(served - built)
+    ours = built(offline)
+    assert served <= ours, sorted(served - ours)
