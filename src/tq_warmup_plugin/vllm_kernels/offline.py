@@ -27,6 +27,7 @@ import pluggy
 
 from .. import compat, patching
 from ..compat import V2_SPEC_METHODS, Features, runs_v2  # compat re-exports them
+from ..warmers import vllm_draft_prefill
 from ..warmers.vllm_eagle import eagle_style
 from . import run as engine_warmup
 from .jobs import Declined, Engine, Job
@@ -248,11 +249,7 @@ def offline_speculator(request: EngineRequest, device: Any) -> SimpleNamespace |
     ``InputBuffers`` of ``max_num_seqs`` requests and ``max_num_batched_tokens`` tokens,
     int32 and int64 expanded inputs one slot longer per request, int64 last-token indices.
     None for any other drafter or runner, or a release without that speculator."""
-    if not (
-        request.runner_v2
-        and request.spec_method == "draft_model"
-        and request.features.v2_draft_prefill_kernel
-    ):
+    if not vllm_draft_prefill.reaches(request.features, request.runner_v2, request.spec_method):
         return None
     import torch
 

@@ -30,11 +30,18 @@ from ..hookspecs import hookimpl
 from ..keys import next_pow2
 from ..vllm_kernels.jobs import Declined, Engine, Job
 
-__all__ = ["BLOCK_CAP", "FAMILY", "blocks", "tq_warmup_engine_jobs", "warm_block"]
+__all__ = ["BLOCK_CAP", "FAMILY", "blocks", "reaches", "tq_warmup_engine_jobs", "warm_block"]
 
 FAMILY = "draft speculator inputs"
 BLOCK_CAP = 512
 """``prepare_prefill_inputs`` caps ``BLOCK_SIZE`` at 512 (0.31-0.34)."""
+
+
+def reaches(features: compat.Features, runner_v2: bool, spec_method: str | None) -> bool:
+    """Whether a worker runs the V2 draft_model speculator that launches this kernel
+    (0.31+, ``Features.v2_draft_prefill_kernel``): the worker's engine and an offline plan's
+    request (``vllm_kernels.offline.offline_speculator``) ask the same question."""
+    return runner_v2 and spec_method == "draft_model" and features.v2_draft_prefill_kernel
 
 
 def blocks(max_tokens: int) -> list[int]:
@@ -83,11 +90,7 @@ def warm_block(launcher: Any, speculator: Any, block: int) -> None:
 
 @hookimpl
 def tq_warmup_engine_jobs(engine: Engine) -> Iterable[Job | Declined]:
-    if not (
-        engine.runner_v2
-        and engine.spec_method == "draft_model"
-        and engine.features.v2_draft_prefill_kernel
-    ):
+    if not reaches(engine.features, engine.runner_v2, engine.spec_method):
         return []
     found = compat.draft_prefill(engine.runner)
     if found is None:
